@@ -1,0 +1,129 @@
+"""Run a test body on N real processes joined in a gloo process group.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes; each one calls
+``init_process_group("gloo")`` over a TCP rendezvous on loopback, runs
+``fn(rank, world_size, *args)``, and reports its result or traceback back to the parent.
+The parent raises one error that lists every failing rank. ``fn`` must be a module-level
+function (it is pickled by reference into the spawned processes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_ranks", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, queue, env):
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+        )
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    # Leave without running interpreter finalizers: a gloo worker thread releasing a
+    # tensor during finalization can abort the process (see PLATFORM.md).
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, args, queue, dict(env or {})),
+            daemon=False,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    import queue as _queue
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+                results[rank] = (status, payload)
+            except _queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) and len(results) < world_size:
+                    # A rank died without reporting: give the others a moment, then stop.
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if all(i not in results for i in dead):
+                        time.sleep(2.0)
+                        while not queue.empty():
+                            rank, status, payload = queue.get()
+                            results[rank] = (status, payload)
+                        for i in dead:
+                            results.setdefault(
+                                i, ("error", f"process exited with code {procs[i].exitcode}")
+                            )
+                        break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = []
+    for rank in range(world_size):
+        status, payload = results.get(rank, ("error", f"no result within {timeout:.0f}s (hung?)"))
+        if status != "ok":
+            errors.append(f"--- rank {rank} ---\n{payload}")
+    if errors:
+        raise AssertionError(f"{len(errors)} of {world_size} ranks failed:\n" + "\n".join(errors))
+    return [results[r][1] for r in range(world_size)]

@@ -1,1 +1,37 @@
-"""ckpt"""
+"""ckpt: a sharded, verifiable checkpoint store for PyTorch training jobs."""
+
+__version__ = "0.1.0"
+
+from ckpt.api import load, load_latest, save  # noqa: E402
+from ckpt.errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    LeaseHeldError,
+    RankFailuresError,
+    StateMismatchError,
+    StorageUnavailableError,
+)
+from ckpt.manifest import Manifest  # noqa: E402
+from ckpt.storage import Storage  # noqa: E402
+from ckpt.store import CheckpointInfo, CheckpointStore  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "load_latest",
+    "Storage",
+    "CheckpointStore",
+    "CheckpointInfo",
+    "Manifest",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "LeaseHeldError",
+    "RankFailuresError",
+    "StateMismatchError",
+    "StorageUnavailableError",
+]

@@ -1,0 +1,204 @@
+"""Save and load a (possibly sharded) state through torch.distributed.checkpoint.
+
+``save`` and ``load`` are collective: every rank of ``process_group`` calls them with the
+same arguments (its own shard of the state). Without an initialised process group they run
+in one process. ``state`` maps names to either state dicts or objects with
+``state_dict()``/``load_state_dict()`` (a model, an optimizer wrapper, a data loader ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import warnings
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt.dcp_io import CkptReader, CkptWriter, SafeLoadPlanner, SafeSavePlanner
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RankFailuresError,
+)
+from ckpt.manifest import Manifest, step_dirname
+from ckpt.storage import Storage
+from ckpt.store import CheckpointStore
+
+__all__ = ["save", "load", "load_latest", "resolve_state", "apply_state", "unwrap_dcp_error"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_dist(process_group) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(process_group=None) -> int:
+    return dist.get_rank(process_group) if _is_dist(process_group) else 0
+
+
+def resolve_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Replace each ``Stateful`` value by its ``state_dict()``; leave plain values alone."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of names to state dicts or Stateful objects, "
+                        f"got {type(state).__name__}")
+    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+
+
+def apply_state(state: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Hand each loaded value back to its ``Stateful`` owner (``load_state_dict``)."""
+    for k, v in state.items():
+        if _is_stateful(v):
+            v.load_state_dict(loaded[k])
+
+
+def _is_stateful(v: Any) -> bool:
+    return hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(v, dict)
+
+
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """Turn DCP's per-rank CheckpointException into our errors.
+
+    When every failing rank failed with the same kind of ``CheckpointError`` (or
+    ``FileExistsError``), the first one is re-raised as is; otherwise one
+    ``RankFailuresError`` lists them all.
+    """
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = {}
+    for rank, err in exc.failures.items():
+        inner = err[0] if isinstance(err, tuple) else err
+        failures[rank] = inner
+    if failures:
+        inners = list(failures.values())
+        first = inners[0]
+        if isinstance(first, (CheckpointError, FileExistsError, TypeError)) and all(
+                type(e) is type(first) for e in inners):
+            return first
+    return RankFailuresError("checkpoint operation",
+                             {r: f"{type(e).__name__}: {e}" for r, e in failures.items()})
+
+
+def _versions() -> dict[str, str]:
+    from ckpt import __version__
+
+    return {"ckpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def save(state: dict[str, Any], root: str | Storage, step: int, *,
+         user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+         process_group=None, storage_options: dict[str, Any] | None = None,
+         num_threads: int = 4, owner: str | None = None, durable: bool = True,
+         resolved: bool = False) -> Manifest | None:
+    """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
+
+    Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
+    Raises ``FileExistsError`` if that step is already committed (nothing is overwritten).
+    """
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    sd = state if resolved else resolve_state(state)
+    world = dist.get_world_size(process_group) if _is_dist(process_group) else 1
+    extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
+             "user_metadata": dict(user_metadata or {}), "writer": {"owner": owner}}
+    writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads, owner=owner,
+                        manifest_extra=extra, durable=durable)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is")
+            dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(),
+                     process_group=process_group, no_dist=not _is_dist(process_group))
+    except CheckpointException as exc:
+        raise unwrap_dcp_error(exc) from exc
+    return writer.manifest
+
+
+def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
+         verify: str = "full", strict: bool = True, process_group=None,
+         storage_options: dict[str, Any] | None = None, num_threads: int = 4) -> Manifest:
+    """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
+
+    Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
+    'size' only file sizes, 'none' nothing. Raises ``CorruptCheckpointError`` (naming the
+    file) on any corruption, ``StateMismatchError`` listing every key/shape/dtype mismatch.
+    """
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    store = CheckpointStore(storage)
+    manifest = step if isinstance(step, Manifest) else store.read_manifest(step)
+    sd = resolve_state(state)
+    reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
+                        num_threads=num_threads)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is")
+            dcp.load(sd, storage_reader=reader,
+                     planner=SafeLoadPlanner(strict=strict, source=storage.describe(
+                         step_dirname(manifest.step))),
+                     process_group=process_group, no_dist=not _is_dist(process_group))
+    except CheckpointException as exc:
+        raise unwrap_dcp_error(exc) from exc
+    apply_state(state, sd)
+    return manifest
+
+
+def _agree(ok: bool, process_group) -> bool:
+    """True only if every rank says ok (a MIN all-reduce); trivially ``ok`` without a group."""
+    if not _is_dist(process_group):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
+    return bool(flag.item())
+
+
+def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
+                strict: bool = True, process_group=None,
+                storage_options: dict[str, Any] | None = None,
+                num_threads: int = 4) -> Manifest | None:
+    """Load the newest committed checkpoint that loads cleanly on every rank.
+
+    A checkpoint that fails verification on any rank is skipped with a warning naming the
+    file, and the one before it is tried. Returns None when the root holds no usable
+    checkpoint (a fresh start). Collective over ``process_group``.
+    """
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    store = CheckpointStore(storage)
+    candidates = store.committed_steps()
+    # Every rank must walk the same candidate list.
+    if _is_dist(process_group):
+        holder = [candidates]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(process_group, 0)
+                                   if process_group is not None else 0, group=process_group)
+        candidates = holder[0]
+    for step in reversed(candidates):
+        error: BaseException | None = None
+        manifest = None
+        try:
+            manifest = store.read_manifest(step)
+            if verify in ("full", "size"):
+                # Cheap whole-checkpoint size check first: catches truncation of files this
+                # rank would not read.
+                store.verify_manifest(manifest, full=False)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            error = exc
+        if not _agree(error is None, process_group):
+            log.warning("checkpoint step %d is not usable (%s); falling back to an earlier one",
+                        step, error or "failed verification on another rank")
+            continue
+        try:
+            load(state, storage, manifest, verify=verify, strict=strict,
+                 process_group=process_group, num_threads=num_threads)
+            error = None
+        except (CorruptCheckpointError, RankFailuresError) as exc:
+            if isinstance(exc, RankFailuresError) and "Corrupt" not in str(exc):
+                raise
+            error = exc
+        if _agree(error is None, process_group):
+            return manifest
+        log.warning("checkpoint step %d failed verification while loading (%s); falling back "
+                    "to an earlier one", step, error or "on another rank")
+    return None

@@ -1,0 +1,447 @@
+"""Our StorageWriter/StorageReader and pickle-free planners for torch.distributed.checkpoint.
+
+DCP's planners decide *what* each rank saves and loads (they understand DTensor, FSDP2 and
+tensor-parallel shards, which is what makes resharding work); these classes decide *where*
+the bytes go, and keep the manifest, commit and checksums ours. DCP's own ``.metadata`` is a
+pickle and its default planners ``torch.load(weights_only=False)`` every non-tensor value;
+here non-tensor values are JSON (:mod:`ckpt.codec`) and metadata is our JSON manifest.
+
+Call order (DCP's contract): every rank ``set_up_storage_writer`` -> ``prepare_local_plan``;
+the coordinator ``prepare_global_plan`` (here it also refuses an existing checkpoint and
+writes the ``pending.json`` marker before any data exists); every rank ``write_data``; the
+coordinator ``finish`` (writes the manifest: the commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import time
+import uuid
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt.codec import decode_object, encode_object
+from ckpt.errors import CorruptCheckpointError, StateMismatchError
+from ckpt.manifest import (
+    MANIFEST_NAME,
+    PENDING_NAME,
+    FileRecord,
+    ItemLocation,
+    Manifest,
+    dtype_name,
+)
+from ckpt.storage import Storage, crc32c_of
+
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner", "CkptWriter", "CkptReader", "VERIFY_MODES"]
+
+VERIFY_MODES = ("full", "size", "none")
+_FILE_KEY = "__file__:"
+
+
+class SafeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles."""
+
+    def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(encode_object(object, write_item.index.fqn))
+        return object
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that decodes JSON objects and checks the whole state first.
+
+    Before any byte is read, the state to load into is compared with the checkpoint and every
+    missing key, unexpected key, shape and dtype mismatch is reported in one error.
+    """
+
+    def __init__(self, strict: bool = True, source: str = "checkpoint"):
+        super().__init__(allow_partial_load=not strict)
+        self.strict = strict
+        self.source = source
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        missing, mismatched = [], []
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md:
+                missing.append(fqn)
+                continue
+            saved = md[fqn]
+            is_tensor = isinstance(obj, torch.Tensor)
+            if isinstance(saved, TensorStorageMetadata) != is_tensor:
+                kind = "a tensor" if isinstance(saved, TensorStorageMetadata) else "an object"
+                mismatched.append(f"{fqn}: checkpoint holds {kind}, state holds "
+                                  f"{type(obj).__name__}")
+                continue
+            if is_tensor:
+                shape = tuple(obj.shape)  # DTensor reports its global shape
+                if tuple(saved.size) != shape:
+                    mismatched.append(f"{fqn}: shape {list(saved.size)} in checkpoint, "
+                                      f"{list(shape)} in state")
+                elif saved.properties.dtype != obj.dtype:
+                    mismatched.append(f"{fqn}: dtype {dtype_name(saved.properties.dtype)} in "
+                                      f"checkpoint, {str(obj.dtype).removeprefix('torch.')} "
+                                      f"in state")
+        unexpected = sorted(set(md) - set(self.state_dict)) if self.strict else []
+        if not self.strict:
+            missing_for_error: list[str] = []
+        else:
+            missing_for_error = sorted(missing)
+        if missing_for_error or unexpected or mismatched:
+            lines = [f"state does not match {self.source}:"]
+            if missing_for_error:
+                lines.append(f"  {len(missing_for_error)} key(s) in the state but not in the "
+                             f"checkpoint: {', '.join(missing_for_error)}")
+            if unexpected:
+                lines.append(f"  {len(unexpected)} key(s) in the checkpoint but not in the "
+                             f"state: {', '.join(unexpected)}")
+            for m in mismatched:
+                lines.append(f"  mismatch: {m}")
+            lines.append("  Fix: load into the model/optimizer the checkpoint was saved from, "
+                         "or pass strict=False to load only the keys both have.")
+            raise StateMismatchError("\n".join(lines), missing=missing_for_error,
+                                     unexpected=unexpected, mismatched=mismatched)
+        if not self.strict and missing:
+            self.state_dict = {k: v for k, v in self.state_dict.items() if k in md}
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = decode_object(value.getvalue())
+        from torch.distributed.checkpoint._traverse import set_element
+
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _tensor_view_bytes(t: torch.Tensor) -> Any:
+    """A zero-copy uint8 view of a CPU tensor's bytes (copying only if not contiguous/CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclasses.dataclass
+class _RankPrefix:
+    prefix: str
+
+
+class CkptWriter(StorageWriter):
+    """Writes one checkpoint folder. Construct one per save (it holds that save's state)."""
+
+    def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
+                 num_threads: int = 4, owner: str | None = None,
+                 manifest_extra: dict[str, Any] | None = None, durable: bool = True,
+                 on_file_written: Callable[[str, int], None] | None = None):
+        super().__init__()
+        self.storage = storage
+        self.step = step
+        self.step_dir = step_dir
+        self.save_id = save_id or uuid.uuid4().hex[:12]
+        self.num_threads = max(1, num_threads)
+        self.owner = owner
+        self.extra = dict(manifest_extra or {})
+        self.durable = durable
+        self.on_file_written = on_file_written
+        self.rank = 0
+        self.is_coordinator = True
+        self.manifest: Manifest | None = None
+
+    # -- StorageWriter interface -----------------------------------------------------------
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.storage.describe(self.step_dir), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0) or 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        rel = f"{self.step_dir}/{MANIFEST_NAME}"
+        if self.storage.exists(rel):
+            raise FileExistsError(
+                f"checkpoint {self.storage.describe(self.step_dir)} is already committed; "
+                f"checkpoints are never overwritten. Save under another step or delete it first.")
+        self.storage.makedirs(self.step_dir)
+        marker = {"save_id": self.save_id, "owner": self.owner, "step": self.step,
+                  "started_unix": time.time(), "host": os.uname().nodename, "pid": os.getpid()}
+        import json
+        self.storage.write_bytes(f"{self.step_dir}/{PENDING_NAME}",
+                                 json.dumps(marker).encode(), durable=self.durable)
+        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        rank = int(prefix[1:6])
+        items = list(plan.items)
+        # Resolve data on this thread (planners are not thread-safe), then write in parallel.
+        resolved = []
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getvalue()
+            else:
+                buf = _tensor_view_bytes(data)
+            resolved.append((item, buf))
+        buckets = _balance(resolved, self.num_threads)
+        results: list[WriteResult] = []
+
+        def write_bucket(k: int, bucket):
+            name = f"{prefix}_{k}.bin"
+            offset, crc, out, bufs = 0, 0, [], []
+            for item, buf in bucket:
+                item_crc = crc32c_of([buf])
+                crc = crc32c_of([buf], crc)
+                length = len(buf) if not hasattr(buf, "nbytes") else int(buf.nbytes)
+                out.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=ItemLocation(name, offset, length, item_crc)))
+                bufs.append(buf)
+                offset += length
+            self.storage.write_buffers(f"{self.step_dir}/{name}", bufs, durable=self.durable)
+            if self.on_file_written is not None:
+                self.on_file_written(name, offset)
+            out.append(WriteResult(index=MetadataIndex(_FILE_KEY + name), size_in_bytes=offset,
+                                   storage_data=FileRecord(offset, crc, rank)))
+            return out
+
+        non_empty = [(k, b) for k, b in enumerate(buckets) if b]
+        if len(non_empty) <= 1:
+            for k, b in non_empty:
+                results.extend(write_bucket(k, b))
+        else:
+            with ThreadPoolExecutor(len(non_empty), thread_name_prefix="ckpt-write") as pool:
+                for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
+                    results.extend(out)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        files: dict[str, FileRecord] = {}
+        where: dict[MetadataIndex, ItemLocation] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                if wr.index.fqn.startswith(_FILE_KEY):
+                    files[wr.index.fqn[len(_FILE_KEY):]] = wr.storage_data
+                else:
+                    where[wr.index] = wr.storage_data
+        tensors, objects = {}, {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                chunks = []
+                for chunk in md.chunks:
+                    loc = where[MetadataIndex(fqn, chunk.offsets)]
+                    chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+                                   "location": loc})
+                tensors[fqn] = {"dtype": dtype_name(md.properties.dtype),
+                                "shape": list(md.size), "chunks": chunks}
+            else:
+                objects[fqn] = where[MetadataIndex(fqn)]
+        planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+        manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
+                            tensors=tensors, objects=objects, files=files,
+                            planner_data=planner_data, **self.extra)
+        self.storage.create_exclusive(f"{self.step_dir}/{MANIFEST_NAME}", manifest.to_json_bytes())
+        self.manifest = manifest
+        # The marker has served its purpose; a failure to remove it is harmless.
+        try:
+            self.storage.delete(f"{self.step_dir}/{PENDING_NAME}")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _balance(items: list, num_buckets: int) -> list[list]:
+    """Greedy largest-first split into ``num_buckets`` groups of similar byte size."""
+    buckets: list[list] = [[] for _ in range(num_buckets)]
+    totals = [0] * num_buckets
+    order = sorted(range(len(items)), key=lambda i: -_nbytes(items[i][1]))
+    for i in order:
+        k = totals.index(min(totals))
+        buckets[k].append(items[i])
+        totals[k] += _nbytes(items[i][1])
+    # Keep each file's items in state-dict order (stable, readable layout).
+    index = {id(it): i for i, it in enumerate(items)}
+    for b in buckets:
+        b.sort(key=lambda it: index[id(it)])
+    return buckets
+
+
+def _nbytes(buf) -> int:
+    return int(buf.nbytes) if hasattr(buf, "nbytes") else len(buf)
+
+
+class CkptReader(StorageReader):
+    """Reads one committed checkpoint described by an already validated ``Manifest``."""
+
+    def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, *,
+                 verify: str = "full", num_threads: int = 4,
+                 on_bytes_read: Callable[[int], None] | None = None):
+        super().__init__()
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
+        self.storage = storage
+        self.step_dir = step_dir
+        self.manifest = manifest
+        self.verify = verify
+        self.num_threads = max(1, num_threads)
+        self.on_bytes_read = on_bytes_read
+        self._metadata = manifest.to_dcp_metadata()
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        storage_data: dict[MetadataIndex, ItemLocation] = self._metadata.storage_data
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(storage_data[req.storage_index].file, []).append(req)
+
+        def read_file(name: str) -> list[tuple[ReadItem, Any]]:
+            rel = f"{self.step_dir}/{name}"
+            expected_size = self.manifest.files[name].size
+            if self.verify in ("full", "size"):
+                try:
+                    actual = self.storage.size(rel)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"data file {self.storage.describe(rel)} is missing; the checkpoint is "
+                        f"incomplete. Load an earlier step.", path=self.storage.describe(rel)
+                    ) from None
+                if actual != expected_size:
+                    raise CorruptCheckpointError(
+                        f"data file {self.storage.describe(rel)} is {actual} bytes, the manifest "
+                        f"says {expected_size} (truncated or overwritten). Load an earlier step.",
+                        path=self.storage.describe(rel), expected=expected_size, actual=actual)
+            locs = sorted({storage_data[r.storage_index] for r in per_file[name]},
+                          key=lambda loc: loc.offset)
+            blobs: dict[ItemLocation, memoryview] = {}
+            for start, end, group in _coalesce(locs):
+                try:
+                    data = self.storage.read_bytes(rel, start, end)
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"data file {self.storage.describe(rel)} is missing",
+                        path=self.storage.describe(rel)) from None
+                if len(data) != end - start:
+                    raise CorruptCheckpointError(
+                        f"data file {self.storage.describe(rel)} is truncated: bytes "
+                        f"[{start}, {end}) not all present", path=self.storage.describe(rel))
+                if self.on_bytes_read is not None:
+                    self.on_bytes_read(len(data))
+                view = memoryview(data)
+                for loc in group:
+                    blob = view[loc.offset - start: loc.offset - start + loc.length]
+                    if self.verify == "full":
+                        actual_crc = crc32c_of([blob])
+                        if actual_crc != loc.crc32c:
+                            raise CorruptCheckpointError(
+                                f"checksum mismatch in {self.storage.describe(rel)} bytes "
+                                f"[{loc.offset}, {loc.offset + loc.length}): expected crc32c "
+                                f"{loc.crc32c:08x}, got {actual_crc:08x}. The file is corrupt; "
+                                f"load an earlier step.", path=self.storage.describe(rel),
+                                expected=f"{loc.crc32c:08x}", actual=f"{actual_crc:08x}")
+                    blobs[loc] = blob
+            return [(r, blobs[storage_data[r.storage_index]]) for r in per_file[name]]
+
+        names = list(per_file)
+        if len(names) > 1 and self.num_threads > 1:
+            with ThreadPoolExecutor(min(self.num_threads, len(names)),
+                                    thread_name_prefix="ckpt-read") as pool:
+                loaded = list(pool.map(read_file, names))
+        else:
+            loaded = [read_file(n) for n in names]
+        # Planner callbacks run on this thread: DCP planners are not thread-safe.
+        for pairs in loaded:
+            for req, blob in pairs:
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(bytes(blob)))
+                    continue
+                md = self._metadata.state_dict_metadata[req.storage_index.fqn]
+                chunk = next(c for c in md.chunks if c.offsets == req.storage_index.offset)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only copy
+                    src = torch.frombuffer(blob, dtype=md.properties.dtype) if len(blob) else \
+                        torch.empty(0, dtype=md.properties.dtype)
+                src = src.reshape(chunk.sizes)
+                for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    src = src.narrow(dim, off, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != src.size():
+                    raise CorruptCheckpointError(
+                        f"{req.storage_index.fqn}: chunk of size {list(src.size())} does not fit "
+                        f"the target slice {list(target.size())}", path=self.step_dir)
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _coalesce(locs: list[ItemLocation], gap: int = 1 << 20, max_bytes: int = 256 << 20):
+    """Group sorted byte ranges into few reads: merge when the hole between is small."""
+    group: list[ItemLocation] = []
+    start = end = 0
+    for loc in locs:
+        if group and (loc.offset - end > gap or loc.offset + loc.length - start > max_bytes):
+            yield start, end, group
+            group = []
+        if not group:
+            start = loc.offset
+            end = loc.offset + loc.length
+        else:
+            end = max(end, loc.offset + loc.length)
+        group.append(loc)
+    if group:
+        yield start, end, group

@@ -95,7 +95,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
          process_group=None, storage_options: dict[str, Any] | None = None,
          num_threads: int = 4, owner: str | None = None, durable: bool = True,
-         resolved: bool = False) -> Manifest | None:
+         resolved: bool = False, should_commit=None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
 
     Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
@@ -107,7 +107,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
              "user_metadata": dict(user_metadata or {}), "writer": {"owner": owner}}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads, owner=owner,
-                        manifest_extra=extra, durable=durable)
+                        manifest_extra=extra, durable=durable, should_commit=should_commit)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")

@@ -156,8 +156,10 @@ class CkptWriter(StorageWriter):
     def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
                  num_threads: int = 4, owner: str | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
-                 on_file_written: Callable[[str, int], None] | None = None):
+                 on_file_written: Callable[[str, int], None] | None = None,
+                 should_commit: Callable[[], bool] | None = None):
         super().__init__()
+        self.should_commit = should_commit
         self.storage = storage
         self.step = step
         self.step_dir = step_dir
@@ -277,8 +279,18 @@ class CkptWriter(StorageWriter):
         manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
                             tensors=tensors, objects=objects, files=files,
                             planner_data=planner_data, **self.extra)
+        if self.should_commit is not None and not self.should_commit():
+            raise RuntimeError(f"save of {self.storage.describe(self.step_dir)} abandoned before "
+                               f"its commit; it stays uncommitted")
         self.storage.create_exclusive(f"{self.step_dir}/{MANIFEST_NAME}", manifest.to_json_bytes())
         self.manifest = manifest
+        # Files of earlier failed attempts at this step are not in the manifest: remove them.
+        try:
+            for name, kind, _ in self.storage.listdir(self.step_dir):
+                if kind == "file" and name.endswith(".bin") and name not in files:
+                    self.storage.delete(f"{self.step_dir}/{name}")
+        except Exception:  # noqa: BLE001 - leftovers are harmless, the manifest ignores them
+            pass
         # The marker has served its purpose; a failure to remove it is harmless.
         try:
             self.storage.delete(f"{self.step_dir}/{PENDING_NAME}")

@@ -27,7 +27,7 @@ __all__ = ["CheckpointInfo", "CheckpointStore", "COMMITTED", "INCOMPLETE", "CORR
 
 log = logging.getLogger(__name__)
 
-COMMITTED, INCOMPLETE, CORRUPT = "committed", "incomplete", "corrupt"
+COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK = "committed", "incomplete", "corrupt", "rolled-back"
 _VERIFY_BLOCK = 64 << 20
 
 
@@ -84,6 +84,10 @@ class CheckpointStore:
             manifest = self.read_manifest(step)
         except CheckpointNotFoundError:
             entries = self.storage.listdir(d)
+            if any(name == f"rolled-back-{MANIFEST_NAME}" for name, _, _ in entries):
+                return CheckpointInfo(step, ROLLED_BACK, url, sum(e[2] for e in entries),
+                                      problem="un-committed by `ckpt rollback`; its manifest "
+                                              f"is kept as rolled-back-{MANIFEST_NAME}")
             owner = None
             try:
                 pending = json.loads(self.storage.read_bytes(f"{d}/{PENDING_NAME}"))

@@ -1,0 +1,91 @@
+"""Structured events from the store and the training loop.
+
+Core code emits events; ``monitoring/`` turns them into metrics, so the store can be
+embedded without prometheus_client. A subscriber is any callable taking an ``Event``;
+subscribers are called synchronously on the emitting thread and must not raise (errors are
+logged and swallowed so that monitoring can never break a save).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["Event", "EventBus", "JsonlEventLog"]
+
+log = logging.getLogger(__name__)
+
+# Kinds emitted by ckpt (fields in parentheses):
+#   save_staged     (step, stall_seconds, bytes, first)
+#   save_committed  (step, persist_seconds, total_seconds, bytes, bytes_per_second, retries)
+#   save_failed     (step, error, attempt, final)
+#   save_skipped    (step, reason)
+#   save_waited     (step, wait_seconds)
+#   load_done       (step, seconds, bytes, verify)
+#   load_fallback   (step, reason)
+#   retention_deleted (step)     retention_failed (step, error)
+#   lease_acquired  (holder)     lease_lost (holder, reason)
+#   cleanup_aborted (step)
+#   cadence         (interval_steps, interval_seconds, active_bound, ...)
+
+
+@dataclass
+class Event:
+    kind: str
+    step: int | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
+    rank: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "step": self.step, "time": self.time, "rank": self.rank,
+                **self.fields}
+
+
+class EventBus:
+    """Fan-out of events to subscribers; keeps the last few for inspection."""
+
+    def __init__(self, rank: int = 0, keep: int = 256):
+        self.rank = rank
+        self._subs: list[Callable[[Event], None]] = []
+        self._lock = threading.Lock()
+        self.recent: list[Event] = []
+        self._keep = keep
+
+    def subscribe(self, fn: Callable[[Event], None]) -> None:
+        with self._lock:
+            self._subs.append(fn)
+
+    def emit(self, kind: str, step: int | None = None, **fields: Any) -> Event:
+        ev = Event(kind, step, fields, rank=self.rank)
+        with self._lock:
+            self.recent.append(ev)
+            del self.recent[:-self._keep]
+            subs = list(self._subs)
+        for fn in subs:
+            try:
+                fn(ev)
+            except Exception:  # noqa: BLE001 - monitoring must never break training
+                log.exception("event subscriber %r failed on %s", fn, kind)
+        return ev
+
+    def of_kind(self, kind: str) -> list[Event]:
+        with self._lock:
+            return [e for e in self.recent if e.kind == kind]
+
+
+class JsonlEventLog:
+    """Subscriber that appends each event as one JSON line to a local file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+
+    def __call__(self, ev: Event) -> None:
+        line = json.dumps(ev.to_json(), default=str)
+        with self._lock, open(self.path, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,391 @@
+"""CheckpointManager: cadence, asynchronous saves, retention, lease and resume for one job.
+
+Contract (which ranks call what): every rank of the job constructs the manager (it creates
+two gloo process groups, collectively) and calls ``maybe_save``/``save``/``load_latest``/
+``close`` at the same points with the same step. Decisions that could differ between ranks
+(a time-based cadence, whether the previous save is still in flight) are agreed with a tiny
+all-reduce on the manager's own control group, on the calling (main) thread. Background
+persistence runs ``torch.distributed.checkpoint`` on a second, separate group, used only by
+the background thread, so it never interleaves with collectives of the training loop.
+
+A save: ``stage`` (copy into reused host buffers; the only stall) -> background ``persist``
+(parallel per-rank file writes with checksums) -> coordinator commits the manifest ->
+retention. At most one save is in flight; when another is due first, ``busy`` decides:
+``"skip"`` (counted, reported) or ``"wait"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ckpt import api
+from ckpt.errors import CheckpointError, LeaseHeldError
+from ckpt.events import Event, EventBus
+from ckpt.lease import Lease
+from ckpt.manifest import Manifest, step_dirname
+from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
+from ckpt.staging import StagingBuffers
+from ckpt.storage import Storage
+from ckpt.store import CheckpointStore
+
+__all__ = ["CheckpointManager", "SaveAbandoned"]
+
+log = logging.getLogger(__name__)
+
+
+class SaveAbandoned(CheckpointError):
+    """A save was abandoned before its commit (shutdown without flushing)."""
+
+
+class CheckpointManager:
+    """Checkpoint a training job under ``root``; resume it from the newest valid checkpoint.
+
+    Args:
+        root: local path or fsspec URL (``s3://bucket/prefix``).
+        cadence: a policy with ``should_save(step, now)`` (see ``ckpt.cadence``) or a string
+            (``"auto"``, ``"100"`` steps, ``"300s"``); None saves only when asked.
+        retention: policies deciding which older checkpoints to delete (default: keep last 3
+            plus pinned); an empty list keeps everything.
+        async_save: persist in the background (default) or block until committed.
+        busy: ``"skip"`` or ``"wait"`` when a save is due while the previous one is in flight.
+        verify: checksum mode on load: ``"full"``, ``"size"`` or ``"none"``.
+        raise_on_failure: re-raise a background failure at the next call (default: only
+            report it through events, logs and ``wait()``).
+        max_attempts: attempts per save before it is reported failed.
+    """
+
+    def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None,
+                 cadence: Any = None, retention: Sequence[RetentionPolicy] | None = None,
+                 async_save: bool = True, busy: str = "skip", verify: str = "full",
+                 num_threads: int = 4, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
+                 raise_on_failure: bool = False, max_attempts: int = 3,
+                 layout: dict[str, Any] | None = None, job_name: str | None = None,
+                 process_group=None, events: EventBus | None = None):
+        if busy not in ("skip", "wait"):
+            raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        self.storage = Storage(root, storage_options)
+        self.store = CheckpointStore(self.storage)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.events = events or EventBus(rank=self.rank)
+        if isinstance(cadence, str):
+            from ckpt.cadence import parse_interval
+
+            cadence = parse_interval(cadence)
+        self.cadence = cadence
+        if retention is None:
+            retention = [KeepLast(3), KeepPinned(self.store)]
+        self.retention = list(retention)
+        self.async_save = async_save
+        self.busy = busy
+        self.verify = verify
+        self.num_threads = num_threads
+        self.raise_on_failure = raise_on_failure
+        self.max_attempts = max_attempts
+        self.layout = dict(layout or {})
+        self.staging = StagingBuffers()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._inflight: Future | None = None
+        self._inflight_step: int | None = None
+        self._abandon = threading.Event()
+        self._failure: BaseException | None = None
+        self._last_call: float | None = None
+        self._step_time_idle: float | None = None
+        self._step_time_busy: float | None = None
+        self._steps_while_busy = 0
+        self.num_skipped = 0
+        self.num_saves = 0
+        self.last_committed: Manifest | None = None
+        self._closed = False
+        # Two private gloo groups: one for main-thread agreement, one for the background
+        # persist (DCP's collectives). Never the training group from a background thread.
+        if self.distributed:
+            self._ctl_group = dist.new_group(backend="gloo")
+            self._bg_group = dist.new_group(backend="gloo")
+        else:
+            self._ctl_group = self._bg_group = None
+        self.lease: Lease | None = None
+        if use_lease:
+            self._acquire_lease(lease_ttl_seconds, job_name)
+
+    # -- lease -------------------------------------------------------------------------------
+    def _acquire_lease(self, ttl: float, job_name: str | None) -> None:
+        error = ""
+        if self.rank == 0:
+            self.lease = Lease(self.storage, ttl_seconds=ttl, job_name=job_name,
+                               on_lost=lambda why: self.events.emit("lease_lost", reason=why))
+            try:
+                self.lease.acquire()
+                self.events.emit("lease_acquired", holder=self.lease.holder_id,
+                                 took_over=self.lease.took_over is not None)
+            except LeaseHeldError as exc:
+                error = str(exc)
+        if self.distributed:
+            holder = [error]
+            dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
+            error = holder[0]
+        if error:
+            raise LeaseHeldError(error)
+        if self.rank == 0:
+            self._cleanup_aborted()
+
+    def _cleanup_aborted(self) -> None:
+        """Delete leftovers of saves whose writer died (their pending.json names another)."""
+        try:
+            for step in self.store.aborted_saves(live_owner=self.lease.holder_id):
+                try:
+                    self.storage.delete(step_dirname(step), recursive=True)
+                    self.events.emit("cleanup_aborted", step)
+                    log.info("removed the leftovers of an aborted save at step %d", step)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("could not remove aborted save %d: %s", step, exc)
+        except Exception as exc:  # noqa: BLE001 - cleanup is best effort
+            log.warning("could not scan %s for aborted saves: %s", self.storage.url, exc)
+
+    @property
+    def owner(self) -> str | None:
+        return self.lease.holder_id if self.lease is not None else None
+
+    # -- agreement -----------------------------------------------------------------------
+    def _agree_max(self, *values: int) -> list[int]:
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_group)
+        return t.tolist()
+
+    # -- saving ------------------------------------------------------------------------------
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate staging buffers for ``state`` now, so the first save only copies."""
+        self.staging.prepare(api.resolve_state(state))
+
+    def in_flight(self) -> bool:
+        return self._inflight is not None and not self._inflight.done()
+
+    def maybe_save(self, step: int, state: dict[str, Any], *,
+                   user_metadata: dict[str, Any] | None = None) -> bool:
+        """Call after every training step; saves when the cadence policy says so.
+
+        Returns True if a save was started (or completed, when not async).
+        """
+        now = time.monotonic()
+        self._observe_step(now)
+        self._raise_pending_failure()
+        if self.cadence is None:
+            return False
+        want = bool(self.cadence.should_save(step, time.time()))
+        if not getattr(self.cadence, "deterministic", False):
+            want = bool(self._agree_max(int(want))[0])
+        if not want:
+            return False
+        return self.save(step, state, user_metadata=user_metadata)
+
+    def save(self, step: int, state: dict[str, Any], *,
+             user_metadata: dict[str, Any] | None = None, block: bool = False,
+             force: bool = False) -> bool:
+        """Save now (collective). ``force`` waits for an in-flight save instead of skipping."""
+        self._raise_pending_failure()
+        if self.lease is not None and self.lease.lost:
+            self.events.emit("save_skipped", step, reason="lease lost")
+            log.error("not saving step %d: the lease on %s was lost", step, self.storage.url)
+            return False
+        busy, exists = self._agree_max(int(self.in_flight()), int(self._committed(step)))
+        if exists:
+            self.events.emit("save_skipped", step, reason="already committed")
+            return False
+        if busy:
+            if self.busy == "skip" and not force:
+                self.num_skipped += 1
+                self.events.emit("save_skipped", step, reason="previous save in flight",
+                                 in_flight_step=self._inflight_step,
+                                 num_skipped=self.num_skipped)
+                log.warning("checkpoint at step %d skipped: the save of step %s is still "
+                            "persisting (%d skipped so far)", step, self._inflight_step,
+                            self.num_skipped)
+                return False
+            t0 = time.monotonic()
+            self._wait_inflight()
+            self.events.emit("save_waited", step, wait_seconds=time.monotonic() - t0)
+        t0 = time.monotonic()
+        first = self.num_saves == 0
+        staged, nbytes = self.staging.stage(api.resolve_state(state))
+        stall = time.monotonic() - t0
+        self.num_saves += 1
+        self.events.emit("save_staged", step, stall_seconds=stall, bytes=nbytes, first=first)
+        if self.cadence is not None and hasattr(self.cadence, "record_saved"):
+            self.cadence.record_saved(step, time.time())
+        self._steps_while_busy = 0
+        job = self._executor.submit(self._persist, step, staged, nbytes, stall,
+                                    dict(user_metadata or {}), t0)
+        self._inflight, self._inflight_step = job, step
+        if block or not self.async_save:
+            self._wait_inflight()
+            self._raise_pending_failure()
+        return True
+
+    def _committed(self, step: int) -> bool:
+        if self.rank != 0:
+            return False
+        return self.last_committed is not None and self.last_committed.step == step or \
+            self.storage.exists(f"{step_dirname(step)}/manifest.json")
+
+    def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
+                 user_metadata: dict, t_start: float) -> Manifest | None:
+        """Background thread: write, commit, apply retention. All ranks run it in lockstep."""
+        retries_before = self.storage.retry.num_retries
+        t0 = time.monotonic()
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                if self._abandon.is_set():
+                    raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
+                manifest = api.save(
+                    staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
+                    process_group=self._bg_group, num_threads=self.num_threads, owner=self.owner,
+                    resolved=True, should_commit=lambda: not self._abandon.is_set())
+                break
+            except FileExistsError:
+                self.events.emit("save_skipped", step, reason="already committed")
+                return None
+            except BaseException as exc:  # noqa: BLE001 - reported, never silent
+                final = attempt == self.max_attempts or isinstance(exc, SaveAbandoned)
+                self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
+                                 attempt=attempt, final=final)
+                log.error("checkpoint save of step %d failed (attempt %d/%d): %s", step,
+                          attempt, self.max_attempts, exc)
+                if final:
+                    self._failure = exc
+                    return None
+                time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
+        persist = time.monotonic() - t0
+        if self.rank == 0:
+            self.last_committed = manifest
+        self.events.emit("save_committed", step, persist_seconds=persist,
+                         total_seconds=time.monotonic() - t_start, bytes=nbytes,
+                         bytes_per_second=nbytes / persist if persist > 0 else 0.0,
+                         retries=self.storage.retry.num_retries - retries_before,
+                         total_bytes=manifest.total_bytes if manifest else None)
+        if self.cadence is not None and hasattr(self.cadence, "record_save"):
+            self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
+                                     num_bytes=nbytes, slowdown_seconds=self._slowdown())
+        if self.rank == 0 and self.retention:
+            apply_retention(
+                self.store, self.retention, protect={step},
+                on_deleted=lambda s: self.events.emit("retention_deleted", s),
+                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
+        return manifest
+
+    def _slowdown(self) -> float:
+        """Extra training time spent while the last save persisted (step-time difference)."""
+        if self._step_time_idle is None or self._step_time_busy is None:
+            return 0.0
+        return max(0.0, self._step_time_busy - self._step_time_idle) * self._steps_while_busy
+
+    def _observe_step(self, now: float) -> None:
+        if self._last_call is not None:
+            dt = now - self._last_call
+            busy = self.in_flight()
+            attr = "_step_time_busy" if busy else "_step_time_idle"
+            prev = getattr(self, attr)
+            setattr(self, attr, dt if prev is None else 0.8 * prev + 0.2 * dt)
+            if busy:
+                self._steps_while_busy += 1
+            if self.cadence is not None and hasattr(self.cadence, "record_step"):
+                self.cadence.record_step(dt)
+        self._last_call = now
+
+    def _wait_inflight(self) -> None:
+        if self._inflight is not None:
+            self._inflight.result()
+
+    def _raise_pending_failure(self) -> None:
+        if self.raise_on_failure and self._failure is not None:
+            exc, self._failure = self._failure, None
+            raise exc
+
+    def wait(self, raise_errors: bool = True) -> Manifest | None:
+        """Block until the in-flight save (if any) is committed or failed.
+
+        Re-raises that save's failure when ``raise_errors``.
+        """
+        result = self._inflight.result() if self._inflight is not None else None
+        if raise_errors and self._failure is not None:
+            exc, self._failure = self._failure, None
+            raise exc
+        return result
+
+    # -- loading -----------------------------------------------------------------------------
+    def load_latest(self, state: dict[str, Any], *, step: int | None = None,
+                    strict: bool = True) -> Manifest | None:
+        """Resume: load ``step`` if given, else the newest checkpoint that verifies.
+
+        Returns the manifest loaded, or None when there is nothing to resume from.
+        """
+        t0 = time.monotonic()
+        fallbacks = _FallbackRecorder(self.events)
+        logging.getLogger("ckpt.api").addHandler(fallbacks)
+        try:
+            if step is not None:
+                manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
+                                    process_group=self._ctl_group, num_threads=self.num_threads)
+            else:
+                manifest = api.load_latest(state, self.storage, verify=self.verify,
+                                           strict=strict, process_group=self._ctl_group,
+                                           num_threads=self.num_threads)
+        finally:
+            logging.getLogger("ckpt.api").removeHandler(fallbacks)
+        if manifest is not None:
+            self.events.emit("load_done", manifest.step, seconds=time.monotonic() - t0,
+                             bytes=manifest.total_bytes, verify=self.verify)
+        return manifest
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def close(self, *, flush: bool = True) -> None:
+        """Finish (``flush``) or abandon the in-flight save, then release the lease.
+
+        An abandoned save is never committed: its leftovers are removed by a later run.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if not flush:
+            self._abandon.set()
+        try:
+            if self._inflight is not None:
+                try:
+                    self._inflight.result()
+                except BaseException as exc:  # noqa: BLE001
+                    log.error("in-flight save failed during close: %s", exc)
+        finally:
+            self._executor.shutdown(wait=True)
+            if self.lease is not None:
+                self.lease.release()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(flush=exc[0] is None)
+
+
+class _FallbackRecorder(logging.Handler):
+    """Turns load_latest's fallback warnings into ``load_fallback`` events."""
+
+    def __init__(self, events: EventBus):
+        super().__init__(level=logging.WARNING)
+        self.events = events
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "falling back" in record.getMessage():
+            step = record.args[0] if record.args else None
+            self.events.emit("load_fallback", step if isinstance(step, int) else None,
+                             reason=record.getMessage())

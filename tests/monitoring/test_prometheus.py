@@ -1,0 +1,132 @@
+"""Metrics scraped by a real Prometheus server; alert rules and dashboard queries checked by it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ckpt.events import EventBus
+from monitoring import Metrics
+from tests.dist import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "monitoring" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboard.json"
+
+
+def _need(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{binary} is not installed; .ci/run installs Debian's 'prometheus'")
+        pytest.skip(f"{binary} not installed (apt-get install prometheus)")
+    return path
+
+
+def _query(port: int, expr: str) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """A Prometheus server on loopback scraping one exporter every second."""
+    binary = _need("prometheus")
+    bus = EventBus(rank=0)
+    metrics = Metrics(bus, rank=0)
+    exporter_port = metrics.serve(0)
+    prom_port = free_port()
+    rules = tmp_path / "alerts.yml"
+    shutil.copy(ALERTS, rules)
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+        f"rule_files: ['{rules}']\n"
+        "scrape_configs:\n  - job_name: train\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=1)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("prometheus did not start: "
+                                       + proc.stderr.read().decode()[-2000:])
+                time.sleep(0.2)
+        yield bus, prom_port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        metrics.shutdown()
+
+
+def _wait_value(port: int, expr: str, want: float, timeout: float = 20.0) -> float:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        result = _query(port, expr)["data"]["result"]
+        if result:
+            last = float(result[0]["value"][1])
+            if last == want:
+                return last
+        time.sleep(0.5)
+    raise AssertionError(f"{expr} = {last}, expected {want}")
+
+
+def test_prometheus_scrapes_checkpoint_and_training_metrics(prometheus):
+    bus, port = prometheus
+    bus.emit("train_step", 41, loss=2.5, grad_norm=1.0, tokens_per_second=1000.0,
+             step_seconds=0.1)
+    bus.emit("save_staged", 40, stall_seconds=0.02, bytes=1 << 20, first=True)
+    bus.emit("save_committed", 40, persist_seconds=0.5, total_seconds=0.52, bytes=1 << 20,
+             bytes_per_second=2.0 * (1 << 20), retries=2)
+    bus.emit("save_skipped", 42, reason="previous save in flight")
+    bus.emit("failure", 43, failure="nan")
+    _wait_value(port, 'ckpt_last_committed_step{job="train"}', 40)
+    _wait_value(port, 'ckpt_saves_total{outcome="committed"}', 1)
+    _wait_value(port, 'ckpt_saves_total{outcome="skipped"}', 1)
+    _wait_value(port, "ckpt_storage_retries_total", 2)
+    _wait_value(port, "train_step", 41)
+    _wait_value(port, 'train_failures_total{kind="nan"}', 1)
+    age = float(_query(port, "time() - ckpt_last_commit_timestamp_seconds")
+                ["data"]["result"][0]["value"][1])
+    assert 0 <= age < 60
+
+
+def test_alert_rules_load_and_dashboard_queries_parse(prometheus):
+    _, port = prometheus
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as r:
+        groups = json.load(r)["data"]["groups"]
+    names = {rule["name"] for g in groups for rule in g["rules"]}
+    assert {"CheckpointTooOld", "CheckpointSaveFailures", "TrainingStalled"} <= names
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    for expr in exprs:
+        expr = expr.replace("$__rate_interval", "1m").replace("$job", ".*")
+        assert _query(port, expr)["status"] == "success", expr
+
+
+def test_promtool_accepts_alert_rules():
+    promtool = _need("promtool")
+    out = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr

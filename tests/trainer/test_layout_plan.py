@@ -1,0 +1,203 @@
+"""Layout planner: memory arithmetic, recommendations, warnings, CLI text and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
+from trainer.layout_plan import (
+    Layout,
+    Workload,
+    activation_bytes_per_layer,
+    add_plan_arguments,
+    candidate_layouts,
+    estimate_memory,
+    parse_count,
+    pipeline_bubble,
+    plan_layout,
+    run_plan,
+    shape_from_dims,
+    shape_from_params,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+H100 = GPU_PRESETS["h100"].memory_bytes * 0.9
+
+
+def _codes(plan) -> set[str]:
+    return {code for code, _ in plan.warnings}
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    rc = run_plan(parser.parse_args(list(argv)))
+    return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,n", [("7B", 7_000_000_000), ("350M", 350_000_000),
+                                    ("1.3e9", 1_300_000_000), ("12k", 12_000), ("2T", 2e12)])
+def test_parse_count(text, n):
+    assert parse_count(text) == n
+
+
+def test_parse_count_rejects_garbage():
+    with pytest.raises(ValueError, match="--params"):
+        parse_count("seven")
+
+
+def test_7b_adamw_mixed_is_16_bytes_per_param():
+    pc = PRECISIONS["bf16-mixed"]
+    assert pc.weight_bytes + pc.grad_bytes + pc.master_bytes + 2 * pc.state_bytes == 16
+    work = Workload(shape_from_params(7_000_000_000), recompute="full")
+    ddp = estimate_memory(work, Layout(1, 1, 1, "ddp"))
+    assert ddp.weights + ddp.grads + ddp.optimizer == pytest.approx(112e9, rel=1e-9)
+    assert ddp.optimizer == pytest.approx(84e9, rel=1e-9)
+    fsdp = estimate_memory(work, Layout(1, 8, 1, "fsdp"))
+    assert fsdp.weights + fsdp.grads + fsdp.optimizer == pytest.approx(14e9, rel=1e-9)
+
+
+def test_7b_on_8_h100_needs_fsdp():
+    plan = plan_layout(Workload(shape_from_params(7_000_000_000)), 8, 8, H100)
+    rows = {lay: est for lay, est in plan.rows}
+    assert not plan.fits(rows[Layout(1, 8, 1, "ddp")])
+    assert plan.recommended[0] == Layout(1, 8, 1, "fsdp")
+    assert "optimizer-state" in _codes(plan)
+    assert "activations-dominate" in _codes(plan)
+
+
+def test_zero_stages_shard_progressively():
+    work = Workload(shape_from_params(7_000_000_000))
+    e = {m: estimate_memory(work, Layout(1, 8, 1, m)) for m in ("ddp", "zero1", "zero2", "fsdp")}
+    assert e["zero1"].optimizer == pytest.approx(e["ddp"].optimizer / 8)
+    assert e["zero2"].grads == pytest.approx(e["ddp"].grads / 8)
+    assert e["fsdp"].weights == pytest.approx(e["ddp"].weights / 8)
+    fsdp_state = e["fsdp"].total - e["fsdp"].fsdp_buffers
+    assert e["ddp"].total > e["zero1"].total > e["zero2"].total > fsdp_state
+
+
+def test_small_model_gets_plain_ddp():
+    plan = plan_layout(Workload(shape_from_dims(768, 12, 12, 50257)), 8, 8, H100)
+    assert plan.recommended[0] == Layout(1, 8, 1, "ddp")
+    assert plan.warnings == [] or "needless-parallelism" not in _codes(plan)
+
+
+def test_activation_formula_korthikanti():
+    s, b, h, a = 2048, 1, 4096, 32
+    base = s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(s, b, h, a) == pytest.approx(base)
+    assert activation_bytes_per_layer(s, b, h, a, tp=8, sequence_parallel=True) == \
+        pytest.approx(base / 8)
+    assert activation_bytes_per_layer(s, b, h, a, tp=8) == \
+        pytest.approx(s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+    assert activation_bytes_per_layer(s, b, h, a, recompute="selective") == \
+        pytest.approx(34 * s * b * h)
+    assert activation_bytes_per_layer(s, b, h, a, recompute="full") == pytest.approx(2 * s * b * h)
+    assert activation_bytes_per_layer(s, b, h, a, bytes_per_element=4) == pytest.approx(2 * base)
+
+
+def test_pipeline_bubble():
+    assert pipeline_bubble(1, 4) == 0
+    assert pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert pipeline_bubble(4, 8, stages_per_rank=2) == pytest.approx(3 / 19)
+
+
+def test_1f1b_first_stage_holds_pp_microbatches_gpipe_holds_all():
+    shape = shape_from_dims(1024, 8, 16, 32000)
+    one = estimate_memory(Workload(shape, num_microbatches=16), Layout(4, 1, 1))
+    gp = estimate_memory(Workload(shape, num_microbatches=16, pp_schedule="gpipe"), Layout(4, 1, 1))
+    per_layer = activation_bytes_per_layer(2048, 1, 1024, 16)
+    assert one.stage == 0 and one.activations == pytest.approx(2 * per_layer * 4)
+    assert gp.activations == pytest.approx(2 * per_layer * 16)
+
+
+def test_candidates_keep_tp_in_node_and_cover_the_cluster():
+    shape = shape_from_params(70_000_000_000)
+    layouts = candidate_layouts(32, 8, shape)
+    assert layouts[0] == Layout(1, 32, 1, "ddp")
+    for lay in layouts:
+        assert lay.num_gpus == 32 and lay.tp <= 8 and shape.n_heads % lay.tp == 0
+        assert lay.dp_mode == "fsdp" or lay.tp == 1
+    keys = [lay.preference() for lay in layouts]
+    assert keys == sorted(keys)
+
+
+def test_big_model_needs_tp_or_pp_and_warns_on_bubble():
+    work = Workload(shape_from_params(70_000_000_000), recompute="full")
+    plan = plan_layout(work, 32, 8, H100)
+    assert plan.recommended is not None
+    lay = plan.recommended[0]
+    assert lay.dp_mode == "fsdp"
+    nothing = plan_layout(Workload(shape_from_params(70_000_000_000)), 8, 8,
+                          GPU_PRESETS["a100-40gb"].memory_bytes * 0.9)
+    assert nothing.recommended is None and "nothing-fits" in _codes(nothing)
+    piped = plan_layout(Workload(shape_from_params(1_000_000_000)), 8, 8, H100,
+                        requested=Layout(4, 2, 1, "fsdp"))
+    assert "pipeline-bubble" in _codes(piped)
+
+
+def test_requested_layout_warnings():
+    work = Workload(shape_from_params(1_000_000_000))
+    plan = plan_layout(work, 8, 8, H100, requested=Layout(2, 2, 2, "fsdp"))
+    assert "needless-parallelism" in _codes(plan)
+    assert any("3D parallelism is not needed" in m for _, m in plan.warnings)
+    across = plan_layout(Workload(shape_from_params(7_000_000_000)), 16, 8, H100,
+                         requested=Layout(1, 1, 16, "fsdp"))
+    assert "tp-across-nodes" in _codes(across)
+    mixed = plan_layout(work, 8, 8, H100, requested=Layout(1, 4, 2, "ddp"))
+    assert "tp-needs-fsdp" in _codes(mixed)
+    with pytest.raises(ValueError, match="make them multiply to 8"):
+        plan_layout(work, 8, 8, H100, requested=Layout(1, 2, 2))
+
+
+def test_hardware_presets():
+    h100 = get_gpu("H100-80GB")
+    assert h100.bf16_dense_tflops == 989.0 and h100.nvlink_bytes_per_s == 900e9
+    assert 79 * GIB < h100.memory_bytes <= 80 * GIB
+    assert get_gpu("h200").hbm_bandwidth_bytes_per_s == 4.8e12
+    assert get_gpu("a100-40gb").bf16_dense_tflops == 312.0
+    with pytest.raises(ValueError, match="did you mean 'h200'"):
+        get_gpu("h20O")
+
+
+def test_cli_text_report(capsys):
+    rc, out = _run(capsys, "--params", "7B", "--gpu", "h100")
+    assert rc == 0
+    assert "Recommended: FSDP dp=8" in out and "--parallel.dp_mode=fsdp" in out
+    assert "[optimizer-state]" in out and "optimizer state 78.2 GiB" in out
+
+
+def test_cli_json_is_parseable(capsys):
+    rc, out = _run(capsys, "--params", "7B", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["recommended"]["name"] == "FSDP dp=8"
+    assert data["recommended"]["fits"] is True
+    assert {"code", "message"} <= set(data["warnings"][0])
+    assert data["candidates"][0]["memory_bytes"]["total"] > 0
+
+
+def test_cli_from_config(capsys):
+    rc, out = _run(capsys, "--config", str(CONFIGS / "3d_cpu.toml"), "--gpu-memory", "1")
+    assert rc == 0 and "Requested:   FSDP dp=2 + TP2 + PP2" in out
+    assert "[needless-parallelism]" in out
+    rc, out = _run(capsys, "--config", str(CONFIGS / "gpu_1b.toml"), "--json")
+    data = json.loads(out)
+    assert data["requested"]["fits"] and data["workload"]["precision"] == "bf16-mixed"
+
+
+def test_cli_bad_input_exits_2(capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args([])) == 2
+    assert run_plan(parser.parse_args(["--dim", "64"])) == 2
+    assert run_plan(parser.parse_args(["--params", "7B", "--gpu", "tpu"])) == 2
+    assert "did you mean" not in capsys.readouterr().out
+
+
+def test_cli_nothing_fits_exits_1(capsys):
+    rc, out = _run(capsys, "--params", "70B", "--gpu", "a100-40gb")
+    assert rc == 1 and "[nothing-fits]" in out

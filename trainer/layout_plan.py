@@ -1,0 +1,538 @@
+"""Memory and layout planner: which (pp, dp, tp) layout fits a model on given GPUs.
+
+Pure functions estimate per-GPU memory (weights, gradients, optimizer state, FSDP buffers,
+activations, logits) for a :class:`Layout` and a :class:`Workload`; :func:`plan_layout` ranks
+every layout of the cluster by a fixed preference order and recommends the simplest that fits:
+
+    DDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP (smallest first)
+
+``python -m trainer plan`` wires :func:`add_plan_arguments` and :func:`run_plan`. The formulas
+and their sources are in docs/layout-planner.md; memory is reported in GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
+
+__all__ = [
+    "ModelShape", "Workload", "Layout", "MemoryEstimate", "Plan",
+    "parse_count", "shape_from_dims", "shape_from_params", "activation_bytes_per_layer",
+    "pipeline_bubble", "estimate_memory", "candidate_layouts", "plan_layout",
+    "add_plan_arguments", "run_plan",
+]
+
+BUBBLE_WARN_FRACTION = 0.10
+"""Warn when the pipeline bubble exceeds this fraction of step time."""
+
+
+def parse_count(text: str | int | float) -> int:
+    """``"7B"`` -> 7_000_000_000; accepts K, M, B (or G), T suffixes and plain numbers."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"--params: cannot parse {text!r}; use a count like 7B, 350M or 1.3e9")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2)]
+    return int(round(float(m.group(1)) * scale))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer: attention 4*d^2, MLP 2*d*f (3*d*f when gated), untied
+    input/output embeddings V*d each. ``num_params`` is authoritative; when the dims were
+    guessed from it (``inferred``) they only shape the activation estimate."""
+
+    num_params: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    ffn_dim: int
+    gated_mlp: bool = False
+    inferred: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        return 4 * self.dim * self.dim + (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim \
+            + 2 * self.dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def shape_params(self) -> int:
+        return self.n_layers * self.layer_params + 2 * self.embedding_params + self.dim
+
+
+def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
+                    ffn_dim: int = 0, gated_mlp: bool = False) -> ModelShape:
+    """Exact shape; ``ffn_dim = 0`` means 4 * dim."""
+    s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp)
+    return replace(s, num_params=s.shape_params)
+
+
+def shape_from_params(num_params: int, vocab_size: int = 32000) -> ModelShape:
+    """Guess a Llama-like shape for a parameter count: head_dim 128, n_layers ~ dim/128,
+    SwiGLU MLP of 8/3 * dim (so ~12 * L * d^2 non-embedding params), dim a multiple of 256."""
+    dim = max(256, int(round((num_params / 0.09375) ** (1 / 3) / 256)) * 256)
+    body = num_params - 2 * vocab_size * dim
+    n_layers = max(1, int(round(body / (12 * dim * dim))))
+    return ModelShape(num_params, dim, n_layers, max(1, dim // 128), vocab_size,
+                      dim * 8 // 3, gated_mlp=True, inferred=True)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``pp * dp * tp`` GPUs; ``dp_mode`` is 'ddp', 'zero1', 'zero2' or 'fsdp' (ZeRO-3)."""
+
+    pp: int
+    dp: int
+    tp: int
+    dp_mode: str = "ddp"
+
+    @property
+    def num_gpus(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.dp_mode.upper()} dp={self.dp}"] * (self.dp > 1)
+        parts += [f"TP{self.tp}"] * (self.tp > 1) + [f"PP{self.pp}"] * (self.pp > 1)
+        return " + ".join(parts) or "single GPU"
+
+    def preference(self) -> tuple:
+        """Sort key of the documented preference order (simplest first)."""
+        return (self.pp > 1, self.tp > 1, self.pp, self.tp,
+                ("ddp", "zero1", "zero2", "fsdp").index(self.dp_mode))
+
+    def overrides(self, sequence_parallel: bool = True) -> str:
+        """The trainer flags for this layout (ZeRO-1/2 have no trainer mode: shown as fsdp)."""
+        mode = "ddp" if self.dp_mode == "ddp" else "fsdp"
+        out = f"--parallel.pp={self.pp} --parallel.dp={self.dp} --parallel.tp={self.tp} " \
+              f"--parallel.dp_mode={mode}"
+        sp = self.tp > 1 and sequence_parallel
+        return out + (" --parallel.sequence_parallel=true" if sp else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step does. ``micro_batch`` sequences per forward per GPU;
+    ``num_microbatches`` pipeline micro-batches per step (None: from ``global_batch`` if
+    given, else 2 * pp, the trainer's default)."""
+
+    shape: ModelShape
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    num_microbatches: int | None = None
+    global_batch: int | None = None
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def microbatches_for(self, layout: Layout) -> int:
+        if self.num_microbatches:
+            return self.num_microbatches
+        if self.global_batch:
+            return max(1, self.global_batch // (layout.dp * self.micro_batch))
+        return 2 * layout.pp if layout.pp > 1 else 1
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, dim: int, n_heads: int,
+                               tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", bytes_per_element: int = 2) -> float:
+    """Activation memory of one transformer layer for one micro-batch (Korthikanti et al.
+    2022, Table 2): ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; with TP only
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; with TP + sequence parallelism everything / t.
+    'selective' recomputation (or flash attention) drops the ``5*a*s/h`` attention term;
+    'full' keeps only the layer input, ``2*s*b*h`` (/ t with SP). Scaled by
+    ``bytes_per_element / 2`` for fp32 activations."""
+    s, b, h, a, t = seq_len, micro_batch, dim, n_heads, tp
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        per = 2 * s * b * h / (t if sp else 1)
+    else:
+        attn = 0.0 if recompute == "selective" else 5 * a * s / h
+        per = s * b * h * (34 + attn) / t if sp or t == 1 else s * b * h * (10 + 24 / t + attn / t)
+    return per * bytes_per_element / 2
+
+
+def pipeline_bubble(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of a pipelined step: (pp-1) / (v*m + pp-1) (Narayanan et al. 2021)."""
+    return 0.0 if pp <= 1 else (pp - 1) / (stages_per_rank * num_microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes on the busiest pipeline stage (``stage``)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+    logits: float
+    stage: int
+    num_microbatches: int
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.fsdp_buffers \
+            + self.activations + self.logits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_memory(work: Workload, layout: Layout) -> MemoryEstimate:
+    """Per-GPU memory of ``layout`` running ``work``; the max over the first and last pipeline
+    stage (the first holds the most in-flight micro-batches, the last the output layer)."""
+    pc, sh = PRECISIONS[work.precision], work.shape
+    n_states = OPTIMIZER_STATES[work.optimizer]
+    pp, dp, t = layout.pp, layout.dp, layout.tp
+    scale = sh.num_params / sh.shape_params
+    layers = math.ceil(sh.n_layers / pp)
+    m = work.microbatches_for(layout)
+    v = work.stages_per_rank if work.pp_schedule == "interleaved1f1b" else 1
+    act_layer = activation_bytes_per_layer(work.seq_len, work.micro_batch, sh.dim, sh.n_heads, t,
+                                           work.sequence_parallel, work.recompute,
+                                           pc.activation_bytes)
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (dp, dp, dp)}
+    w_div, g_div, o_div = shard[layout.dp_mode]
+    best: MemoryEstimate | None = None
+    for st in sorted({0, pp - 1}):
+        params = layers * sh.layer_params + sh.embedding_params * ((st == 0) + (st == pp - 1)) \
+            + sh.dim * (st == pp - 1)  # final norm
+        params = params * scale / t
+        if pp == 1 or work.pp_schedule == "gpipe":
+            in_flight = 1.0 if pp == 1 else m
+        else:
+            in_flight = min(m, pp - st) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        est = MemoryEstimate(
+            weights=params * pc.weight_bytes / w_div,
+            grads=params * pc.grad_bytes / g_div,
+            optimizer=params * (pc.master_bytes + n_states * pc.state_bytes) / o_div,
+            # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
+            fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
+                          if layout.dp_mode == "fsdp" and dp > 1 else 0.0),
+            activations=layers * act_layer * in_flight,
+            # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
+            logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size
+                    if st == pp - 1 else 0.0),
+            stage=st, num_microbatches=m, bubble=pipeline_bubble(pp, m, v))
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
+                      modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Layout]:
+    """Every layout of ``num_gpus`` with TP inside a node and dividing the heads, pp at most
+    n_layers, in preference order. Sharded modes need dp > 1; TP composes only with FSDP
+    (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1."""
+    out = []
+    for tp in _divisors(num_gpus):
+        if tp > gpus_per_node or gpus_per_node % tp or shape.n_heads % tp:
+            continue
+        for pp in _divisors(num_gpus // tp):
+            if pp > shape.n_layers:
+                continue
+            dp = num_gpus // (tp * pp)
+            out += [Layout(pp, dp, tp, mode) for mode in modes
+                    if (mode == "ddp" or dp > 1) and (mode == "fsdp" or tp == 1)]
+    return sorted(out, key=Layout.preference)
+
+
+@dataclass
+class Plan:
+    """Result of :func:`plan_layout`; ``warnings`` are ``(code, message)`` pairs."""
+
+    work: Workload
+    num_gpus: int
+    gpus_per_node: int
+    usable_bytes: float
+    rows: list[tuple[Layout, MemoryEstimate]]
+    recommended: tuple[Layout, MemoryEstimate] | None
+    requested: tuple[Layout, MemoryEstimate] | None
+    warnings: list[tuple[str, str]]
+
+    def fits(self, est: MemoryEstimate) -> bool:
+        return est.total <= self.usable_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        def row(pair):
+            if pair is None:
+                return None
+            lay, est = pair
+            return {"layout": asdict(lay), "name": lay.name, "fits": self.fits(est),
+                    "overrides": lay.overrides(self.work.sequence_parallel),
+                    "memory_bytes": est.to_dict()}
+        return {"workload": asdict(self.work), "num_gpus": self.num_gpus,
+                "gpus_per_node": self.gpus_per_node, "usable_bytes_per_gpu": self.usable_bytes,
+                "recommended": row(self.recommended), "requested": row(self.requested),
+                "candidates": [row(r) for r in self.rows],
+                "warnings": [{"code": c, "message": m} for c, m in self.warnings]}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB" if x >= 0.1 * GIB else f"{x / (1 << 20):.1f} MiB"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(int(n))
+
+
+def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes: float,
+                requested: Layout | None = None) -> Plan:
+    """Estimate every candidate layout, recommend the first (by preference) that fits in
+    ``usable_bytes`` per GPU with a trainer dp_mode (ddp/fsdp), evaluate ``requested`` and
+    collect warnings. Raises ValueError if ``requested`` does not use ``num_gpus`` GPUs."""
+    if requested is not None and requested.num_gpus != num_gpus:
+        raise ValueError(f"the requested layout has pp * dp * tp = {requested.num_gpus} GPUs "
+                         f"but the cluster (--nodes x --gpus-per-node) has {num_gpus}; make "
+                         f"them multiply to {num_gpus}")
+    sh = work.shape
+    rows = [(lay, estimate_memory(work, lay)) for lay in
+            candidate_layouts(num_gpus, gpus_per_node, sh, ("ddp", "zero1", "zero2", "fsdp"))
+            if lay.dp_mode in ("ddp", "fsdp") or (lay.pp == 1 and lay.tp == 1)]
+    fits = lambda e: e.total <= usable_bytes  # noqa: E731
+    rec = next(((lay, e) for lay, e in rows if lay.dp_mode in ("ddp", "fsdp") and fits(e)), None)
+    req = (requested, estimate_memory(work, requested)) if requested else None
+    warns: list[tuple[str, str]] = []
+    if requested is not None:
+        if requested.tp > gpus_per_node or gpus_per_node % requested.tp:
+            warns.append(("tp-across-nodes", f"TP{requested.tp} spans nodes of {gpus_per_node} "
+                          "GPUs: its per-layer all-reduces would run over the inter-node network "
+                          "(~50 GB/s per GPU) instead of NVLink (600-900 GB/s); keep tp <= "
+                          f"{gpus_per_node} and dividing it"))
+        if sh.n_heads % requested.tp:
+            warns.append(("tp-heads", f"TP{requested.tp} does not divide n_heads={sh.n_heads}"))
+        if requested.tp > 1 and requested.dp_mode != "fsdp":
+            warns.append(("tp-needs-fsdp", f"the trainer composes TP only with FSDP; use "
+                          f"--parallel.dp_mode=fsdp instead of {requested.dp_mode}"))
+        if rec and rec[0].preference() < requested.preference() and fits(req[1]):
+            what = "3D parallelism" if requested.pp > 1 and requested.tp > 1 and \
+                requested.dp > 1 else requested.name
+            costs = [c for c, on in (("per-layer FSDP all-gathers", requested.dp_mode == "fsdp"
+                                      and rec[0].dp_mode == "ddp"),
+                                     ("per-layer TP all-reduces", requested.tp > rec[0].tp),
+                                     ("pipeline bubbles", requested.pp > rec[0].pp)) if on]
+            warns.append(("needless-parallelism", f"{what} is not needed: the simpler "
+                          f"{rec[0].name} fits ({_gib(rec[1].total)} per GPU) and avoids "
+                          f"{' and '.join(costs) or 'extra communication'}"))
+    ddp = estimate_memory(work, Layout(1, num_gpus, 1, "ddp"))
+    if not fits(ddp) and fits(replace(ddp, optimizer=0.0)):
+        warns.append(("optimizer-state", f"plain DDP would fit without the optimizer: "
+                      f"{work.optimizer} state adds {_gib(ddp.optimizer)} per GPU "
+                      f"({_opt_bytes(work):g} bytes/param); shard it (ZeRO-1/FSDP)"))
+    chosen = req or rec or min(rows, key=lambda r: r[1].total)
+    lay, est = chosen
+    if est.activations + est.logits > 0.5 * est.total and work.recompute != "full":
+        full = estimate_memory(replace(work, recompute="full"), lay)
+        warns.append(("activations-dominate", f"activations are {_gib(est.activations)} of "
+                      f"{_gib(est.total)} per GPU on {lay.name}; activation checkpointing "
+                      f"(--recompute full) would cut the total to {_gib(full.total)}, or "
+                      "lower the micro-batch"))
+    if est.bubble > BUBBLE_WARN_FRACTION:
+        warns.append(("pipeline-bubble", f"pipeline bubble is {est.bubble:.0%} of each step "
+                      f"(pp={lay.pp}, {est.num_microbatches} micro-batches, (pp-1)/(m+pp-1)); "
+                      f"use >= {4 * lay.pp} micro-batches or the interleaved1f1b schedule"))
+    if rec and rec[0].dp_mode == "fsdp" and num_gpus > gpus_per_node and rec[0].tp == 1 and \
+            rec[0].pp == 1 and fits(estimate_memory(work, Layout(1, gpus_per_node, 1, "fsdp"))):
+        warns.append(("fsdp-across-nodes", f"FSDP all-gathers cross nodes every layer; sharding "
+                      f"within a node ({gpus_per_node} GPUs) also fits, so HSDP (shard in-node, "
+                      "replicate across nodes) would keep them on NVLink"))
+    if rec is None:
+        hint = ""
+        if work.recompute != "full":
+            alt = plan_layout(replace(work, recompute="full"), num_gpus, gpus_per_node,
+                              usable_bytes)
+            if alt.recommended:
+                hint = f"; with --recompute full, {alt.recommended[0].name} would fit"
+        warns.append(("nothing-fits", f"no layout of {num_gpus} GPUs fits in "
+                      f"{_gib(usable_bytes)} per GPU (smallest: {chosen[0].name} needs "
+                      f"{_gib(chosen[1].total)}); add GPUs, lower the micro-batch or "
+                      f"sequence length{hint}"))
+    return Plan(work, num_gpus, gpus_per_node, usable_bytes, rows, rec, req, warns)
+
+
+def _opt_bytes(work: Workload) -> float:
+    pc = PRECISIONS[work.precision]
+    return pc.master_bytes + OPTIMIZER_STATES[work.optimizer] * pc.state_bytes
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the planner's flags to ``parser`` (used by ``python -m trainer plan``)."""
+    g = parser.add_argument_group("model (one of --params, --dim/--layers/--heads, --config)")
+    g.add_argument("--config", help="trainer TOML config: model dims, seq_len, batch, layout")
+    g.add_argument("--params", help="parameter count, e.g. 7B, 350M (shape is then guessed)")
+    g.add_argument("--dim", type=int)
+    g.add_argument("--layers", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
+    g.add_argument("--ffn-dim", type=int, help="MLP hidden size (default 4 * dim)")
+    g.add_argument("--activation", choices=("swiglu", "gelu"),
+                   help="MLP kind: swiglu has 3 matrices, gelu 2 (default swiglu)")
+    t = parser.add_argument_group("training")
+    t.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
+    t.add_argument("--precision", choices=sorted(PRECISIONS),
+                   help="default bf16-mixed (fp32 master weights)")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--micro-batch", type=int, help="sequences per forward per GPU (default 1)")
+    t.add_argument("--global-batch", type=int, help="sequences per step (sets micro-batches)")
+    t.add_argument("--microbatches", type=int, help="pipeline micro-batches per step")
+    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation checkpointing; 'selective' ~ flash attention")
+    t.add_argument("--no-sequence-parallel", action="store_true")
+    t.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    t.add_argument("--stages-per-rank", type=int)
+    h = parser.add_argument_group("hardware")
+    h.add_argument("--gpu", default="h100", help=f"preset: {', '.join(GPU_PRESETS)}")
+    h.add_argument("--gpu-memory", type=float, help="GiB per GPU (overrides the preset)")
+    h.add_argument("--gpus-per-node", type=int, default=8)
+    h.add_argument("--nodes", type=int, default=1)
+    h.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction kept free for CUDA context, NCCL, fragmentation")
+    r = parser.add_argument_group("a layout to check (else taken from --config)")
+    r.add_argument("--pp", type=int)
+    r.add_argument("--dp", type=int)
+    r.add_argument("--tp", type=int)
+    r.add_argument("--dp-mode", choices=("ddp", "zero1", "zero2", "fsdp"))
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--all", action="store_true", help="list every candidate layout")
+
+
+def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Layout | None, str]:
+    num_gpus = args.nodes * args.gpus_per_node
+    cfg = None
+    if args.config:
+        from trainer.config import load_config
+        cfg = load_config(args.config, [])
+    vocab = args.vocab or (cfg.model.vocab_size if cfg else 32000)
+    if args.params:
+        shape = shape_from_params(parse_count(args.params), vocab)
+    elif args.dim or args.layers or args.heads:
+        if not (args.dim and args.layers and args.heads):
+            raise ValueError("--dim, --layers and --heads go together; give all three")
+        shape = shape_from_dims(args.dim, args.layers, args.heads, vocab, args.ffn_dim or 0,
+                                (args.activation or "swiglu") == "swiglu")
+    elif cfg:
+        m = cfg.model
+        shape = shape_from_dims(m.dim, m.n_layers, m.n_heads, vocab, m.hidden_ffn_dim,
+                                (args.activation or m.activation) == "swiglu")
+    else:
+        raise ValueError("give the model as --params 7B, as --dim/--layers/--heads, "
+                         "or as --config FILE")
+    requested = None
+    p = cfg.parallel if cfg else None
+    pp, tp = args.pp or (p.pp if p else None), args.tp or (p.tp if p else None)
+    if any(x is not None for x in (args.pp, args.tp, args.dp, args.dp_mode)) or cfg:
+        pp, tp = pp or 1, tp or 1
+        dp = args.dp or (p.dp if p and p.dp != -1 else num_gpus // (pp * tp))
+        mode = args.dp_mode or (p.dp_mode if p else ("fsdp" if tp > 1 else "ddp"))
+        requested = Layout(pp, dp, tp, mode)
+    micro, m_count, gbatch = args.micro_batch, args.microbatches, args.global_batch
+    if cfg and requested and requested.num_gpus == num_gpus and micro is None:
+        m_count = m_count or (p.num_microbatches if requested.pp > 1 else None)
+        per_rank = cfg.training.global_batch_size // (requested.dp * cfg.training.grad_accum_steps)
+        micro = max(1, per_rank // (m_count or 1))
+    work = Workload(
+        shape=shape, optimizer=args.optimizer,
+        precision=args.precision or ("bf16-mixed" if not cfg or
+                                     cfg.training.mixed_precision == "bf16" else "fp32"),
+        seq_len=args.seq_len or (cfg.training.seq_len if cfg else 2048),
+        micro_batch=micro or 1, num_microbatches=m_count, global_batch=gbatch,
+        recompute=args.recompute,
+        sequence_parallel=not args.no_sequence_parallel and (p.sequence_parallel if p else True),
+        pp_schedule=args.pp_schedule or (p.pp_schedule if p else "1f1b"),
+        stages_per_rank=args.stages_per_rank or (p.stages_per_rank if p else 2))
+    if args.gpu_memory:
+        capacity, gpu_name = args.gpu_memory * GIB, f"{args.gpu_memory:g} GiB GPU"
+    else:
+        spec = get_gpu(args.gpu)
+        capacity, gpu_name = spec.memory_bytes, spec.name
+    return work, num_gpus, args.gpus_per_node, capacity * (1 - args.headroom), requested, gpu_name
+
+
+def _report(plan: Plan, gpu_name: str, nodes: int, show_all: bool) -> str:
+    w, sh = plan.work, plan.work.shape
+    pc = PRECISIONS[w.precision]
+    shape = f"dim {sh.dim}, {sh.n_layers} layers, {sh.n_heads} heads, vocab {sh.vocab_size}"
+    lines = [
+        f"Model     {_count(sh.num_params)} params ({'assumed shape: ' if sh.inferred else ''}"
+        f"{shape}{'; pass --dim/--layers/--heads for exact activations' if sh.inferred else ''})",
+        f"Hardware  {nodes} node(s) x {plan.gpus_per_node} x {gpu_name}; "
+        f"{_gib(plan.usable_bytes)} usable per GPU",
+        f"Training  {w.precision} ({pc.description}), {w.optimizer}, seq {w.seq_len}, "
+        f"micro-batch {w.micro_batch}, recompute {w.recompute}",
+        f"Per param {pc.weight_bytes} weights + {pc.grad_bytes} grads + {_opt_bytes(w):g} "
+        f"optimizer = {pc.weight_bytes + pc.grad_bytes + _opt_bytes(w):g} bytes; unsharded "
+        f"model state {_gib((pc.weight_bytes + pc.grad_bytes + _opt_bytes(w)) * sh.num_params)}"
+        f", of which optimizer state {_gib(_opt_bytes(w) * sh.num_params)}",
+        "",
+    ]
+    for label, pair in (("Requested", plan.requested), ("Recommended", plan.recommended)):
+        if pair:
+            lay, e = pair
+            lines += [f"{label + ':':13}{lay.name}  ({'fits' if plan.fits(e) else 'DOES NOT FIT'})",
+                      f"             {lay.overrides(w.sequence_parallel)}",
+                      f"             {_gib(e.total)} of {_gib(plan.usable_bytes)} per GPU"]
+    if plan.recommended is None:
+        lines.append("Recommended: none - nothing fits (see warnings)")
+    unit, div = ("GiB", GIB) if plan.usable_bytes >= 4 * GIB else ("MiB", 1 << 20)
+    head = f"\n{'layout':30} {'weights':>8} {'grads':>8} {'optim':>8} {'buffers':>8} " \
+           f"{'activ':>8} {'logits':>8} {'total':>8}  fits   ({unit} per GPU)"
+    lines.append(head)
+    rows = plan.rows if show_all else plan.rows[:14]
+    for lay, e in rows:
+        vals = (e.weights, e.grads, e.optimizer, e.fsdp_buffers, e.activations, e.logits, e.total)
+        mark = "yes" if plan.fits(e) else "no"
+        note = " (no trainer mode)" if lay.dp_mode in ("zero1", "zero2") else ""
+        lines.append(f"{lay.name:30} " + " ".join(f"{v / div:8.1f}" for v in vals) +
+                     f"  {mark}{note}")
+    if len(plan.rows) > len(rows):
+        lines.append(f"... {len(plan.rows) - len(rows)} more (--all)")
+    if plan.warnings:
+        lines.append("\nWarnings:")
+        lines += [f"  [{code}] {msg}" for code, msg in plan.warnings]
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan (text, or JSON with ``--json``). Returns 0 when a layout fits (and the
+    requested one, if any, fits), 1 when it does not, 2 for bad input."""
+    try:
+        work, num_gpus, gpn, usable, requested, gpu_name = _from_args(args)
+        plan = plan_layout(work, num_gpus, gpn, usable, requested)
+    except ValueError as e:
+        print(f"plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(_report(plan, gpu_name, args.nodes, args.all))
+    ok = plan.recommended is not None and (plan.requested is None or plan.fits(plan.requested[1]))
+    return 0 if ok else 1

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -78,6 +79,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.source = source
 
     def create_local_plan(self) -> LoadPlan:
+        """Plan this rank's reads; record (not raise) its problems for the global check."""
         md = self.metadata.state_dict_metadata
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -102,28 +104,52 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     mismatched.append(f"{fqn}: dtype {dtype_name(saved.properties.dtype)} in "
                                       f"checkpoint, {str(obj.dtype).removeprefix('torch.')} "
                                       f"in state")
-        unexpected = sorted(set(md) - set(self.state_dict)) if self.strict else []
-        if not self.strict:
-            missing_for_error: list[str] = []
+        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+        requested = sorted(k for k in self.state_dict if k in md)
+        self.state_dict = {k: v for k, v in self.state_dict.items() if k not in bad}
+        # Not super(): DefaultLoadPlanner re-flattens the original state when keys are
+        # missing (a pre-2.4 compatibility path), which would undo the filtering above.
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, False)
+        return dataclasses.replace(plan, planner_data={
+            "missing": sorted(missing), "mismatched": mismatched, "requested": requested})
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: one error listing every problem of every rank.
+
+        A checkpoint key is *unexpected* only if no rank asked for it (per-rank keys such as
+        each rank's RNG state are asked for by one rank each).
+        """
+        missing: set[str] = set()
+        mismatched: list[str] = []
+        requested: set[str] = set()
+        for plan in global_plan:
+            data = plan.planner_data or {}
+            missing.update(data.get("missing", ()))
+            for m in data.get("mismatched", ()):
+                if m not in mismatched:
+                    mismatched.append(m)
+            requested.update(data.get("requested", ()))
+        if self.strict:
+            unexpected = sorted(set(self.metadata.state_dict_metadata) - requested)
+            missing_list = sorted(missing)
         else:
-            missing_for_error = sorted(missing)
-        if missing_for_error or unexpected or mismatched:
+            unexpected, missing_list = [], []
+        if missing_list or unexpected or mismatched:
             lines = [f"state does not match {self.source}:"]
-            if missing_for_error:
-                lines.append(f"  {len(missing_for_error)} key(s) in the state but not in the "
-                             f"checkpoint: {', '.join(missing_for_error)}")
+            if missing_list:
+                lines.append(f"  {len(missing_list)} key(s) in the state but not in the "
+                             f"checkpoint: {', '.join(missing_list)}")
             if unexpected:
                 lines.append(f"  {len(unexpected)} key(s) in the checkpoint but not in the "
                              f"state: {', '.join(unexpected)}")
             for m in mismatched:
                 lines.append(f"  mismatch: {m}")
             lines.append("  Fix: load into the model/optimizer the checkpoint was saved from, "
-                         "or pass strict=False to load only the keys both have.")
-            raise StateMismatchError("\n".join(lines), missing=missing_for_error,
+                         "or pass strict=False to load only the keys both have (mismatched "
+                         "keys are never loaded).")
+            raise StateMismatchError("\n".join(lines), missing=missing_list,
                                      unexpected=unexpected, mismatched=mismatched)
-        if not self.strict and missing:
-            self.state_dict = {k: v for k, v in self.state_dict.items() if k in md}
-        return super().create_local_plan()
+        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = decode_object(value.getvalue())

@@ -52,10 +52,16 @@ def resolve_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_state(state: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """Hand each loaded value back to its ``Stateful`` owner (``load_state_dict``)."""
+    """Hand each loaded value back to its ``Stateful`` owner (``load_state_dict``).
+
+    Plain top-level values are replaced in ``state`` too: tensors were loaded in place (the
+    same objects), but an int or a string can only come back by assignment.
+    """
     for k, v in state.items():
         if _is_stateful(v):
             v.load_state_dict(loaded[k])
+        elif k in loaded and loaded[k] is not v:
+            state[k] = loaded[k]
 
 
 def _is_stateful(v: Any) -> bool:
@@ -120,11 +126,13 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
 
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          verify: str = "full", strict: bool = True, process_group=None,
-         storage_options: dict[str, Any] | None = None, num_threads: int = 4) -> Manifest:
+         storage_options: dict[str, Any] | None = None, num_threads: int = 4,
+         ignore_keys: tuple[str, ...] = ()) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
     Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
-    'size' only file sizes, 'none' nothing. Raises ``CorruptCheckpointError`` (naming the
+    'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
+    ``ignore_keys`` may be left unloaded without counting as unexpected. Raises ``CorruptCheckpointError`` (naming the
     file) on any corruption, ``StateMismatchError`` listing every key/shape/dtype mismatch.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
@@ -138,7 +146,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.load(sd, storage_reader=reader,
                      planner=SafeLoadPlanner(strict=strict, source=storage.describe(
-                         step_dirname(manifest.step))),
+                         step_dirname(manifest.step)), ignore_prefixes=tuple(ignore_keys)),
                      process_group=process_group, no_dist=not _is_dist(process_group))
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc
@@ -158,7 +166,7 @@ def _agree(ok: bool, process_group) -> bool:
 def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
                 strict: bool = True, process_group=None,
                 storage_options: dict[str, Any] | None = None,
-                num_threads: int = 4) -> Manifest | None:
+                num_threads: int = 4, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the
@@ -191,7 +199,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             continue
         try:
             load(state, storage, manifest, verify=verify, strict=strict,
-                 process_group=process_group, num_threads=num_threads)
+                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys)
             error = None
         except (CorruptCheckpointError, RankFailuresError) as exc:
             if isinstance(exc, RankFailuresError) and "Corrupt" not in str(exc):

@@ -73,10 +73,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     missing key, unexpected key, shape and dtype mismatch is reported in one error.
     """
 
-    def __init__(self, strict: bool = True, source: str = "checkpoint"):
+    def __init__(self, strict: bool = True, source: str = "checkpoint",
+                 ignore_prefixes: tuple[str, ...] = ()):
         super().__init__(allow_partial_load=not strict)
         self.strict = strict
         self.source = source
+        self.ignore_prefixes = tuple(ignore_prefixes)
 
     def create_local_plan(self) -> LoadPlan:
         """Plan this rank's reads; record (not raise) its problems for the global check."""
@@ -130,7 +132,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     mismatched.append(m)
             requested.update(data.get("requested", ()))
         if self.strict:
-            unexpected = sorted(set(self.metadata.state_dict_metadata) - requested)
+            unexpected = sorted(k for k in set(self.metadata.state_dict_metadata) - requested
+                                if not k.startswith(self.ignore_prefixes))
             missing_list = sorted(missing)
         else:
             unexpected, missing_list = [], []

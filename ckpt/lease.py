@@ -46,6 +46,10 @@ class Lease:
         self.took_over: dict[str, Any] | None = None  # the dead holder's record, if any
         self._current: bytes | None = None
         self._stop = threading.Event()
+        # The heartbeat thread and a commit (which renews the lease right before writing the
+        # manifest) may renew at once; unserialised, the loser's compare-and-swap would see
+        # the winner's record and wrongly conclude the lease was taken.
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.lost = False
 
@@ -54,6 +58,9 @@ class Lease:
             "holder": self.holder_id, "job": self.job_name, "host": socket.gethostname(),
             "pid": os.getpid(), "acquired_unix": acquired, "heartbeat_unix": time.time(),
             "ttl_seconds": self.ttl_seconds,
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "boot_id": _boot_id(),
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         }).encode()
 
     def read(self) -> tuple[dict[str, Any] | None, bytes | None]:
@@ -86,7 +93,8 @@ class Lease:
                 continue  # released between our attempts: try to create again
             age = time.time() - float(info.get("heartbeat_unix", 0))
             ttl = float(info.get("ttl_seconds", self.ttl_seconds) or self.ttl_seconds)
-            if age <= ttl:
+            dead = self._known_dead(info)
+            if age <= ttl and not dead:
                 raise LeaseHeldError(
                     f"checkpoint root {self.storage.url} is in use by job "
                     f"{info.get('job')!r} (host {info.get('host')}, pid {info.get('pid')}, "
@@ -95,7 +103,8 @@ class Lease:
                     f"its lease to expire, or use another checkpoint root.")
             if self.storage.replace_if_unchanged(LEASE_NAME, mine, raw):
                 log.warning("took over the lease on %s from a dead job (%s, last heartbeat %.0fs "
-                            "ago)", self.storage.url, info.get("holder"), age)
+                            "ago%s)", self.storage.url, info.get("holder"), age,
+                            f"; {dead}" if dead else "")
                 self.took_over = info
                 self._current = mine
                 break
@@ -106,9 +115,40 @@ class Lease:
         self._thread = threading.Thread(target=self._beat, name="ckpt-lease", daemon=True)
         self._thread.start()
 
+    def _known_dead(self, info: dict[str, Any]) -> str:
+        """Why the holder is certainly dead before its TTL ran out ('' if not known).
+
+        * an earlier attempt of this same torchrun job (same run id, lower restart count):
+          the elastic agent restarts every worker, so that attempt is gone;
+        * a process on this very host whose pid no longer exists.
+        """
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if run_id and info.get("run_id") == run_id and int(info.get("attempt", 0)) < attempt:
+            return f"an earlier attempt ({info.get('attempt')}) of this job"
+        # Same host name and same kernel boot: the pid namespace is ours to check (host
+        # names alone repeat across containers).
+        if (info.get("host") == socket.gethostname() and info.get("boot_id")
+                and info.get("boot_id") == _boot_id() and isinstance(info.get("pid"), int)):
+            try:
+                os.kill(info["pid"], 0)
+            except ProcessLookupError:
+                return f"process {info['pid']} on this host is gone"
+            except OSError:
+                pass
+        return ""
+
     def heartbeat(self) -> bool:
-        """Renew the lease now. Returns False (and marks it lost) if someone else took it."""
-        if self._current is None:
+        """Renew the lease now. Returns False (and marks it lost) if someone else took it.
+
+        Thread-safe. A storage error is not a loss (returns True): the lease only changes
+        hands after ``ttl_seconds`` without a heartbeat.
+        """
+        with self._lock:
+            return self._heartbeat_locked()
+
+    def _heartbeat_locked(self) -> bool:
+        if self._current is None or self.lost:
             return False
         info = json.loads(self._current)
         new = self._record(info["acquired_unix"])
@@ -136,11 +176,20 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self._current is not None and not self.lost:
-            info, raw = self.read()
-            if raw == self._current:
+        with self._lock:
+            if self._current is not None and not self.lost:
                 try:
-                    self.storage.delete(LEASE_NAME)
+                    info, raw = self.read()
+                    if raw == self._current:
+                        self.storage.delete(LEASE_NAME)
                 except Exception as exc:  # noqa: BLE001
                     log.warning("could not release the lease on %s: %s", self.storage.url, exc)
-        self._current = None
+            self._current = None
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None

@@ -48,7 +48,7 @@ class CheckpointManager:
     """Checkpoint a training job under ``root``; resume it from the newest valid checkpoint.
 
     Args:
-        root: local path or fsspec URL (``s3://bucket/prefix``).
+        root: local path or fsspec URL (``s3://bucket/prefix``), or a ``Storage``.
         cadence: a policy with ``should_save(step, now)`` (see ``ckpt.cadence``) or a string
             (``"auto"``, ``"100"`` steps, ``"300s"``); None saves only when asked.
         retention: policies deciding which older checkpoints to delete (default: keep last 3
@@ -59,20 +59,26 @@ class CheckpointManager:
         raise_on_failure: re-raise a background failure at the next call (default: only
             report it through events, logs and ``wait()``).
         max_attempts: attempts per save before it is reported failed.
+        retry_backoff_seconds: pause before the second attempt (doubling, at most 5 s).
+
+    Failures are never silent: a save that fails after ``max_attempts`` emits a final
+    ``save_failed`` event and an error log line; its folder is never committed.
     """
 
-    def __init__(self, root: str, *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, root: str | Storage, *, storage_options: dict[str, Any] | None = None,
                  cadence: Any = None, retention: Sequence[RetentionPolicy] | None = None,
                  async_save: bool = True, busy: str = "skip", verify: str = "full",
                  num_threads: int = 4, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
                  raise_on_failure: bool = False, max_attempts: int = 3,
+                 retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
                  process_group=None, events: EventBus | None = None):
         if busy not in ("skip", "wait"):
             raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        self.storage = Storage(root, storage_options)
+        self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+        self.storage.makedirs("")  # the lease and the first save need the root to exist
         self.store = CheckpointStore(self.storage)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -92,6 +98,7 @@ class CheckpointManager:
         self.num_threads = num_threads
         self.raise_on_failure = raise_on_failure
         self.max_attempts = max_attempts
+        self.retry_backoff_seconds = retry_backoff_seconds
         self.layout = dict(layout or {})
         self.staging = StagingBuffers()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
@@ -157,11 +164,17 @@ class CheckpointManager:
         return self.lease.holder_id if self.lease is not None else None
 
     # -- agreement -----------------------------------------------------------------------
-    def _agree_max(self, *values: int) -> list[int]:
+    def _agree_max(self, *values: int, group=None) -> list[int]:
+        """Element-wise MAX of ``values`` over all ranks (on ``group``; default: control).
+
+        The control group is only used from the calling (main) thread, the background group
+        only from the persist thread.
+        """
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                        group=self._ctl_group if group is None else group)
         return t.tolist()
 
     # -- saving ------------------------------------------------------------------------------
@@ -180,34 +193,49 @@ class CheckpointManager:
         """
         now = time.monotonic()
         self._observe_step(now)
-        self._raise_pending_failure()
-        if self.cadence is None:
-            return False
-        want = bool(self.cadence.should_save(step, time.time()))
-        if not getattr(self.cadence, "deterministic", False):
-            want = bool(self._agree_max(int(want))[0])
+        want = False
+        if self.cadence is not None:
+            want = bool(self.cadence.should_save(step, time.time()))
+            if not getattr(self.cadence, "deterministic", False):
+                want = bool(self._agree_max(int(want))[0])
         if not want:
+            # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
+            self._raise_pending_failure()
             return False
         return self.save(step, state, user_metadata=user_metadata)
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
              force: bool = False) -> bool:
-        """Save now (collective). ``force`` waits for an in-flight save instead of skipping."""
-        self._raise_pending_failure()
-        if self.lease is not None and self.lease.lost:
-            self.events.emit("save_skipped", step, reason="lease lost")
-            log.error("not saving step %d: the lease on %s was lost", step, self.storage.url)
+        """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
+
+        Returns True when a save was started. Every rank takes the same branch: whether the
+        previous save is in flight, whether ``step`` is committed, whether the lease is lost
+        and whether a failure is pending are agreed in one all-reduce first.
+        """
+        if self._closed:
+            raise RuntimeError("CheckpointManager.save() called after close()")
+        lease_lost = self.lease is not None and self.lease.lost
+        pending_failure = self.raise_on_failure and self._failure is not None
+        busy, exists, lost, failed = self._agree_max(
+            int(self.in_flight()), int(self._committed(step)), int(lease_lost),
+            int(pending_failure))
+        if failed:
+            self._raise_agreed_failure()
+        if lost:
+            self.events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
+            log.error("not saving step %d: the write lease on %s was lost to another job",
+                      step, self.storage.url)
             return False
-        busy, exists = self._agree_max(int(self.in_flight()), int(self._committed(step)))
         if exists:
-            self.events.emit("save_skipped", step, reason="already committed")
+            self.events.emit("save_skipped", step, reason="already committed",
+                             outcome="skipped")
             return False
         if busy:
             if self.busy == "skip" and not force:
                 self.num_skipped += 1
                 self.events.emit("save_skipped", step, reason="previous save in flight",
-                                 in_flight_step=self._inflight_step,
+                                 outcome="skipped", in_flight_step=self._inflight_step,
                                  num_skipped=self.num_skipped)
                 log.warning("checkpoint at step %d skipped: the save of step %s is still "
                             "persisting (%d skipped so far)", step, self._inflight_step,
@@ -215,7 +243,10 @@ class CheckpointManager:
                 return False
             t0 = time.monotonic()
             self._wait_inflight()
-            self.events.emit("save_waited", step, wait_seconds=time.monotonic() - t0)
+            self.events.emit("save_waited", step, wait_seconds=time.monotonic() - t0,
+                             in_flight_step=self._inflight_step)
+            # The save waited for may have failed; its outcome is the same on every rank.
+            self._raise_pending_failure()
         t0 = time.monotonic()
         first = self.num_saves == 0
         staged, nbytes = self.staging.stage(api.resolve_state(state))
@@ -225,6 +256,7 @@ class CheckpointManager:
         if self.cadence is not None and hasattr(self.cadence, "record_saved"):
             self.cadence.record_saved(step, time.time())
         self._steps_while_busy = 0
+        self._failure = None  # wait() reports the outcome of the newest save only
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
                                     dict(user_metadata or {}), t0)
         self._inflight, self._inflight_step = job, step
@@ -239,50 +271,104 @@ class CheckpointManager:
         return self.last_committed is not None and self.last_committed.step == step or \
             self.storage.exists(f"{step_dirname(step)}/manifest.json")
 
+    def _may_commit(self) -> bool:
+        """Coordinator, inside the commit: refuse when abandoned or when the lease is gone.
+
+        Raising (rather than returning False) sends the same ``SaveAbandoned`` to every rank
+        through DCP's result broadcast, so no rank retries alone.
+        """
+        if self._abandon.is_set():
+            raise SaveAbandoned("save abandoned at shutdown before its commit; it stays "
+                                "uncommitted and a later job removes its files")
+        if self.lease is not None and not self.lease.heartbeat():
+            raise SaveAbandoned(f"lease lost: another job took over {self.storage.url}; "
+                                f"not committing")
+        return True
+
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float) -> Manifest | None:
-        """Background thread: write, commit, apply retention. All ranks run it in lockstep."""
+        """Background thread: write, commit, apply retention.
+
+        All ranks run it in lockstep, attempt for attempt: each decision is either agreed on
+        the background group or is the outcome of a DCP collective, which every rank sees
+        alike (a failure on one rank fails the save on all).
+        """
         retries_before = self.storage.retry.num_retries
         t0 = time.monotonic()
+        manifest = None
+        attempt = 0
         for attempt in range(1, self.max_attempts + 1):
             try:
-                if self._abandon.is_set():
+                if self._agree_max(int(self._abandon.is_set()), group=self._bg_group)[0]:
                     raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
                 manifest = api.save(
                     staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
                     process_group=self._bg_group, num_threads=self.num_threads, owner=self.owner,
-                    resolved=True, should_commit=lambda: not self._abandon.is_set())
+                    resolved=True, should_commit=self._may_commit)
                 break
             except FileExistsError:
-                self.events.emit("save_skipped", step, reason="already committed")
+                self.events.emit("save_skipped", step, reason="already committed",
+                                 outcome="skipped")
                 return None
             except BaseException as exc:  # noqa: BLE001 - reported, never silent
-                final = attempt == self.max_attempts or isinstance(exc, SaveAbandoned)
+                abandoned = isinstance(exc, SaveAbandoned)
+                final = attempt == self.max_attempts or abandoned
+                outcome = "abandoned" if abandoned else ("failed" if final else "retrying")
                 self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
-                                 attempt=attempt, final=final)
-                log.error("checkpoint save of step %d failed (attempt %d/%d): %s", step,
-                          attempt, self.max_attempts, exc)
+                                 attempt=attempt, final=final, outcome=outcome,
+                                 stall_seconds=stall, bytes=nbytes,
+                                 persist_seconds=time.monotonic() - t0,
+                                 retries=self.storage.retry.num_retries - retries_before
+                                 + attempt - 1)
+                log.error("checkpoint save of step %d failed (attempt %d/%d%s): %s", step,
+                          attempt, self.max_attempts, "" if final else ", retrying", exc)
                 if final:
                     self._failure = exc
+                    if not abandoned:
+                        self._remove_uncommitted(step)
                     return None
-                time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
+                time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
         persist = time.monotonic() - t0
         if self.rank == 0:
             self.last_committed = manifest
-        self.events.emit("save_committed", step, persist_seconds=persist,
-                         total_seconds=time.monotonic() - t_start, bytes=nbytes,
-                         bytes_per_second=nbytes / persist if persist > 0 else 0.0,
-                         retries=self.storage.retry.num_retries - retries_before,
+        self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
+                         persist_seconds=persist, total_seconds=time.monotonic() - t_start,
+                         bytes=nbytes, bytes_per_second=nbytes / persist if persist > 0 else 0.0,
+                         retries=self.storage.retry.num_retries - retries_before + attempt - 1,
+                         attempts=attempt,
                          total_bytes=manifest.total_bytes if manifest else None)
         if self.cadence is not None and hasattr(self.cadence, "record_save"):
-            self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
-                                     num_bytes=nbytes, slowdown_seconds=self._slowdown())
+            try:
+                self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
+                                         num_bytes=nbytes, slowdown_seconds=self._slowdown())
+            except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
+                log.exception("cadence policy failed to record the save of step %d", step)
         if self.rank == 0 and self.retention:
-            apply_retention(
-                self.store, self.retention, protect={step},
-                on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
+            try:
+                apply_retention(
+                    self.store, self.retention, protect={step},
+                    on_deleted=lambda s: self.events.emit("retention_deleted", s),
+                    on_failed=lambda s, e: self.events.emit("retention_failed", s,
+                                                            error=str(e)))
+            except Exception as exc:  # noqa: BLE001 - retention must never crash a job
+                log.warning("retention after step %d failed: %s", step, exc)
+                self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
         return manifest
+
+    def _remove_uncommitted(self, step: int) -> None:
+        """Coordinator, after a final failure: remove the step's files (never a commit).
+
+        Every rank has returned from the failed DCP call (its result is gathered from all),
+        so nobody writes there any more. Best effort: a later job removes what is left.
+        """
+        if self.rank != 0:
+            return
+        d = step_dirname(step)
+        try:
+            if not self.storage.exists(f"{d}/manifest.json"):
+                self.storage.delete(d, recursive=True)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove the files of failed save %d: %s", step, exc)
 
     def _slowdown(self) -> float:
         """Extra training time spent while the last save persisted (step-time difference)."""
@@ -312,10 +398,18 @@ class CheckpointManager:
             exc, self._failure = self._failure, None
             raise exc
 
+    def _raise_agreed_failure(self) -> None:
+        """Some rank saw the last save fail: every rank did (or will), so all raise here."""
+        self._wait_inflight()
+        exc, self._failure = self._failure, None
+        raise exc if exc is not None else CheckpointError(
+            "the previous checkpoint save failed on another rank")
+
     def wait(self, raise_errors: bool = True) -> Manifest | None:
         """Block until the in-flight save (if any) is committed or failed.
 
-        Re-raises that save's failure when ``raise_errors``.
+        Returns the committed manifest (on rank 0; None elsewhere or on failure). Re-raises
+        the newest save's failure when ``raise_errors``.
         """
         result = self._inflight.result() if self._inflight is not None else None
         if raise_errors and self._failure is not None:
@@ -325,7 +419,7 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
-                    strict: bool = True) -> Manifest | None:
+                    strict: bool = True, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies.
 
         Returns the manifest loaded, or None when there is nothing to resume from.
@@ -336,16 +430,20 @@ class CheckpointManager:
         try:
             if step is not None:
                 manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
-                                    process_group=self._ctl_group, num_threads=self.num_threads)
+                                    process_group=self._ctl_group, num_threads=self.num_threads,
+                                    ignore_keys=ignore_keys)
             else:
                 manifest = api.load_latest(state, self.storage, verify=self.verify,
                                            strict=strict, process_group=self._ctl_group,
-                                           num_threads=self.num_threads)
+                                           num_threads=self.num_threads, ignore_keys=ignore_keys)
         finally:
             logging.getLogger("ckpt.api").removeHandler(fallbacks)
         if manifest is not None:
-            self.events.emit("load_done", manifest.step, seconds=time.monotonic() - t0,
-                             bytes=manifest.total_bytes, verify=self.verify)
+            seconds = time.monotonic() - t0
+            self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
+                             bytes=manifest.total_bytes, verify=self.verify,
+                             bytes_per_second=manifest.total_bytes / seconds if seconds > 0
+                             else 0.0, num_fallbacks=fallbacks.num_fallbacks)
         return manifest
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -353,6 +451,8 @@ class CheckpointManager:
         """Finish (``flush``) or abandon the in-flight save, then release the lease.
 
         An abandoned save is never committed: its leftovers are removed by a later run.
+        Collective when a save is in flight (its remaining attempts involve every rank).
+        With ``raise_on_failure``, a flushed save that failed is re-raised after cleanup.
         """
         if self._closed:
             return
@@ -369,6 +469,8 @@ class CheckpointManager:
             self._executor.shutdown(wait=True)
             if self.lease is not None:
                 self.lease.release()
+        if flush:
+            self._raise_pending_failure()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -383,9 +485,11 @@ class _FallbackRecorder(logging.Handler):
     def __init__(self, events: EventBus):
         super().__init__(level=logging.WARNING)
         self.events = events
+        self.num_fallbacks = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         if "falling back" in record.getMessage():
             step = record.args[0] if record.args else None
+            self.num_fallbacks += 1
             self.events.emit("load_fallback", step if isinstance(step, int) else None,
                              reason=record.getMessage())

@@ -1,0 +1,138 @@
+"""Failure detection for the training loop: hangs, bad losses, preemption, stragglers.
+
+Each detector is a small object the loop consults once per step. Decisions that change what
+the job does (skip a step, roll back, save and leave) must be the same on every rank: the
+loss and gradient norm the guard sees are global values (identical on all ranks), and the
+preemption flag is agreed with an all-reduce by the loop.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+__all__ = ["HangWatchdog", "LossGuard", "Preemption", "StragglerDetector"]
+
+log = logging.getLogger(__name__)
+
+
+class HangWatchdog:
+    """Kills the process when no step completes for ``timeout_seconds``.
+
+    A hung collective (a dead peer, a deadlock) never returns; the only way forward is to
+    leave, so that torchrun restarts the group and the job resumes from its checkpoint. All
+    threads' stacks are dumped to stderr first, to show where it hung.
+    """
+
+    def __init__(self, timeout_seconds: float, on_hang: Callable[[float], None] | None = None,
+                 exit_code: int = 124):
+        self.timeout_seconds = timeout_seconds
+        self.on_hang = on_hang
+        self.exit_code = exit_code
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.grace_seconds = 0.0  # extra time allowed for the current step (e.g. first step)
+
+    def start(self) -> "HangWatchdog":
+        if self.timeout_seconds > 0:
+            self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+        self.grace_seconds = 0.0
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout_seconds / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_seconds + self.grace_seconds:
+                sys.stderr.write(f"\nwatchdog: no training progress for {idle:.0f}s "
+                                 f"(limit {self.timeout_seconds:.0f}s); stacks follow\n")
+                faulthandler.dump_traceback(all_threads=True)
+                if self.on_hang is not None:
+                    try:
+                        self.on_hang(idle)
+                    except Exception:  # noqa: BLE001
+                        pass
+                sys.stderr.flush()
+                os._exit(self.exit_code)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LossGuard:
+    """Flags non-finite losses and spikes (loss > factor x mean of the recent window)."""
+
+    def __init__(self, spike_factor: float = 10.0, window: int = 20):
+        self.spike_factor = spike_factor
+        self.window: deque[float] = deque(maxlen=max(1, window))
+
+    def check(self, loss: float, grad_norm: float | None = None) -> str | None:
+        """Returns None if fine, else the reason ('nan' or 'spike'). Does not record bad values."""
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            return "nan"
+        if self.spike_factor > 0 and len(self.window) == self.window.maxlen:
+            mean = sum(self.window) / len(self.window)
+            if loss > self.spike_factor * mean:
+                return "spike"
+        self.window.append(loss)
+        return None
+
+    def state_dict(self) -> dict:
+        return {"window": list(self.window)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window.clear()
+        self.window.extend(float(x) for x in state.get("window", []))
+
+
+class Preemption:
+    """Records SIGTERM/SIGUSR1 so the loop can checkpoint and leave at a step boundary."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def install(self) -> "Preemption":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received = signum
+        log.warning("received %s: will checkpoint and exit after this step",
+                    signal.Signals(signum).name)
+
+    def uninstall(self) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+
+
+class StragglerDetector:
+    """Finds ranks whose step time is well above the median of all ranks."""
+
+    def __init__(self, factor: float = 2.0):
+        self.factor = factor
+
+    def find(self, step_seconds_by_rank: list[float]) -> list[int]:
+        if self.factor <= 0 or len(step_seconds_by_rank) < 2:
+            return []
+        ordered = sorted(step_seconds_by_rank)
+        median = ordered[len(ordered) // 2]
+        return [r for r, t in enumerate(step_seconds_by_rank)
+                if median > 0 and t > self.factor * median]

@@ -1,0 +1,363 @@
+"""The training loop: build the parallel model, train, checkpoint, detect failures, resume.
+
+Every rank runs :func:`run` with the same config. The loop per step: next batch (this dp
+rank's slice of the global batch) -> forward/backward (pipelined when pp > 1, micro-batched
+for gradient accumulation) -> global gradient norm and clipping -> loss guard (NaN/spike) ->
+optimizer and LR step -> log, metrics -> preemption check -> ``maybe_save`` (the cadence
+policy decides; the stall is only the staging copy). On start it resumes by itself from the
+newest checkpoint under ``checkpoint.root`` that verifies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt.events import EventBus, JsonlEventLog
+from ckpt.stateful import RNGState
+from trainer.config import Config, ConfigError, config_fingerprint, config_to_dict
+from trainer.data import build_loader, split_microbatches
+from trainer.distributed import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_HANG,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    DistEnv,
+)
+from trainer.faults import HangWatchdog, LossGuard, Preemption, StragglerDetector
+
+__all__ = ["Trainer", "TrainingStopped"]
+
+log = logging.getLogger("trainer")
+
+
+class TrainingStopped(RuntimeError):
+    """The loss guard gave up (too many bad steps, or policy 'stop')."""
+
+
+class _ModelOptimState:
+    """Model and optimizer state under the full model's parameter names (any layout)."""
+
+    def __init__(self, model, optimizers):
+        self.model, self.optimizers = model, optimizers
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.model_state_dict(),
+                "optim": self.model.optimizer_state_dict(self.optimizers)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_model_state_dict(sd["model"])
+        self.model.load_optimizer_state_dict(self.optimizers, sd["optim"])
+
+
+class _ListState:
+    """A list of Stateful objects (one LR scheduler per model part) as one state dict."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def state_dict(self) -> dict:
+        return {str(i): it.state_dict() for i, it in enumerate(self.items)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for i, it in enumerate(self.items):
+            it.load_state_dict(sd[str(i)])
+
+
+class _TrainerState:
+    def __init__(self, trainer: "Trainer"):
+        self.t = trainer
+
+    def state_dict(self) -> dict:
+        return {"step": self.t.step, "fingerprint": self.t.fingerprint,
+                "guard": self.t.guard.state_dict(), "num_skipped": self.t.num_skipped_steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.t.step = int(sd["step"])
+        self.t.loaded_fingerprint = sd.get("fingerprint")
+        self.t.guard.load_state_dict(sd.get("guard", {}))
+        self.t.num_skipped_steps = int(sd.get("num_skipped", 0))
+
+
+class Trainer:
+    """One rank's view of a training job. Build on every rank, then call :meth:`fit`."""
+
+    def __init__(self, cfg: Config, env: DistEnv, *, events: EventBus | None = None):
+        from trainer import mesh as mesh_mod
+        from trainer.parallelize import build_parallel_model
+
+        self.env = env
+        self.cfg = cfg = cfg.resolved(env.world_size)
+        self.fingerprint = config_fingerprint(cfg)
+        self.loaded_fingerprint: str | None = None
+        p, t = cfg.parallel, cfg.training
+        self.par = mesh_mod.ParallelConfig(
+            pp=p.pp, dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, schedule=p.pp_schedule,
+            n_microbatches=p.n_microbatches, stages_per_rank=p.stages_per_rank,
+            sequence_parallel=p.sequence_parallel,
+            param_dtype="bfloat16" if t.mixed_precision == "bf16" else "float32")
+        from trainer.model import ModelConfig as _MC
+
+        self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
+                                for f in dataclasses.fields(_MC)})
+        torch.manual_seed(t.seed)
+        self.mesh = None
+        if env.distributed:
+            self.mesh = mesh_mod.build_mesh(self.par, env.device.type, self.model_cfg,
+                                            t.global_batch_size // t.grad_accum_steps, t.seq_len)
+        self.model = build_parallel_model(self.model_cfg, self.par, self.mesh, t.seed,
+                                          env.device, t.global_batch_size // t.grad_accum_steps)
+        self.optimizers = [torch.optim.AdamW(part.parameters(), lr=t.lr, betas=tuple(t.betas),
+                                             eps=t.eps, weight_decay=t.weight_decay)
+                           for part in self.model.model_parts]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: t.lr_at(s) / t.lr)
+                           for o in self.optimizers]
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.loader = build_loader(cfg, dp_rank, p.dp)
+        self.step = 0
+        self.num_skipped_steps = 0
+        self.guard = LossGuard(cfg.fault.spike_factor, cfg.fault.spike_window)
+        self.stragglers = StragglerDetector(cfg.fault.straggler_factor)
+        self.preemption = Preemption()
+        self.events = events or EventBus(rank=env.rank)
+        self.ctl_group = dist.new_group(backend="gloo") if env.distributed else None
+        self.losses: list[tuple[int, float]] = []
+        self.metrics = None
+        if cfg.metrics.port and env.rank == 0:
+            from monitoring import Metrics
+
+            self.metrics = Metrics(self.events, rank=env.rank)
+            port = self.metrics.serve(cfg.metrics.port, cfg.metrics.host)
+            log.info("metrics on http://%s:%d/metrics", cfg.metrics.host, port)
+        if cfg.metrics.jsonl_path and env.rank == 0:
+            self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
+        self.manager = self._build_manager() if cfg.checkpoint.enabled else None
+
+    # -- checkpointing -----------------------------------------------------------------------
+    def _build_manager(self):
+        from ckpt.cadence import Auto, EverySeconds, EverySteps
+        from ckpt.manager import CheckpointManager
+        from ckpt.retention import KeepEvery, KeepLast, KeepPinned
+        from ckpt.store import CheckpointStore
+
+        c = self.cfg.checkpoint
+        kind, value = c.interval_kind()
+        if kind == "steps":
+            cadence = EverySteps(int(value))
+        elif kind == "seconds":
+            cadence = EverySeconds(float(value))
+        else:
+            cadence = Auto(mtbf_seconds=c.mtbf_hours * 3600.0, overhead_budget=c.overhead_budget,
+                           initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        retention = []
+        if c.keep_last > 0:
+            retention.append(KeepLast(c.keep_last))
+            if c.keep_every > 0:
+                retention.append(KeepEvery(c.keep_every))
+        layout = {"pp": self.par.pp, "dp": self.par.dp, "tp": self.par.tp,
+                  "dp_mode": self.par.dp_mode, "world_size": self.env.world_size}
+        mgr = CheckpointManager(c.root, storage_options=c.storage_options or None,
+                                cadence=cadence, retention=retention, async_save=c.async_save,
+                                verify=c.verify, layout=layout, events=self.events,
+                                raise_on_failure=c.fail_on_error)
+        if retention:
+            mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
+        return mgr
+
+    def checkpoint_state(self, with_rng: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "app": _ModelOptimState(self.model, self.optimizers),
+            "sched": _ListState(self.schedulers),
+            "data": self.loader,
+            "trainer": _TrainerState(self),
+        }
+        if with_rng:
+            state["rng"] = RNGState(self.env.rank)
+        return state
+
+    def resume(self) -> int | None:
+        """Load the newest valid checkpoint (or ``checkpoint.load_step``); None if none."""
+        if self.manager is None or not self.cfg.checkpoint.resume:
+            return None
+        c = self.cfg.checkpoint
+        manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
+                                            step=c.load_step, ignore_keys=("rng.",))
+        if manifest is None:
+            log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
+                else None
+            return None
+        same_layout = manifest.world_size == self.env.world_size and all(
+            manifest.layout.get(k) == v for k, v in
+            (("pp", self.par.pp), ("dp", self.par.dp), ("tp", self.par.tp)))
+        if same_layout:
+            from ckpt import api
+
+            api.load({"rng": RNGState(self.env.rank)}, self.manager.storage, manifest,
+                     verify=c.verify, process_group=self.manager._ctl_group,
+                     ignore_keys=("app.", "sched.", "data.", "trainer.", "rng."))
+        if self.loaded_fingerprint and self.loaded_fingerprint != self.fingerprint:
+            log.warning("checkpoint step %d was written with a different model/data/optimizer "
+                        "config (fingerprint %s, now %s): the run will not continue bit for bit",
+                        manifest.step, self.loaded_fingerprint, self.fingerprint)
+        if self.env.rank == 0:
+            log.info("resumed from %s step %d%s", c.root, manifest.step,
+                     "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
+        self.events.emit("resumed", manifest.step, same_layout=same_layout)
+        if hasattr(self.manager.cadence, "record_saved"):
+            self.manager.cadence.record_saved(self.step, time.time())
+        return manifest.step
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _agree_any(self, flag: bool) -> bool:
+        if self.ctl_group is None:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group)
+        return bool(t.item())
+
+    def train_step(self) -> tuple[float, float]:
+        t = self.cfg.training
+        inputs, targets = self.loader.next_batch()
+        chunks = split_microbatches(inputs, targets, t.grad_accum_steps)
+        loss = 0.0
+        for i, (x, y) in enumerate(chunks):
+            loss += self.model.forward_backward(
+                x, y, num_accum_steps=len(chunks), sync_grads=(i == len(chunks) - 1))
+        loss /= len(chunks)
+        grad_norm = self.model.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
+        return loss, grad_norm
+
+    def _handle_bad_step(self, verdict: str, loss: float) -> None:
+        f = self.cfg.fault
+        self.events.emit("failure", self.step, failure=verdict, loss=loss)
+        log.warning("step %d: %s loss %.4g (policy %s)", self.step, verdict, loss, f.nan_policy)
+        self.num_skipped_steps += 1
+        if f.nan_policy == "stop" or self.num_skipped_steps > f.max_skips:
+            raise TrainingStopped(f"step {self.step}: {verdict} loss {loss!r}; stopping "
+                                  f"(fault.nan_policy={f.nan_policy}, {self.num_skipped_steps} "
+                                  f"bad steps, fault.max_skips={f.max_skips})")
+        if f.nan_policy == "rollback" and self.manager is not None:
+            bad_batch = self.loader.global_batch_index - 1
+            self.manager.wait(raise_errors=False)
+            manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
+                                                ignore_keys=("rng.",))
+            if manifest is not None:
+                skipped = self.num_skipped_steps
+                consumed = (bad_batch + 1) * self.loader.global_batch_size
+                st = self.loader.state_dict()
+                st.update(next_batch=bad_batch + 1, samples_consumed=consumed)
+                self.loader.load_state_dict(st)  # continue past the bad batch
+                self.num_skipped_steps = skipped
+                log.warning("rolled back to step %d; continuing after the bad batch %d",
+                            manifest.step, bad_batch)
+
+    def fit(self) -> int:
+        cfg, t = self.cfg, self.cfg.training
+        watchdog = HangWatchdog(cfg.fault.hang_timeout_seconds, exit_code=EXIT_HANG,
+                                on_hang=lambda idle: self.events.emit("failure", self.step,
+                                                                      failure="hang"))
+        if cfg.fault.handle_preemption:
+            self.preemption.install()
+        start_step = self.resume()
+        if self.env.rank == 0 and start_step is None:
+            log.info("starting at step 0 (%d parameters, layout pp%d dp%d tp%d, %s)",
+                     self.model_cfg.num_params(), self.par.pp, self.par.dp, self.par.tp,
+                     self.env.device)
+        if self.manager is not None:
+            self.manager.prepare(self.checkpoint_state())
+        watchdog.grace_seconds = 120.0  # first steps include warm-up
+        watchdog.start()
+        tokens_per_step = t.global_batch_size * t.seq_len
+        exit_code = EXIT_OK
+        try:
+            while self.step < t.steps:
+                t0 = time.perf_counter()
+                loss, grad_norm = self.train_step()
+                verdict = self.guard.check(loss, grad_norm)
+                if verdict is None:
+                    for o in self.optimizers:
+                        o.step()
+                    self.num_skipped_steps = 0
+                for o in self.optimizers:
+                    o.zero_grad(set_to_none=True)
+                if verdict is None:
+                    for s in self.schedulers:
+                        s.step()
+                self.step += 1
+                if verdict is not None:
+                    self._handle_bad_step(verdict, loss)
+                dt = time.perf_counter() - t0
+                self.losses.append((self.step, loss))
+                self.events.emit("train_step", self.step, loss=loss, grad_norm=grad_norm,
+                                 step_seconds=dt, tokens_per_second=tokens_per_step / dt,
+                                 lr=self.schedulers[0].get_last_lr()[0])
+                if self.env.rank == 0 and (self.step % t.log_every == 0 or self.step == 1
+                                           or self.step == t.steps):
+                    log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step",
+                             self.step, loss, grad_norm, tokens_per_step / dt, dt)
+                if self.step % max(1, t.log_every) == 0:
+                    self._check_stragglers(dt)
+                watchdog.progress()
+                if self._agree_any(self.preemption.received is not None):
+                    log.warning("preemption signal: saving step %d and exiting", self.step)
+                    self.events.emit("failure", self.step, failure="preempted")
+                    if self.manager is not None:
+                        self.manager.save(self.step, self.checkpoint_state(), force=True,
+                                          block=True, user_metadata={"loss": loss})
+                    exit_code = EXIT_PREEMPTED
+                    break
+                if self.manager is not None and self.step < t.steps:
+                    self.manager.maybe_save(self.step, self.checkpoint_state(),
+                                            user_metadata={"loss": loss})
+            else:
+                if self.manager is not None:
+                    # The last step is always checkpointed, so a finished run can be exported.
+                    self.manager.save(self.step, self.checkpoint_state(), force=True,
+                                      block=True, user_metadata={"loss": self.losses[-1][1]
+                                                                 if self.losses else None})
+        finally:
+            watchdog.stop()
+            self.preemption.uninstall()
+            if self.manager is not None:
+                self.manager.close(flush=True)
+            if self.metrics is not None:
+                self.metrics.shutdown()
+        return exit_code
+
+    def _check_stragglers(self, dt: float) -> None:
+        if self.ctl_group is None or self.cfg.fault.straggler_factor <= 0:
+            return
+        times = torch.zeros(self.env.world_size, dtype=torch.float64)
+        mine = torch.tensor([dt], dtype=torch.float64)
+        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(self.env.world_size)]
+        dist.all_gather(gathered, mine, group=self.ctl_group)
+        times = [float(g) for g in gathered]
+        slow = self.stragglers.find(times)
+        if slow and self.env.rank == 0:
+            log.warning("step %d: straggler rank(s) %s (step times %s)", self.step, slow,
+                        ", ".join(f"{x:.3f}s" for x in times))
+            for r in slow:
+                self.events.emit("failure", self.step, failure="straggler", slow_rank=r)
+
+
+def run(cfg: Config, env: DistEnv) -> int:
+    """Train per ``cfg``; returns the process exit code (see trainer.distributed)."""
+    try:
+        trainer = Trainer(cfg, env)
+        return trainer.fit()
+    except (ConfigError, ValueError) as exc:
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    except TrainingStopped as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED

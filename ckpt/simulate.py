@@ -129,12 +129,12 @@ def simulate_many(
     done_segments = np.zeros(shape, dtype=np.int64)
     wall = np.full(shape, np.nan)
     gap_start = np.zeros(num_runs)  # wall time of the failure that opened the current gap
-    gaps = np.empty((num_runs, 0))
+    gaps = rng.exponential(mtbf, size=(_GAP_BLOCK, num_runs))
     k = 0
     while True:
-        if k == gaps.shape[1]:
-            gaps = np.concatenate([gaps, rng.exponential(mtbf, size=(num_runs, _GAP_BLOCK))], axis=1)
-        gap = gaps[:, k]
+        if k and k % _GAP_BLOCK == 0:  # blocks are drawn in order, so run i's history is fixed
+            gaps = rng.exponential(mtbf, size=(_GAP_BLOCK, num_runs))
+        gap = gaps[k % _GAP_BLOCK]
         lost_to_restart = 0.0 if k == 0 else restart
         available = (gap - lost_to_restart)[None, :]
         need = (num_segments - done_segments - 1) * length + last_length

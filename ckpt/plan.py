@@ -1,0 +1,356 @@
+"""``ckpt plan``: how often to checkpoint, given size, bandwidth, stall and failure rate.
+
+Library use: :func:`make_plan` (pure) and :func:`measure_bandwidth` (real I/O through fsspec).
+CLI use: the ``ckpt`` command wires :func:`add_plan_arguments` and :func:`run_plan`;
+``python -m ckpt.plan ...`` runs the same thing standalone. Formulas: docs/cadence.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from ckpt.cadence import optimal_interval, parse_duration, young_daly_interval
+
+__all__ = [
+    "Plan",
+    "BandwidthMeasurement",
+    "make_plan",
+    "format_plan",
+    "measure_bandwidth",
+    "parse_size",
+    "parse_bandwidth",
+    "add_plan_arguments",
+    "run_plan",
+    "main",
+]
+
+HOST_COPY_BYTES_PER_SECOND = 10e9
+"""Default device-to-host staging bandwidth used to estimate the stall when ``--stall`` is not
+given: a conservative figure for one GPU's copy into pinned host memory over PCIe 4/5."""
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or
+    KiB, MiB, GiB, TiB (powers of 1024), case-insensitive, e.g. ``"14GB"``, ``"256MiB"``."""
+    match = _SIZE_RE.match(str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: pass a number with an optional unit B, KB, MB, GB, TB, "
+            f"KiB, MiB, GiB or TiB, e.g. '14GB' or '256MiB'"
+        )
+    return int(round(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]))
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second in ``text``: a size per second such as ``"2GB/s"`` or ``"500MiB/s"``
+    (the ``/s`` may be omitted). Must be > 0."""
+    raw = str(text).strip()
+    body = raw[:-2] if raw.lower().endswith("/s") else raw
+    try:
+        value = parse_size(body)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"invalid bandwidth {text!r}: pass a size per second > 0, e.g. '2GB/s' or '500MiB/s'")
+    return float(value)
+
+
+def _parse_fraction(text: str) -> float | None:
+    raw = str(text).strip()
+    if raw.lower() in {"none", "off"}:
+        return None
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ValueError(f"invalid overhead budget {text!r}: pass a fraction in (0, 1] such as 0.01, "
+                         f"a percentage such as '1%', or 'none'")
+    return value
+
+
+@dataclass(frozen=True)
+class BandwidthMeasurement:
+    """Throughput of writing then reading one test object of ``num_bytes`` at ``url``."""
+
+    url: str
+    num_bytes: int
+    write_bytes_per_second: float
+    read_bytes_per_second: float
+
+
+def measure_bandwidth(
+    url: str,
+    num_bytes: int = 256 * 2**20,
+    storage_options: dict[str, Any] | None = None,
+    chunk_bytes: int = 8 * 2**20,
+) -> BandwidthMeasurement:
+    """Write ``num_bytes`` of random data to a new object under ``url``, read it back, delete it.
+
+    Goes through ``fsspec.core.url_to_fs(url, **storage_options)``, so any fsspec URL works
+    (local paths, ``file://``, ``s3://bucket/prefix``, ``memory://``). The write is timed until
+    the object is closed (uploaded); on a local filesystem it is also fsync'ed and dropped from
+    the page cache so both figures reflect the disk. A missing local directory is created. The
+    test object is removed even if a step fails; I/O errors propagate as ``OSError``.
+    """
+    import fsspec
+
+    if num_bytes < 1:
+        raise ValueError(f"num_bytes={num_bytes!r} is invalid: pass a test object size >= 1 byte")
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    local = "file" in protocols or "local" in protocols
+    if local:
+        fs.makedirs(root, exist_ok=True)
+    path = f"{root.rstrip('/')}/.ckpt-plan-probe-{uuid.uuid4().hex}"
+    chunk = os.urandom(min(chunk_bytes, num_bytes))
+    try:
+        start = time.perf_counter()
+        with fs.open(path, "wb") as f:
+            left = num_bytes
+            while left > 0:
+                f.write(chunk if left >= len(chunk) else chunk[:left])
+                left -= len(chunk)
+        if local:
+            _sync_and_drop_cache(path)
+        write_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        num_read = 0
+        with fs.open(path, "rb") as f:
+            while data := f.read(chunk_bytes):
+                num_read += len(data)
+        read_seconds = time.perf_counter() - start
+    finally:
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
+    if num_read != num_bytes:
+        raise OSError(f"read back {num_read} bytes of the {num_bytes}-byte test object at {url!r}")
+    return BandwidthMeasurement(url, num_bytes, num_bytes / max(write_seconds, 1e-9),
+                                num_bytes / max(read_seconds, 1e-9))
+
+
+def _sync_and_drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A recommended cadence and what it costs; all times in seconds, JSON-safe."""
+
+    size_bytes: int
+    bandwidth_bytes_per_second: float
+    bandwidth_source: str
+    """``"given"`` or ``"measured"`` (then ``measured_*`` hold both directions)."""
+    persist_seconds: float
+    """``size / bandwidth``: background write time of one checkpoint."""
+    stall_seconds: float
+    """Training blocked per checkpoint (delta): given, or ``size / HOST_COPY_BYTES_PER_SECOND``."""
+    mtbf_seconds: float
+    restart_seconds: float
+    step_seconds: float | None
+    overhead_budget: float | None
+    young_daly_seconds: float
+    interval_seconds: float
+    """Recommended compute time between checkpoints (tau), rounded up to whole steps."""
+    interval_steps: int | None
+    active_bound: str
+    """``"young_daly"``, ``"bandwidth"`` or ``"overhead_budget"``."""
+    overhead_fraction: float
+    """``delta / tau``."""
+    rework_seconds_per_failure: float
+    """``(tau + delta) / 2 + persist``: expected work redone after a failure."""
+    lost_seconds_per_failure: float
+    """``rework + restart``."""
+    goodput: float
+    """``1 - delta/tau - (rework + R) / M``, clipped at 0."""
+    measured_write_bytes_per_second: float | None = None
+    measured_read_bytes_per_second: float | None = None
+
+
+def make_plan(
+    size_bytes: int,
+    bandwidth_bytes_per_second: float,
+    *,
+    stall_seconds: float | None = None,
+    mtbf_seconds: float = 86400.0,
+    restart_seconds: float = 60.0,
+    step_seconds: float | None = None,
+    overhead_budget: float | None = None,
+    measurement: BandwidthMeasurement | None = None,
+) -> Plan:
+    """The cadence ``Auto`` would settle on for these inputs, with its expected costs."""
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes={size_bytes!r} is invalid: pass the checkpoint size >= 0")
+    if not bandwidth_bytes_per_second > 0:
+        raise ValueError(f"bandwidth={bandwidth_bytes_per_second!r} is invalid: pass bytes per second > 0")
+    if step_seconds is not None and not step_seconds > 0:
+        raise ValueError(f"step_seconds={step_seconds!r} is invalid: pass the step time > 0 s, or omit it")
+    if not restart_seconds >= 0:
+        raise ValueError(f"restart_seconds={restart_seconds!r} is invalid: pass seconds >= 0")
+    delta = size_bytes / HOST_COPY_BYTES_PER_SECOND if stall_seconds is None else float(stall_seconds)
+    persist = size_bytes / bandwidth_bytes_per_second
+    tau, bound = optimal_interval(delta, mtbf_seconds, persist, overhead_budget)
+    steps = None
+    if step_seconds is not None:
+        steps = max(1, math.ceil(tau / step_seconds - 1e-9))
+        tau = steps * step_seconds
+    overhead = delta / tau if tau > 0 else math.inf
+    rework = (tau + delta) / 2 + persist
+    goodput = max(0.0, 1.0 - overhead - (rework + restart_seconds) / mtbf_seconds)
+    return Plan(
+        size_bytes=int(size_bytes),
+        bandwidth_bytes_per_second=float(bandwidth_bytes_per_second),
+        bandwidth_source="measured" if measurement else "given",
+        persist_seconds=persist,
+        stall_seconds=delta,
+        mtbf_seconds=float(mtbf_seconds),
+        restart_seconds=float(restart_seconds),
+        step_seconds=step_seconds,
+        overhead_budget=overhead_budget,
+        young_daly_seconds=young_daly_interval(delta, mtbf_seconds),
+        interval_seconds=tau,
+        interval_steps=steps,
+        active_bound=bound,
+        overhead_fraction=min(overhead, 1.0),
+        rework_seconds_per_failure=rework,
+        lost_seconds_per_failure=rework + restart_seconds,
+        goodput=goodput,
+        measured_write_bytes_per_second=measurement.write_bytes_per_second if measurement else None,
+        measured_read_bytes_per_second=measurement.read_bytes_per_second if measurement else None,
+    )
+
+
+def _arg(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse would replace a ValueError's message with its own
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``ckpt plan``'s options to ``parser`` (a subcommand parser)."""
+    parser.add_argument("--size", type=_arg(parse_size), required=True,
+                        help="checkpoint size, all ranks together, e.g. 14GB or 800GiB")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bandwidth", type=_arg(parse_bandwidth),
+                        help="aggregate storage write bandwidth, e.g. 2GB/s")
+    source.add_argument("--measure", metavar="URL",
+                        help="measure write/read bandwidth at this fsspec URL (local path, s3://...)")
+    parser.add_argument("--measure-bytes", type=_arg(parse_size), default=256 * 2**20,
+                        help="test object size for --measure (default 256MiB)")
+    parser.add_argument("--endpoint-url", help="S3 endpoint for --measure s3://... (e.g. MinIO)")
+    parser.add_argument("--stall", type=_arg(parse_duration), default=None,
+                        help="training stall per checkpoint; default size / 10GB/s host copy")
+    parser.add_argument("--mtbf", type=_arg(parse_duration), default=86400.0,
+                        help="job mean time between failures (default 24h)")
+    parser.add_argument("--restart", type=_arg(parse_duration), default=60.0,
+                        help="time to restart after a failure (default 60s)")
+    parser.add_argument("--step-time", type=_arg(parse_duration), default=None,
+                        help="seconds per training step, to express the interval in steps")
+    parser.add_argument("--overhead-budget", type=_arg(_parse_fraction), default=None,
+                        help="cap on stall per interval, e.g. 0.01 or 1%% (default: none)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``ckpt plan`` for parsed ``args``: print the plan, return the exit status
+    (0 ok, 1 bandwidth measurement failed, 2 invalid input)."""
+    measurement = None
+    try:
+        if args.measure:
+            options: dict[str, Any] = {}
+            if args.endpoint_url:
+                options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
+            measurement = measure_bandwidth(args.measure, args.measure_bytes, options)
+        bandwidth = measurement.write_bytes_per_second if measurement else args.bandwidth
+        plan = make_plan(
+            args.size, bandwidth, stall_seconds=args.stall, mtbf_seconds=args.mtbf,
+            restart_seconds=args.restart, step_seconds=args.step_time,
+            overhead_budget=args.overhead_budget, measurement=measurement,
+        )
+    except ValueError as exc:
+        print(f"ckpt plan: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"ckpt plan: measuring bandwidth at {args.measure!r} failed: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _secs(s: float) -> str:
+    if s >= 3600:
+        return f"{s:,.1f} s ({s / 3600:.2f} h)"
+    if s >= 60:
+        return f"{s:,.1f} s ({s / 60:.1f} min)"
+    return f"{s:.2f} s"
+
+
+def format_plan(plan: Plan) -> str:
+    """The human table ``ckpt plan`` prints."""
+    bw = f"{_bytes(plan.bandwidth_bytes_per_second)}/s ({plan.bandwidth_source})"
+    rows = [("checkpoint size", _bytes(plan.size_bytes)), ("storage bandwidth", bw)]
+    if plan.measured_read_bytes_per_second is not None:
+        rows.append(("measured read", f"{_bytes(plan.measured_read_bytes_per_second)}/s"))
+    rows += [
+        ("persist time", _secs(plan.persist_seconds)),
+        ("stall per checkpoint", _secs(plan.stall_seconds)),
+        ("MTBF", _secs(plan.mtbf_seconds)),
+        ("restart cost", _secs(plan.restart_seconds)),
+        ("Young/Daly interval", _secs(plan.young_daly_seconds)),
+        ("recommended interval", _secs(plan.interval_seconds)
+         + ("" if plan.interval_steps is None else f" = {plan.interval_steps} steps")),
+        ("active bound", plan.active_bound),
+        ("checkpoint overhead", f"{100 * plan.overhead_fraction:.3f} %"),
+        ("rework per failure", _secs(plan.rework_seconds_per_failure)),
+        ("lost per failure", _secs(plan.lost_seconds_per_failure)),
+        ("expected goodput", f"{100 * plan.goodput:.2f} %"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ckpt.plan``: the same as ``ckpt plan``."""
+    parser = argparse.ArgumentParser(prog="ckpt plan", description=__doc__.splitlines()[0])
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Sharded checkpoints and resume-from-latest in your own training loop (DDP here).
+
+Run: torchrun --nproc-per-node 2 examples/own_loop.py /tmp/own_loop_ckpt
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ckpt.manager import CheckpointManager
+from ckpt.stateful import ModelState, RNGState
+
+
+def train(root: str, steps: int = 30) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    # --- the checkpointing part: these lines are all it takes ---
+    state = {"app": ModelState(model, optim), "rng": RNGState(), "progress": {"step": 0}}
+    mgr = CheckpointManager(root, cadence="10")       # every 10 steps; or "auto", "5m"
+    resumed = mgr.load_latest(state)                  # newest checkpoint that verifies
+    start = resumed.step if resumed else 0
+    for step in range(start + 1, steps + 1):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        loss.backward(); optim.step(); optim.zero_grad()
+        state["progress"]["step"] = step
+        mgr.maybe_save(step, state, user_metadata={"loss": loss.item()})
+    mgr.save(steps, state, block=True, force=True)    # the final state, committed
+    mgr.close()
+    # ------------------------------------------------------------
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    train(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 30)

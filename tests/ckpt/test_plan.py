@@ -1,0 +1,192 @@
+"""``ckpt plan``: unit parsers, the plan's numbers, JSON and table output, real bandwidth probes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from ckpt.cadence import young_daly_interval
+from ckpt.plan import (
+    HOST_COPY_BYTES_PER_SECOND,
+    add_plan_arguments,
+    main,
+    make_plan,
+    measure_bandwidth,
+    parse_bandwidth,
+    parse_size,
+    run_plan,
+)
+
+FIELDS = {
+    "size_bytes", "bandwidth_bytes_per_second", "bandwidth_source", "persist_seconds", "stall_seconds",
+    "mtbf_seconds", "restart_seconds", "step_seconds", "overhead_budget", "young_daly_seconds",
+    "interval_seconds", "interval_steps", "active_bound", "overhead_fraction", "rework_seconds_per_failure",
+    "lost_seconds_per_failure", "goodput", "measured_write_bytes_per_second", "measured_read_bytes_per_second",
+}
+
+
+def plan_json(capsys, *argv: str) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("text,num_bytes", [("14GB", 14 * 10**9), ("256MiB", 256 * 2**20), ("1.5 GiB", 1.5 * 2**30),
+                                            ("10kb", 10_000), ("7", 7), ("3B", 3), ("2TiB", 2 * 2**40),
+                                            ("1e3MB", 10**9)])
+def test_parse_size(text, num_bytes):
+    assert parse_size(text) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["", "GB", "14XB", "-1GB", "14 G B", "1,000MB"])
+def test_parse_size_errors(text):
+    with pytest.raises(ValueError) as err:
+        parse_size(text)
+    assert repr(text) in str(err.value) and "GiB" in str(err.value)
+
+
+def test_parse_bandwidth():
+    assert parse_bandwidth("2GB/s") == 2e9
+    assert parse_bandwidth("500MiB/s") == 500 * 2**20
+    assert parse_bandwidth("1GB") == 1e9
+    for bad in ["0GB/s", "fast", "2GB/h", "/s"]:
+        with pytest.raises(ValueError, match="invalid bandwidth"):
+            parse_bandwidth(bad)
+
+
+def test_make_plan_hand_computed():
+    plan = make_plan(14 * 10**9, 2e9, mtbf_seconds=86400.0, restart_seconds=60.0, step_seconds=1.2)
+    delta = 14e9 / HOST_COPY_BYTES_PER_SECOND  # 1.4 s default stall
+    assert plan.stall_seconds == pytest.approx(1.4) == pytest.approx(delta)
+    assert plan.persist_seconds == pytest.approx(7.0)
+    yd = young_daly_interval(1.4, 86400.0)  # ~490.9 s
+    assert plan.young_daly_seconds == pytest.approx(yd)
+    assert plan.interval_steps == math.ceil(yd / 1.2) == 410
+    tau = 410 * 1.2
+    assert plan.interval_seconds == pytest.approx(tau)
+    assert plan.active_bound == "young_daly"
+    assert plan.overhead_fraction == pytest.approx(1.4 / tau)
+    assert plan.rework_seconds_per_failure == pytest.approx((tau + 1.4) / 2 + 7.0)
+    assert plan.lost_seconds_per_failure == pytest.approx((tau + 1.4) / 2 + 7.0 + 60.0)
+    assert plan.goodput == pytest.approx(1 - 1.4 / tau - ((tau + 1.4) / 2 + 7.0 + 60.0) / 86400.0)
+
+
+def test_plan_json_fields(capsys):
+    out = plan_json(capsys, "--size", "14GB", "--bandwidth", "2GB/s", "--mtbf", "24h", "--step-time", "1.2s",
+                    "--stall", "2s", "--restart", "5m")
+    assert set(out) == FIELDS
+    assert out["size_bytes"] == 14 * 10**9 and out["bandwidth_bytes_per_second"] == 2e9
+    assert out["bandwidth_source"] == "given" and out["measured_write_bytes_per_second"] is None
+    assert out["stall_seconds"] == 2.0 and out["restart_seconds"] == 300.0 and out["mtbf_seconds"] == 86400.0
+    assert out["interval_steps"] == math.ceil(young_daly_interval(2.0, 86400.0) / 1.2)
+    assert out["active_bound"] == "young_daly" and 0.98 < out["goodput"] < 1
+
+
+def test_plan_without_step_time_has_no_steps(capsys):
+    out = plan_json(capsys, "--size", "14GB", "--bandwidth", "2GB/s")
+    assert out["interval_steps"] is None and out["step_seconds"] is None
+    assert out["interval_seconds"] == pytest.approx(young_daly_interval(1.4, 86400.0))
+
+
+def test_plan_bandwidth_bound(capsys):
+    out = plan_json(capsys, "--size", "1TB", "--bandwidth", "100MB/s", "--stall", "1s", "--mtbf", "24h")
+    assert out["active_bound"] == "bandwidth"
+    assert out["interval_seconds"] == pytest.approx(10000.0) == pytest.approx(out["persist_seconds"])
+
+
+def test_plan_overhead_budget_bound(capsys):
+    out = plan_json(capsys, "--size", "1TB", "--bandwidth", "100GB/s", "--stall", "60s", "--mtbf", "4h",
+                    "--overhead-budget", "1%")
+    assert out["active_bound"] == "overhead_budget" and out["overhead_budget"] == 0.01
+    assert out["interval_seconds"] == pytest.approx(6000.0)
+    assert out["overhead_fraction"] == pytest.approx(0.01)
+    # The budget buys lower overhead with more lost work: goodput is below the unbounded plan's.
+    free = plan_json(capsys, "--size", "1TB", "--bandwidth", "100GB/s", "--stall", "60s", "--mtbf", "4h")
+    assert free["active_bound"] == "young_daly" and free["goodput"] > out["goodput"]
+
+
+def test_plan_table_is_aligned(capsys):
+    assert main(["--size", "14GB", "--bandwidth", "2GB/s", "--step-time", "1.2s"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("checkpoint size") and "14.00 GB" in lines[0]
+    column = {line.index(line.split("  ", 1)[1].lstrip()) for line in lines}
+    assert len(column) == 1, lines
+    assert any("= 410 steps" in line for line in lines) and any("young_daly" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--size", "14XB", "--bandwidth", "1GB/s"], "invalid size '14XB'"),
+        (["--size", "14GB"], "one of the arguments --bandwidth --measure is required"),
+        (["--size", "14GB", "--bandwidth", "1GB/s", "--measure", "/tmp/x"], "not allowed with"),
+        (["--size", "14GB", "--bandwidth", "1GB/s", "--mtbf", "soon"], "invalid duration 'soon'"),
+        (["--size", "14GB", "--bandwidth", "1GB/s", "--overhead-budget", "2"], "invalid overhead budget '2'"),
+    ],
+)
+def test_plan_argument_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_invalid_combination_returns_2(capsys):
+    assert main(["--size", "14GB", "--bandwidth", "1GB/s", "--mtbf", "0s"]) == 2
+    assert "mtbf" in capsys.readouterr().err
+
+
+def test_add_plan_arguments_on_a_subcommand(capsys):
+    parser = argparse.ArgumentParser(prog="ckpt")
+    add_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
+    args = parser.parse_args(["plan", "--size", "1GB", "--bandwidth", "1GB/s", "--json"])
+    assert run_plan(args) == 0 and json.loads(capsys.readouterr().out)["persist_seconds"] == 1.0
+
+
+def test_measure_local_dir_writes_reads_and_cleans_up(tmp_path, capsys):
+    target = tmp_path / "probe" / "nested"  # created if missing
+    out = plan_json(capsys, "--size", "1GB", "--measure", str(target), "--measure-bytes", "4MiB")
+    assert out["bandwidth_source"] == "measured"
+    assert out["measured_write_bytes_per_second"] > 0 and out["measured_read_bytes_per_second"] > 0
+    assert out["bandwidth_bytes_per_second"] == out["measured_write_bytes_per_second"]
+    assert out["persist_seconds"] == pytest.approx(1e9 / out["measured_write_bytes_per_second"])
+    assert target.is_dir() and list(target.iterdir()) == []
+
+
+def test_measure_bandwidth_memory_and_odd_sizes():
+    import fsspec
+
+    result = measure_bandwidth("memory://plan-probe", num_bytes=3 * 2**20 + 5, chunk_bytes=2**20)
+    assert result.num_bytes == 3 * 2**20 + 5 and result.write_bytes_per_second > 0
+    assert fsspec.filesystem("memory").find("/plan-probe") == []
+    with pytest.raises(ValueError, match="num_bytes"):
+        measure_bandwidth("memory://plan-probe", num_bytes=0)
+
+
+def test_measure_failure_returns_1(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["--size", "1GB", "--measure", str(blocker / "sub"), "--measure-bytes", "1MiB"]) == 1
+    assert "measuring bandwidth" in capsys.readouterr().err
+
+
+def test_measure_bandwidth_on_every_backend(any_root):
+    """Write, read back and delete the probe object on local, file://, memory:// and S3."""
+    import fsspec
+
+    url, options = any_root
+    result = measure_bandwidth(url, num_bytes=2 * 2**20 + 3, storage_options=options, chunk_bytes=2**20)
+    assert result.write_bytes_per_second > 0 and result.read_bytes_per_second > 0
+    fs, path = fsspec.core.url_to_fs(url, **(options or {}))
+    fs.invalidate_cache()
+    assert not fs.exists(path) or fs.find(path) == []
+
+
+def test_measure_s3_with_endpoint_url(s3_server, s3_root, capsys):
+    """The CLI form: credentials from the environment, endpoint from --endpoint-url."""
+    out = plan_json(capsys, "--size", "1GB", "--measure", s3_root.url, "--measure-bytes", "6MiB",
+                    "--endpoint-url", s3_server.endpoint_url)
+    assert out["bandwidth_source"] == "measured" and out["measured_read_bytes_per_second"] > 0
+    listed = s3_server.client().list_objects_v2(Bucket=s3_root.bucket, Prefix=s3_root.prefix + "/")
+    assert listed.get("KeyCount", 0) == 0

@@ -155,7 +155,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return [dataclasses.replace(p, planner_data=None) for p in global_plan]
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = decode_object(value.getvalue())
+        try:
+            obj = decode_object(value.getvalue())
+        except (ValueError, TypeError, RuntimeError) as exc:  # bad JSON, UTF-8 or tag payload
+            fqn = read_item.storage_index.fqn
+            raise CorruptCheckpointError(
+                f"{self.source}: object {fqn!r} is not a ckpt JSON value ({exc}); the "
+                f"checkpoint is corrupt or was not written by ckpt (its bytes are never "
+                f"unpickled). Load an earlier step.", path=self.source) from None
         from torch.distributed.checkpoint._traverse import set_element
 
         if self.flatten_state_dict:

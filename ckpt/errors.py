@@ -48,8 +48,9 @@ class FormatVersionError(CorruptCheckpointError):
 class StateMismatchError(CheckpointError, ValueError):
     """The state to load into does not match the checkpoint.
 
-    Lists every problem at once: ``missing`` (in the checkpoint, not in the state),
-    ``unexpected`` (in the state, not in the checkpoint) and ``mismatched`` (shape or dtype).
+    Lists every problem at once: ``missing`` (in the state, not in the checkpoint),
+    ``unexpected`` (in the checkpoint, asked for by no rank) and ``mismatched`` (shape or
+    dtype).
     """
 
     def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=()):

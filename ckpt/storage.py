@@ -1,23 +1,37 @@
 """One small storage interface over fsspec: local paths, ``file://``, ``s3://``, ``memory://``.
 
 Every backend goes through the same code; the few places where a backend needs its own
-behaviour (durable local writes with fsync, exclusive creates, S3 conditional writes) are
-chosen by capability, not by separate classes. Paths passed to methods are relative to the
-storage root and use ``/``.
+behaviour (durable local writes with fsync, exclusive creates, S3 conditional writes and
+multipart uploads) are chosen by capability, not by separate classes. Paths passed to
+methods are relative to the storage root and use ``/``.
+
+Retries: every request is retried by :class:`RetryPolicy` (exponential backoff with full
+jitter) when it fails with a transient error: a timeout, a dropped or refused connection,
+S3 throttling (``SlowDown``) or a 5xx. s3fs's and botocore's own retry loops are turned off
+for the filesystems made here, so each retry is counted once, in ``RetryPolicy.num_retries``
+(aiohttp still resends an idempotent request once, uncounted, when a reused keep-alive
+connection turns out to be closed).
+Errors that retrying cannot fix (unreachable endpoint after the last attempt, bad
+credentials, a missing bucket) become :class:`~ckpt.errors.StorageUnavailableError` with a
+message that names the URL and what to check.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import io
 import logging
 import os
 import random
+import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import crc32c as _crc32c
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.errors import StorageUnavailableError
@@ -27,6 +41,9 @@ __all__ = ["Storage", "RetryPolicy", "crc32c_of", "is_transient_error"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
+MAX_PARTS = 10_000  # S3's most parts per upload
+
 
 def crc32c_of(buffers: Iterable[Any], value: int = 0) -> int:
     """CRC32C over the concatenation of ``buffers`` (bytes-like), continuing from ``value``."""
@@ -35,65 +52,276 @@ def crc32c_of(buffers: Iterable[Any], value: int = 0) -> int:
     return value
 
 
-_TRANSIENT_NAMES = {
-    "SlowDown",
-    "RequestTimeout",
-    "RequestTimeTooSkewed",
-    "InternalError",
-    "ServiceUnavailable",
-    "Throttling",
-    "ThrottlingException",
-    "503",
-    "500",
+# -- error classification ------------------------------------------------------------------
+_TRANSIENT_CODES = {
+    "SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
+    "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "TooManyRequestsException", "ConditionalRequestConflict", "500", "502", "503", "504",
 }
+# Exception types (by class name anywhere in the MRO, so botocore/aiohttp need not be
+# importable here) that mean "the request did not get a definite answer".
+_TRANSIENT_TYPES = {
+    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
+    "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "HTTPClientError",
+    "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "FSTimeoutError",
+    "IncompleteRead", "IncompleteReadError", "ResponseParserError", "ProtocolError",
+}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403",
+}
+_CREDENTIAL_TYPES = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+
+
+def _causes(exc: BaseException | None):
+    """``exc`` and the exceptions it was raised from (explicit cause, else implicit context)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _type_names(exc: BaseException) -> set[str]:
+    return {c.__name__ for c in type(exc).__mro__}
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    """The S3 error code and HTTP status found on ``exc`` or its causes (``("", 0)`` if none)."""
+    for e in _causes(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", "") or "")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code or status:
+                return code, int(status)
+    return "", 0
 
 
 def is_transient_error(exc: BaseException) -> bool:
     """True for errors worth retrying: timeouts, dropped connections, S3 throttling/5xx."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return True
-    name = type(exc).__name__
-    if name in ("ClientConnectorError", "ServerDisconnectedError", "ClientOSError",
-                "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError",
-                "ServerTimeoutError", "ClientPayloadError"):
-        return True
-    code = getattr(exc, "response", None)
-    if isinstance(code, dict):
-        err = code.get("Error", {}).get("Code", "")
-        status = str(code.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-        return err in _TRANSIENT_NAMES or status.startswith("5")
-    if isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET):
-        return True
+    code, status = _error_code(exc)
+    if code or status:
+        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+    for e in _causes(exc):
+        if isinstance(e, (TimeoutError, ConnectionError)) or _type_names(e) & _TRANSIENT_TYPES:
+            return True
+        if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ETIMEDOUT,
+                                                  errno.ECONNRESET, errno.ECONNREFUSED,
+                                                  errno.EPIPE):
+            return True
     return False
 
 
+def _is_credentials_error(exc: BaseException) -> bool:
+    code, status = _error_code(exc)
+    if code in _CREDENTIAL_CODES or status == 403:
+        return True
+    return any(_type_names(e) & _CREDENTIAL_TYPES for e in _causes(exc))
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    code, status = _error_code(exc)
+    return code == "PreconditionFailed" or status == 412
+
+
 class RetryPolicy:
-    """Exponential backoff with full jitter for transient storage errors."""
+    """Exponential backoff with full jitter for transient storage errors.
+
+    ``attempts`` counts the first try: 5 means up to 4 retries. The delay before retry ``k``
+    (1-based) is uniform in ``[0, min(max_seconds, base_seconds * 2**(k-1))]``.
+    ``num_retries`` is the total number of retries performed through this policy, across
+    threads, for events and metrics.
+    """
 
     def __init__(self, attempts: int = 5, base_seconds: float = 0.2, max_seconds: float = 10.0):
         if attempts < 1:
-            raise ValueError("RetryPolicy.attempts must be >= 1")
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {attempts}")
+        if base_seconds < 0 or max_seconds < 0:
+            raise ValueError("RetryPolicy.base_seconds and max_seconds must be >= 0")
         self.attempts = attempts
         self.base_seconds = base_seconds
         self.max_seconds = max_seconds
-        self.num_retries = 0  # total retries performed, for events and metrics
+        self.num_retries = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _should_retry(self, what: str, exc: BaseException, attempt: int) -> float | None:
+        """The delay before the next attempt, or None to give up (and count the retry)."""
+        if attempt >= self.attempts or not is_transient_error(exc):
+            return None
+        delay = random.uniform(0, min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1)))
+        with self._lock:
+            self.num_retries += 1
+        log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__,
+                    exc, attempt, self.attempts - 1, delay)
+        return delay
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        for attempt in range(1, self.attempts + 1):
+        """``fn()``, retried on transient errors; the last error is raised as is."""
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn()
-            except Exception as exc:  # noqa: BLE001 - filtered below
-                if attempt == self.attempts or not is_transient_error(exc):
+            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
+                delay = self._should_retry(what, exc, attempt)
+                if delay is None:
                     raise
-                delay = min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1))
-                delay = random.uniform(0, delay)
-                self.num_retries += 1
-                log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what,
-                            type(exc).__name__, exc, attempt, self.attempts - 1, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+            time.sleep(delay)
+
+    async def acall(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Like :meth:`call` for coroutines: ``await fn()`` with retries, sleeping async."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await fn()
+            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
+                delay = self._should_retry(what, exc, attempt)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
+
+
+# -- S3 filesystems --------------------------------------------------------------------------
+_S3_CACHE: dict[tuple, Any] = {}
+_S3_CACHE_LOCK = threading.Lock()
+_MEMORY_LOCK = threading.Lock()  # makes memory:// check-then-write atomic within the process
+
+
+def _open_s3(url: str, options: dict[str, Any]):
+    """An S3FileSystem for ``url`` whose own retries are off (``RetryPolicy`` does them).
+
+    Listing caches are off too: other processes (ranks, other jobs) write under the same
+    root, and a stale listing could make a committed manifest look absent. Instances are
+    shared per process and per options, but never with fsspec's global instance cache, so
+    a user's own S3FileSystem keeps its settings.
+    """
+    opts = dict(options)
+    config = dict(opts.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    opts["config_kwargs"] = config
+    opts.setdefault("use_listings_cache", False)
+    key = (os.getpid(), fsspec.utils.tokenize(opts))
+    with _S3_CACHE_LOCK:
+        fs = _S3_CACHE.get(key)
+        if fs is None:
+            fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+            fs.retries = 1  # s3fs's per-call retry loop: one attempt, ours does the rest
+            _S3_CACHE[key] = fs
+    return fs, fs._strip_protocol(url)
+
+
+class _SegmentsReader(io.RawIOBase):
+    """A seekable read-only file over a list of byte views, without joining them.
+
+    Used as an S3 request body: botocore reads it in small chunks (to checksum and to send)
+    and seeks back to retry, so a part is never copied whole.
+    """
+
+    def __init__(self, segments: Sequence[memoryview]):
+        super().__init__()
+        self._segments = list(segments)
+        self._starts = []
+        total = 0
+        for s in self._segments:
+            self._starts.append(total)
+            total += s.nbytes
+        self._size = total
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        while n < len(out) and self._pos < self._size:
+            i = self._segment_at(self._pos)
+            seg, local = self._segments[i], self._pos - self._starts[i]
+            take = min(len(out) - n, seg.nbytes - local)
+            out[n:n + take] = seg[local:local + take]
+            n += take
+            self._pos += take
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._size - self._pos
+        size = max(0, min(size, self._size - self._pos))
+        buf = bytearray(size)
+        n = self.readinto(buf)
+        return bytes(buf[:n]) if n != size else bytes(buf)
+
+    def _segment_at(self, pos: int) -> int:
+        lo, hi = 0, len(self._starts) - 1
+        while lo < hi:  # the last segment starting at or before pos (skipping empty ones)
+            mid = (lo + hi + 1) // 2
+            if self._starts[mid] <= pos:
+                lo = mid
+            else:
+                hi = mid - 1
+        while self._segments[lo].nbytes == 0 or pos >= self._starts[lo] + self._segments[lo].nbytes:
+            lo += 1
+        return lo
+
+
+def _byte_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of a bytes-like object (numpy arrays included), zero-copy
+    unless it is not contiguous."""
+    view = memoryview(buf)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def _split_parts(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
+    """Cut the concatenation of ``views`` into parts of ``part_bytes`` (the last may be
+    smaller); each part is a list of zero-copy slices."""
+    parts: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    filled = 0
+    for view in views:
+        offset = 0
+        while offset < view.nbytes:
+            take = min(part_bytes - filled, view.nbytes - offset)
+            current.append(view[offset:offset + take])
+            filled += take
+            offset += take
+            if filled == part_bytes:
+                parts.append(current)
+                current, filled = [], 0
+    if current:
+        parts.append(current)
+    return parts
 
 
 class Storage:
@@ -101,25 +329,53 @@ class Storage:
 
     ``Storage("s3://bucket/prefix", storage_options={"client_kwargs": {"endpoint_url": ...}})``
     or a plain local path. Methods take paths relative to the root. All methods are safe to
-    call from several threads at once.
+    call from several threads at once. A Storage pickles without its filesystem object,
+    which is rebuilt from the URL and options, so it can be handed to spawned processes.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
                  retry: RetryPolicy | None = None):
-        if not url:
+        if url is None or not str(url).strip():
             raise ValueError("checkpoint root is empty: give a local path or a URL such as "
                              "s3://bucket/prefix")
-        self.url = str(url).rstrip("/") or "/"
+        url = os.fspath(url) if isinstance(url, os.PathLike) else str(url).strip()
+        protocol, sep, rest = url.partition("://")
+        if sep:  # keep "s3://" whole: stripping its slashes would make it a local path
+            url = f"{protocol}://{rest.rstrip('/') or ('/' if rest.startswith('/') else '')}"
+        else:
+            url = url.rstrip("/") or "/"
+        self.url = url
         self.storage_options = dict(storage_options or {})
+        self.retry = retry or RetryPolicy()
+        self._open()
+
+    def _open(self) -> None:
+        """Set ``fs``, ``root``, ``is_s3`` and ``is_local`` from ``url`` and the options."""
+        protocol = fsspec.core.split_protocol(self.url)[0] or "file"
+        self.is_s3 = protocol in ("s3", "s3a")
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
-        except (ImportError, ValueError) as exc:
+            if self.is_s3:
+                self.fs, root = _open_s3(self.url, self.storage_options)
+            else:
+                self.fs, root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        except (ImportError, ValueError, TypeError) as exc:
             raise ValueError(f"cannot open checkpoint root {self.url!r}: {exc}") from exc
+        if self.is_s3 and not root.strip("/"):
+            raise ValueError(f"checkpoint root {self.url!r} names no bucket: use "
+                             f"s3://bucket/prefix")
         self.root = root.rstrip("/") if root not in ("/", "") else root
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.is_s3 = "s3" in (self.fs.protocol if isinstance(self.fs.protocol, tuple)
-                              else (self.fs.protocol,))
-        self.retry = retry or RetryPolicy()
+
+    def __getstate__(self):
+        # The filesystem object is rebuilt on the other side from the URL and options.
+        return {k: v for k, v in self.__dict__.items() if k != "fs"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._open()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
 
     # -- paths -----------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -133,27 +389,74 @@ class Storage:
         rel = rel.strip("/")
         return f"{self.url}/{rel}" if rel else self.url
 
-    def _wrap(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+    def _bucket_key(self, rel: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(self.path(rel))
+        return bucket, key
+
+    def _endpoint(self) -> str:
+        opts = self.storage_options
+        return (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                or "the default AWS endpoint")
+
+    # -- error handling --------------------------------------------------------------------
+    def _translate(self, what: str, rel: str, exc: BaseException) -> BaseException | None:
+        """The user-facing error for ``exc``, or None to raise ``exc`` unchanged."""
+        where = self.describe(rel)
+        code, _ = _error_code(exc)
+        if code == "NoSuchBucket":
+            bucket = self._bucket_key(rel)[0]
+            return StorageUnavailableError(
+                f"bucket {bucket!r} does not exist (while trying to {what} {where} at "
+                f"{self._endpoint()}). Create the bucket or fix the checkpoint URL.")
+        if isinstance(exc, (FileNotFoundError, FileExistsError, IsADirectoryError,
+                            NotADirectoryError)):
+            return None
+        if self.is_local and isinstance(exc, PermissionError):
+            return StorageUnavailableError(
+                f"permission denied to {what} {where}: {exc}. Check the file permissions of "
+                f"the checkpoint folder.")
+        if isinstance(exc, PermissionError) or _is_credentials_error(exc):
+            return StorageUnavailableError(
+                f"access denied to {what} {where} at {self._endpoint()}: "
+                f"{type(exc).__name__}: {exc}. Check the credentials (AWS_ACCESS_KEY_ID/"
+                f"AWS_SECRET_ACCESS_KEY, a profile, or key/secret in storage_options) and "
+                f"that they may access this bucket.")
+        if is_transient_error(exc):
+            return StorageUnavailableError(
+                f"storage unreachable: could not {what} {where} after {self.retry.attempts} "
+                f"attempt(s): {type(exc).__name__}: {exc}. Check the endpoint "
+                f"({self._endpoint() if self.is_s3 else 'the mount'}), the network, and that "
+                f"the service is up.")
+        return None
+
+    def _guard(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with errors translated (no retry: ``fn`` retries per request itself)."""
         try:
-            return self.retry.call(f"{what} {self.describe(rel)}", fn)
-        except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
-            raise
-        except PermissionError as exc:
-            raise StorageUnavailableError(
-                f"permission denied for {self.describe(rel)}: {exc}. Check the credentials "
-                f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or storage_options) and the ACLs."
-            ) from exc
+            return fn()
         except Exception as exc:
-            if is_transient_error(exc) or _looks_unreachable(exc):
-                raise StorageUnavailableError(
-                    f"storage unreachable while trying to {what} {self.describe(rel)}: "
-                    f"{type(exc).__name__}: {exc}. Check the URL, endpoint and network."
-                ) from exc
-            raise
+            translated = self._translate(what, rel, exc)
+            if translated is None:
+                raise
+            raise translated from exc
+
+    def _wrap(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn()`` retried on transient errors, then with errors translated."""
+        return self._guard(what, rel, lambda: self.retry.call(f"{what} {self.describe(rel)}", fn))
 
     # -- reads -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self._wrap("check", rel, lambda: self.fs.exists(self.path(rel)))
+        p = self.path(rel)
+
+        def _exists():
+            try:
+                self.fs.info(p)
+                return True
+            except FileNotFoundError as exc:
+                if _error_code(exc)[0] == "NoSuchBucket":
+                    raise
+                return False
+        return self._wrap("check", rel, _exists)
 
     def size(self, rel: str) -> int:
         return int(self._wrap("stat", rel, lambda: self.fs.size(self.path(rel))))
@@ -163,6 +466,8 @@ class Storage:
         p = self.path(rel)
         if start is None and end is None:
             return self._wrap("read", rel, lambda: self.fs.cat_file(p))
+        if start is not None and end is not None and end <= start:
+            return b""
         return self._wrap("read", rel, lambda: self.fs.cat_file(p, start=start, end=end))
 
     def listdir(self, rel: str = "") -> list[tuple[str, str, int]]:
@@ -171,16 +476,19 @@ class Storage:
 
         def _ls():
             try:
-                entries = self.fs.ls(p, detail=True, refresh=True) if self.is_s3 else \
-                    self.fs.ls(p, detail=True)
-            except FileNotFoundError:
+                entries = self.fs.ls(p, detail=True)
+            except FileNotFoundError as exc:
+                if _error_code(exc)[0] == "NoSuchBucket":
+                    raise
                 return []
             out = []
             for e in entries:
                 name = e["name"].rstrip("/").rsplit("/", 1)[-1]
                 if e["name"].rstrip("/") == p.rstrip("/"):
                     continue
-                out.append((name, e.get("type", "file"), int(e.get("size") or 0)))
+                kind = "directory" if e.get("type") == "directory" else "file"
+                # A folder's own size (4096 on local disks) is not data: report 0 everywhere.
+                out.append((name, kind, int(e.get("size") or 0) if kind == "file" else 0))
             return out
 
         return self._wrap("list", rel, _ls)
@@ -193,29 +501,105 @@ class Storage:
 
     def write_buffers(self, rel: str, buffers: Sequence[Any], *, durable: bool = True,
                       part_bytes: int = 32 << 20, max_concurrency: int = 8) -> None:
-        """Write the concatenation of ``buffers`` to ``rel`` (replacing any partial object).
+        """Write the concatenation of ``buffers`` (bytes-like, numpy arrays included) to ``rel``.
 
-        Local files are fsync'd when ``durable``. On S3 a large object is sent as a parallel
-        multipart upload; the object appears only when the upload completes.
+        Local files are fsync'd when ``durable``. On S3 an object larger than ``part_bytes``
+        goes up as a parallel multipart upload of ``part_bytes`` parts (at least 5 MiB; larger
+        if needed to stay within 10,000 parts), ``max_concurrency`` at a time; it appears only
+        when the upload completes, and a failed upload is aborted. Buffers are never joined:
+        each request body reads zero-copy slices of them, so the extra host memory is a few
+        small read chunks per request in flight.
         """
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        views = [_byte_view(b) for b in buffers]
         p = self.path(rel)
         if self.is_local:
             def _write_local():
                 with open(p, "wb") as f:
-                    for buf in buffers:
-                        f.write(buf)
+                    for view in views:
+                        f.write(view)
                     if durable:
                         f.flush()
                         os.fsync(f.fileno())
             self._wrap("write", rel, _write_local)
             return
-        data = b"".join(bytes(b) if not isinstance(b, (bytes, bytearray)) else b for b in buffers) \
-            if len(buffers) != 1 or not isinstance(buffers[0], bytes) else buffers[0]
         if self.is_s3:
-            self._wrap("upload", rel, lambda: self.fs.pipe_file(
-                p, data, chunksize=max(part_bytes, 5 << 20), max_concurrency=max_concurrency))
-        else:
-            self._wrap("write", rel, lambda: self.fs.pipe_file(p, data))
+            total = sum(v.nbytes for v in views)
+            part_bytes = max(part_bytes, MIN_PART_BYTES, -(-total // MAX_PARTS))
+            if total <= part_bytes:
+                bucket, key = self._bucket_key(rel)
+                self._wrap("upload", rel, lambda: self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=key, Body=_SegmentsReader(views)))
+            else:
+                self._guard("upload", rel, lambda: fsspec.asyn.sync(
+                    self.fs.loop, self._multipart_upload, rel, _split_parts(views, part_bytes),
+                    total, max_concurrency))
+            return
+
+        def _write_other():
+            with self.fs.open(p, "wb") as f:
+                for view in views:
+                    f.write(view)
+        self._wrap("write", rel, _write_other)
+
+    async def _multipart_upload(self, rel: str, parts: list[list[memoryview]], total: int,
+                                max_concurrency: int) -> None:
+        """Create, upload ``parts`` (at most ``max_concurrency`` at once), complete; abort on
+        any failure so no orphan parts remain. Each request is retried on its own."""
+        bucket, key = self._bucket_key(rel)
+        what = f"upload {self.describe(rel)}"
+        call = self.fs._call_s3
+        mpu = await self.retry.acall(f"{what} (create multipart upload)", lambda: call(
+            "create_multipart_upload", Bucket=bucket, Key=key))
+        upload_id = mpu["UploadId"]
+        etags: list[str | None] = [None] * len(parts)
+        gate = asyncio.Semaphore(max_concurrency)
+
+        async def upload(i: int) -> None:
+            async with gate:
+                out = await self.retry.acall(f"{what} part {i + 1}/{len(parts)}", lambda: call(
+                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                    PartNumber=i + 1, Body=_SegmentsReader(parts[i])))
+                etags[i] = out["ETag"]
+
+        tasks = [asyncio.ensure_future(upload(i)) for i in range(len(parts))]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            num_complete_calls = 0
+
+            async def complete():
+                nonlocal num_complete_calls
+                num_complete_calls += 1
+                try:
+                    return await call("complete_multipart_upload", Bucket=bucket, Key=key,
+                                      UploadId=upload_id, MultipartUpload={"Parts": [
+                                          {"PartNumber": i + 1, "ETag": e}
+                                          for i, e in enumerate(etags)]})
+                except Exception as exc:
+                    # A retried complete whose first try landed finds the upload gone.
+                    if num_complete_calls > 1 and _error_code(exc)[0] == "NoSuchUpload":
+                        head = await call("head_object", Bucket=bucket, Key=key)
+                        if int(head.get("ContentLength", -1)) == total:
+                            return None
+                    raise
+
+            await self.retry.acall(f"{what} (complete multipart upload)", complete)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.retry.acall(f"{what} (abort multipart upload)", lambda: call(
+                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id))
+            except Exception as exc:  # noqa: BLE001 - the upload's own error matters more
+                log.warning("could not abort the multipart upload of %s (id %s): %s; a "
+                            "bucket lifecycle rule for incomplete uploads will remove its "
+                            "parts", self.describe(rel), upload_id, exc)
+            raise
 
     def write_bytes(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         self.write_buffers(rel, [data], durable=durable)
@@ -226,108 +610,191 @@ class Storage:
         This is the commit primitive: local files are written to a temporary name, fsync'd,
         then hard-linked into place (``link`` fails if the target exists, unlike ``rename``);
         S3 uses a conditional PUT (``If-None-Match: *``), which is the commit itself.
+
+        A refused create that finds the object holding exactly ``data`` counts as done, on
+        every backend: on S3 it is our own earlier try whose answer was lost (retried by us
+        or, for a dropped keep-alive connection, silently by the HTTP client). Callers make
+        ``data`` unique to the writer (the manifest carries a save id, the lease record its
+        holder and time).
         """
         p = self.path(rel)
+
+        def refused(cause: BaseException | None = None) -> None:
+            if self._read_or_none(p) == data:
+                return  # ours already
+            raise FileExistsError(errno.EEXIST,
+                                  f"{self.describe(rel)} already exists") from cause
+
         if self.is_local:
-            tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
+            def _create():
+                if not self._create_local(p, data):
+                    refused()
+        elif self.is_s3:
+            bucket, key = self._bucket_key(rel)
 
-            def _commit_local():
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+            def _create():
                 try:
-                    os.link(tmp, p)
-                except FileExistsError:
-                    raise FileExistsError(errno.EEXIST, f"{self.describe(rel)} already exists")
-                finally:
-                    os.unlink(tmp)
-                _fsync_dir(os.path.dirname(p))
-
-            self._wrap("commit", rel, _commit_local)
-            return
-        if self.is_s3:
-            def _put():
-                try:
-                    self.fs.pipe_file(p, data, mode="create")
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data,
+                                    IfNoneMatch="*")
                 except Exception as exc:  # noqa: BLE001
-                    if _is_precondition_failed(exc):
-                        raise FileExistsError(errno.EEXIST,
-                                              f"{self.describe(rel)} already exists") from exc
-                    raise
-            self._wrap("commit", rel, _put)
-            return
-        # Other filesystems (memory://): single-process check-then-write.
-        if self.fs.exists(p):
-            raise FileExistsError(errno.EEXIST, f"{self.describe(rel)} already exists")
-        self.fs.pipe_file(p, data)
+                    if not _is_precondition_failed(exc):
+                        raise
+                    refused(exc)
+        else:
+            def _create():
+                with _MEMORY_LOCK:
+                    if self.fs.exists(p):
+                        refused()
+                    else:
+                        self.fs.pipe_file(p, data)
+        self._wrap("commit", rel, _create)
+
+    def _read_or_none(self, p: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(p)
+        except Exception:  # noqa: BLE001 - only used to recognise our own earlier write
+            return None
+
+    @staticmethod
+    def _create_local(p: str, data: bytes) -> bool:
+        """Link a fsync'd temporary file into place; False if ``p`` already exists."""
+        tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            # A filesystem without hard links: O_EXCL still makes the create exclusive.
+            try:
+                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            os.unlink(tmp)
+        _fsync_dir(os.path.dirname(p))
+        return True
 
     def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes) -> bool:
         """Overwrite ``rel`` with ``data`` only if it still holds ``expected``.
 
-        Returns False when someone else changed it first. Used by the lease's heartbeat and
-        take-over. S3 uses ``If-Match`` on the ETag; local files use an exclusive rename of
-        the old version out of the way, so of two racing writers only one wins.
+        Returns False when it is absent or someone else changed it first. Used by the lease's
+        heartbeat and take-over. As for :meth:`create_exclusive`, finding exactly ``data``
+        there (our own write whose answer was lost) counts as success. S3 reads the object
+        with its ETag and writes with ``If-Match`` on that ETag. Local files swap under a short-lived lock folder
+        (``mkdir`` is atomic, also on NFS) with ``os.replace``, so the file never disappears
+        and an exclusive create cannot slip in between.
         """
         p = self.path(rel)
         if self.is_local:
+            return self._wrap("replace", rel, lambda: self._replace_local(p, data, expected))
+        if self.is_s3:
+            bucket, key = self._bucket_key(rel)
+
+            def _cas() -> bool:
+                try:
+                    etag, current = fsspec.asyn.sync(self.fs.loop, self._get_with_etag,
+                                                     bucket, key)
+                except FileNotFoundError as exc:
+                    if _error_code(exc)[0] == "NoSuchBucket":
+                        raise
+                    return False
+                if current != expected:
+                    # A retry after a PUT whose answer was lost finds our own data.
+                    return current == data
+                try:
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data,
+                                    IfMatch=etag)
+                except Exception as exc:  # noqa: BLE001
+                    if _is_precondition_failed(exc) or isinstance(exc, FileNotFoundError):
+                        return self._read_or_none(p) == data
+                    raise
+                return True
+            return self._wrap("replace", rel, _cas)
+
+        def _replace_other() -> bool:
+            with _MEMORY_LOCK:
+                if not self.fs.exists(p) or self.fs.cat_file(p) != expected:
+                    return False
+                self.fs.pipe_file(p, data)
+                return True
+        return self._wrap("replace", rel, _replace_other)
+
+    async def _get_with_etag(self, bucket: str, key: str) -> tuple[str, bytes]:
+        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = resp["Body"]
+        try:
+            data = await body.read()
+        finally:
+            body.close()
+        return resp["ETag"], data
+
+    @staticmethod
+    def _replace_local(p: str, data: bytes, expected: bytes, lock_timeout: float = 10.0) -> bool:
+        lock = f"{p}.swap-lock"
+        deadline = time.monotonic() + lock_timeout
+        while True:
+            try:
+                os.mkdir(lock)
+                break
+            except FileExistsError:
+                if time.monotonic() > deadline:
+                    # Held far longer than a swap takes: its owner died mid-swap.
+                    log.warning("breaking stale lock %s", lock)
+                    try:
+                        os.rmdir(lock)
+                    except FileNotFoundError:
+                        pass
+                    deadline = time.monotonic() + lock_timeout
+                time.sleep(0.005)
+        try:
             try:
                 with open(p, "rb") as f:
                     if f.read() != expected:
                         return False
             except FileNotFoundError:
                 return False
-            aside = f"{p}.old-{uuid.uuid4().hex[:12]}"
+            tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
             try:
-                os.rename(p, aside)
-            except FileNotFoundError:
-                return False
-            try:
-                with open(aside, "rb") as f:
-                    if f.read() != expected:  # someone swapped it between our read and rename
-                        os.rename(aside, p) if not os.path.exists(p) else os.unlink(aside)
-                        return False
-                self.create_exclusive(rel, data)
-                return True
-            except FileExistsError:
-                return False
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, p)
             finally:
-                if os.path.exists(aside):
-                    os.unlink(aside)
-        if self.is_s3:
-            bucket, key, _ = self.fs.split_path(p)
-            try:
-                head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
-            except FileNotFoundError:
-                return False
-            if self.read_bytes(rel) != expected:
-                return False
-            try:
-                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data,
-                                IfMatch=head["ETag"])
-            except Exception as exc:  # noqa: BLE001
-                if _is_precondition_failed(exc):
-                    return False
-                raise
-            self.fs.invalidate_cache(p)
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            _fsync_dir(os.path.dirname(p))
             return True
-        if not self.fs.exists(p) or self.fs.cat_file(p) != expected:
-            return False
-        self.fs.pipe_file(p, data)
-        return True
+        finally:
+            try:
+                os.rmdir(lock)
+            except FileNotFoundError:
+                pass
 
     def delete(self, rel: str, recursive: bool = False) -> None:
+        """Delete ``rel`` (a folder/prefix with ``recursive``); absent is not an error."""
         p = self.path(rel)
 
         def _rm():
             try:
                 self.fs.rm(p, recursive=recursive)
-            except FileNotFoundError:
-                pass
+            except FileNotFoundError as exc:
+                if _error_code(exc)[0] == "NoSuchBucket":
+                    raise
         self._wrap("delete", rel, _rm)
 
     def rename(self, src: str, dst: str) -> None:
-        """Rename within the root (local only; atomic)."""
+        """Rename within the root (atomic on local disk; a copy and a delete on S3)."""
         self._wrap("rename", src, lambda: self.fs.mv(self.path(src), self.path(dst)))
 
 
@@ -342,25 +809,3 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _is_precondition_failed(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        text += " " + str(response.get("Error", {}).get("Code", ""))
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and cause is not exc:
-        text += " " + f"{type(cause).__name__} {cause}"
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict):
-            text += " " + str(response.get("Error", {}).get("Code", ""))
-    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
-
-
-def _looks_unreachable(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return any(s in text for s in ("Could not connect", "Cannot connect", "Connection refused",
-                                   "EndpointConnectionError", "NoCredentialsError",
-                                   "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                                   "Name or service not known", "NoSuchBucket"))

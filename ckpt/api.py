@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import platform
 import warnings
-import time
 from typing import Any
 
 import torch

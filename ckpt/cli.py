@@ -21,7 +21,7 @@ import time
 from typing import Any, Sequence
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.store import COMMITTED, CheckpointStore
+from ckpt.store import CheckpointStore
 
 __all__ = ["main"]
 

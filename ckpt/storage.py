@@ -20,20 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import io
 import logging
 import os
-import random
-import threading
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import crc32c as _crc32c
 import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt._retry import (  # noqa: F401 - re-exported
+    RetryPolicy,
+    _error_code,
+    _is_credentials_error,
+    _is_precondition_failed,
+    is_transient_error,
+)
+from ckpt._s3 import _MEMORY_LOCK, _byte_view, _open_s3, _SegmentsReader, _split_parts  # noqa: F401
 from ckpt.errors import StorageUnavailableError
 
 __all__ = ["Storage", "RetryPolicy", "crc32c_of", "is_transient_error"]
@@ -45,6 +50,8 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 
 
+
+
 def crc32c_of(buffers: Iterable[Any], value: int = 0) -> int:
     """CRC32C over the concatenation of ``buffers`` (bytes-like), continuing from ``value``."""
     for buf in buffers:
@@ -53,275 +60,6 @@ def crc32c_of(buffers: Iterable[Any], value: int = 0) -> int:
 
 
 # -- error classification ------------------------------------------------------------------
-_TRANSIENT_CODES = {
-    "SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
-    "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
-    "TooManyRequestsException", "ConditionalRequestConflict", "500", "502", "503", "504",
-}
-# Exception types (by class name anywhere in the MRO, so botocore/aiohttp need not be
-# importable here) that mean "the request did not get a definite answer".
-_TRANSIENT_TYPES = {
-    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
-    "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "HTTPClientError",
-    "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "FSTimeoutError",
-    "IncompleteRead", "IncompleteReadError", "ResponseParserError", "ProtocolError",
-}
-_CREDENTIAL_CODES = {
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403",
-}
-_CREDENTIAL_TYPES = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
-
-
-def _causes(exc: BaseException | None):
-    """``exc`` and the exceptions it was raised from (explicit cause, else implicit context)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-
-
-def _type_names(exc: BaseException) -> set[str]:
-    return {c.__name__ for c in type(exc).__mro__}
-
-
-def _error_code(exc: BaseException) -> tuple[str, int]:
-    """The S3 error code and HTTP status found on ``exc`` or its causes (``("", 0)`` if none)."""
-    for e in _causes(exc):
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            code = str(response.get("Error", {}).get("Code", "") or "")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-            if code or status:
-                return code, int(status)
-    return "", 0
-
-
-def is_transient_error(exc: BaseException) -> bool:
-    """True for errors worth retrying: timeouts, dropped connections, S3 throttling/5xx."""
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                        NotADirectoryError)):
-        return False
-    code, status = _error_code(exc)
-    if code or status:
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429
-    for e in _causes(exc):
-        if isinstance(e, (TimeoutError, ConnectionError)) or _type_names(e) & _TRANSIENT_TYPES:
-            return True
-        if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ETIMEDOUT,
-                                                  errno.ECONNRESET, errno.ECONNREFUSED,
-                                                  errno.EPIPE):
-            return True
-    return False
-
-
-def _is_credentials_error(exc: BaseException) -> bool:
-    code, status = _error_code(exc)
-    if code in _CREDENTIAL_CODES or status == 403:
-        return True
-    return any(_type_names(e) & _CREDENTIAL_TYPES for e in _causes(exc))
-
-
-def _is_precondition_failed(exc: BaseException) -> bool:
-    code, status = _error_code(exc)
-    return code == "PreconditionFailed" or status == 412
-
-
-class RetryPolicy:
-    """Exponential backoff with full jitter for transient storage errors.
-
-    ``attempts`` counts the first try: 5 means up to 4 retries. The delay before retry ``k``
-    (1-based) is uniform in ``[0, min(max_seconds, base_seconds * 2**(k-1))]``.
-    ``num_retries`` is the total number of retries performed through this policy, across
-    threads, for events and metrics.
-    """
-
-    def __init__(self, attempts: int = 5, base_seconds: float = 0.2, max_seconds: float = 10.0):
-        if attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {attempts}")
-        if base_seconds < 0 or max_seconds < 0:
-            raise ValueError("RetryPolicy.base_seconds and max_seconds must be >= 0")
-        self.attempts = attempts
-        self.base_seconds = base_seconds
-        self.max_seconds = max_seconds
-        self.num_retries = 0
-        self._lock = threading.Lock()
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def _should_retry(self, what: str, exc: BaseException, attempt: int) -> float | None:
-        """The delay before the next attempt, or None to give up (and count the retry)."""
-        if attempt >= self.attempts or not is_transient_error(exc):
-            return None
-        delay = random.uniform(0, min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1)))
-        with self._lock:
-            self.num_retries += 1
-        log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__,
-                    exc, attempt, self.attempts - 1, delay)
-        return delay
-
-    def call(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried on transient errors; the last error is raised as is."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
-                delay = self._should_retry(what, exc, attempt)
-                if delay is None:
-                    raise
-            time.sleep(delay)
-
-    async def acall(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Like :meth:`call` for coroutines: ``await fn()`` with retries, sleeping async."""
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await fn()
-            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
-                delay = self._should_retry(what, exc, attempt)
-                if delay is None:
-                    raise
-            await asyncio.sleep(delay)
-
-
-# -- S3 filesystems --------------------------------------------------------------------------
-_S3_CACHE: dict[tuple, Any] = {}
-_S3_CACHE_LOCK = threading.Lock()
-_MEMORY_LOCK = threading.Lock()  # makes memory:// check-then-write atomic within the process
-
-
-def _open_s3(url: str, options: dict[str, Any]):
-    """An S3FileSystem for ``url`` whose own retries are off (``RetryPolicy`` does them).
-
-    Listing caches are off too: other processes (ranks, other jobs) write under the same
-    root, and a stale listing could make a committed manifest look absent. Instances are
-    shared per process and per options, but never with fsspec's global instance cache, so
-    a user's own S3FileSystem keeps its settings.
-    """
-    opts = dict(options)
-    config = dict(opts.get("config_kwargs") or {})
-    config.setdefault("retries", {"total_max_attempts": 1})
-    opts["config_kwargs"] = config
-    opts.setdefault("use_listings_cache", False)
-    key = (os.getpid(), fsspec.utils.tokenize(opts))
-    with _S3_CACHE_LOCK:
-        fs = _S3_CACHE.get(key)
-        if fs is None:
-            fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
-            fs.retries = 1  # s3fs's per-call retry loop: one attempt, ours does the rest
-            _S3_CACHE[key] = fs
-    return fs, fs._strip_protocol(url)
-
-
-class _SegmentsReader(io.RawIOBase):
-    """A seekable read-only file over a list of byte views, without joining them.
-
-    Used as an S3 request body: botocore reads it in small chunks (to checksum and to send)
-    and seeks back to retry, so a part is never copied whole.
-    """
-
-    def __init__(self, segments: Sequence[memoryview]):
-        super().__init__()
-        self._segments = list(segments)
-        self._starts = []
-        total = 0
-        for s in self._segments:
-            self._starts.append(total)
-            total += s.nbytes
-        self._size = total
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = 0
-        while n < len(out) and self._pos < self._size:
-            i = self._segment_at(self._pos)
-            seg, local = self._segments[i], self._pos - self._starts[i]
-            take = min(len(out) - n, seg.nbytes - local)
-            out[n:n + take] = seg[local:local + take]
-            n += take
-            self._pos += take
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = self._size - self._pos
-        size = max(0, min(size, self._size - self._pos))
-        buf = bytearray(size)
-        n = self.readinto(buf)
-        return bytes(buf[:n]) if n != size else bytes(buf)
-
-    def _segment_at(self, pos: int) -> int:
-        lo, hi = 0, len(self._starts) - 1
-        while lo < hi:  # the last segment starting at or before pos (skipping empty ones)
-            mid = (lo + hi + 1) // 2
-            if self._starts[mid] <= pos:
-                lo = mid
-            else:
-                hi = mid - 1
-        while self._segments[lo].nbytes == 0 or pos >= self._starts[lo] + self._segments[lo].nbytes:
-            lo += 1
-        return lo
-
-
-def _byte_view(buf: Any) -> memoryview:
-    """A flat unsigned-byte view of a bytes-like object (numpy arrays included), zero-copy
-    unless it is not contiguous."""
-    view = memoryview(buf)
-    if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
-
-def _split_parts(views: Sequence[memoryview], part_bytes: int) -> list[list[memoryview]]:
-    """Cut the concatenation of ``views`` into parts of ``part_bytes`` (the last may be
-    smaller); each part is a list of zero-copy slices."""
-    parts: list[list[memoryview]] = []
-    current: list[memoryview] = []
-    filled = 0
-    for view in views:
-        offset = 0
-        while offset < view.nbytes:
-            take = min(part_bytes - filled, view.nbytes - offset)
-            current.append(view[offset:offset + take])
-            filled += take
-            offset += take
-            if filled == part_bytes:
-                parts.append(current)
-                current, filled = [], 0
-    if current:
-        parts.append(current)
-    return parts
 
 
 class Storage:

@@ -1,0 +1,158 @@
+"""Which storage errors are worth retrying, and the retry loop (backoff with full jitter)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import random
+import threading
+import time
+from typing import Awaitable, Callable, TypeVar
+
+__all__ = ["RetryPolicy", "is_transient_error"]
+
+log = logging.getLogger("ckpt.storage")
+T = TypeVar("T")
+
+
+_TRANSIENT_CODES = {
+    "SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
+    "ServiceUnavailable", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+    "TooManyRequestsException", "ConditionalRequestConflict", "500", "502", "503", "504",
+}
+# Exception types (by class name anywhere in the MRO, so botocore/aiohttp need not be
+# importable here) that mean "the request did not get a definite answer".
+_TRANSIENT_TYPES = {
+    "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ClientPayloadError",
+    "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "HTTPClientError",
+    "ReadTimeoutError", "ConnectTimeoutError", "ResponseStreamingError", "FSTimeoutError",
+    "IncompleteRead", "IncompleteReadError", "ResponseParserError", "ProtocolError",
+}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+    "InvalidToken", "TokenRefreshRequired", "AllAccessDisabled", "403",
+}
+_CREDENTIAL_TYPES = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+
+
+def _causes(exc: BaseException | None):
+    """``exc`` and the exceptions it was raised from (explicit cause, else implicit context)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _type_names(exc: BaseException) -> set[str]:
+    return {c.__name__ for c in type(exc).__mro__}
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    """The S3 error code and HTTP status found on ``exc`` or its causes (``("", 0)`` if none)."""
+    for e in _causes(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", "") or "")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if code or status:
+                return code, int(status)
+    return "", 0
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """True for errors worth retrying: timeouts, dropped connections, S3 throttling/5xx."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
+        return False
+    code, status = _error_code(exc)
+    if code or status:
+        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+    for e in _causes(exc):
+        if isinstance(e, (TimeoutError, ConnectionError)) or _type_names(e) & _TRANSIENT_TYPES:
+            return True
+        if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.ETIMEDOUT,
+                                                  errno.ECONNRESET, errno.ECONNREFUSED,
+                                                  errno.EPIPE):
+            return True
+    return False
+
+
+def _is_credentials_error(exc: BaseException) -> bool:
+    code, status = _error_code(exc)
+    if code in _CREDENTIAL_CODES or status == 403:
+        return True
+    return any(_type_names(e) & _CREDENTIAL_TYPES for e in _causes(exc))
+
+
+def _is_precondition_failed(exc: BaseException) -> bool:
+    code, status = _error_code(exc)
+    return code == "PreconditionFailed" or status == 412
+
+
+class RetryPolicy:
+    """Exponential backoff with full jitter for transient storage errors.
+
+    ``attempts`` counts the first try: 5 means up to 4 retries. The delay before retry ``k``
+    (1-based) is uniform in ``[0, min(max_seconds, base_seconds * 2**(k-1))]``.
+    ``num_retries`` is the total number of retries performed through this policy, across
+    threads, for events and metrics.
+    """
+
+    def __init__(self, attempts: int = 5, base_seconds: float = 0.2, max_seconds: float = 10.0):
+        if attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {attempts}")
+        if base_seconds < 0 or max_seconds < 0:
+            raise ValueError("RetryPolicy.base_seconds and max_seconds must be >= 0")
+        self.attempts = attempts
+        self.base_seconds = base_seconds
+        self.max_seconds = max_seconds
+        self.num_retries = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _should_retry(self, what: str, exc: BaseException, attempt: int) -> float | None:
+        """The delay before the next attempt, or None to give up (and count the retry)."""
+        if attempt >= self.attempts or not is_transient_error(exc):
+            return None
+        delay = random.uniform(0, min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1)))
+        with self._lock:
+            self.num_retries += 1
+        log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__,
+                    exc, attempt, self.attempts - 1, delay)
+        return delay
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried on transient errors; the last error is raised as is."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
+                delay = self._should_retry(what, exc, attempt)
+                if delay is None:
+                    raise
+            time.sleep(delay)
+
+    async def acall(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Like :meth:`call` for coroutines: ``await fn()`` with retries, sleeping async."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await fn()
+            except Exception as exc:  # noqa: BLE001 - filtered by _should_retry
+                delay = self._should_retry(what, exc, attempt)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)

@@ -59,6 +59,10 @@ def _worker(fn, rank, world_size, port, args, queue, env):
                 dist.destroy_process_group()
         except Exception:
             pass
+    # Flush the result to the parent before leaving: os._exit would kill the queue's feeder
+    # thread with the result still in its buffer.
+    queue.close()
+    queue.join_thread()
     # Leave without running interpreter finalizers: a gloo worker thread releasing a
     # tensor during finalization can abort the process (see PLATFORM.md).
     os._exit(0)

@@ -1,0 +1,135 @@
+"""Rank bodies for the parallel-equivalence tests (module-level so spawn can pickle them)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing.queues
+import os
+
+import torch
+
+from trainer.mesh import ParallelConfig, build_mesh
+from trainer.model import ModelConfig
+from trainer.parallelize import build_parallel_model
+
+__all__ = ["MODEL", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "make_batches", "train", "rank_train"]
+
+MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
+GLOBAL_BATCH = 8
+SEQ_LEN = 16
+STEPS = 20
+SEED = 1234
+MAX_NORM = 1.0
+
+
+def make_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed data: (inputs, targets) of shape (GLOBAL_BATCH, SEQ_LEN) per step, from a seed.
+
+    Targets are a fixed function of the inputs (next token = (3 x + 1) mod vocab) so the
+    loss actually falls and a layout that trains wrongly would drift visibly.
+    """
+    gen = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, MODEL.vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+        out.append((x, (3 * x + 1) % MODEL.vocab_size))
+    return out
+
+
+def train(
+    pm, dp_rank: int, dp: int, accum: int = 1, check_state_keys: bool = False, steps: int = STEPS
+) -> dict:
+    """Train ``steps`` AdamW steps on this dp rank's slice; return per-step loss and grad norm.
+
+    With ``accum > 1`` the local slice is fed as ``accum`` gradient-accumulation calls
+    (dp reduction only on the last), which must give the same step as one call.
+    """
+    optims = [
+        torch.optim.AdamW(part.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        for part in pm.model_parts
+    ]
+    local = GLOBAL_BATCH // dp
+    losses, norms = [], []
+    for x, y in make_batches(steps):
+        x, y = x[dp_rank * local : (dp_rank + 1) * local], y[dp_rank * local : (dp_rank + 1) * local]
+        for o in optims:
+            o.zero_grad()
+        if accum == 1:
+            losses.append(pm.train_step(x, y))
+        else:
+            call_losses = [
+                pm.forward_backward(xa, ya, num_accum_steps=accum, sync_grads=i == accum - 1)
+                for i, (xa, ya) in enumerate(zip(x.chunk(accum), y.chunk(accum)))
+            ]
+            losses.append(sum(call_losses) / accum)
+        norms.append(pm.clip_grad_norm_(MAX_NORM))
+        for o in optims:
+            o.step()
+    result = {"losses": losses, "norms": norms}
+    if check_state_keys:
+        result["model_keys"] = sorted(pm.model_state_dict())
+        result["optim_keys"] = sorted(pm.optimizer_state_dict(optims))
+        result["_optims"] = optims  # popped by rank_train, not sent back
+    return result
+
+
+def _local(value):
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def check_state_dict_roundtrip(pm, optims, par, mesh) -> None:
+    """Load ``pm``'s model and optimizer state into a freshly built model (another seed) and
+    check every local shard is equal afterwards."""
+    fresh = build_parallel_model(MODEL, par, mesh, SEED + 1, global_batch_size=GLOBAL_BATCH)
+    fresh_optims = [torch.optim.AdamW(p.parameters(), lr=1e-2, foreach=False) for p in fresh.model_parts]
+    # AdamW state is created lazily: one zero-gradient step creates it so it can be loaded into.
+    for p in fresh.parameters():
+        p.grad = torch.zeros_like(p)
+    for o in fresh_optims:
+        o.step()
+    fresh.load_model_state_dict(pm.model_state_dict())
+    fresh.load_optimizer_state_dict(fresh_optims, pm.optimizer_state_dict(optims))
+    for want, got in (
+        (pm.model_state_dict(), fresh.model_state_dict()),
+        (pm.optimizer_state_dict(optims), fresh.optimizer_state_dict(fresh_optims)),
+    ):
+        assert want.keys() == got.keys()
+        for key in want:
+            a, b = _local(want[key]), _local(got[key])
+            same = torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            assert same, f"state {key} differs after load"
+
+
+def _flush_result_queue_at_exit() -> None:
+    """Work around a race in ``tests/dist.py``: its worker ``queue.put``s the result and then
+    calls ``os._exit``, which can kill the queue's feeder thread before the result reaches
+    the parent (seen here: every rank finished, the parent waited for the timeout). Close
+    and join every multiprocessing queue first. Harmless once dist.py does it itself.
+    """
+    original = os._exit
+
+    def exit_after_flush(code: int) -> None:
+        for obj in gc.get_objects():
+            if type(obj) is multiprocessing.queues.Queue:
+                try:
+                    obj.close()
+                    obj.join_thread()
+                except Exception:
+                    pass
+        original(code)
+
+    os._exit = exit_after_flush
+
+
+def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1, check_keys: bool = False):
+    """Body run on each rank by ``tests.dist.run_ranks``: build the layout, train, report."""
+    _flush_result_queue_at_exit()
+    par = ParallelConfig(**par_kwargs)
+    mesh = build_mesh(par, "cpu", MODEL, GLOBAL_BATCH, SEQ_LEN)
+    pm = build_parallel_model(MODEL, par, mesh, SEED, global_batch_size=GLOBAL_BATCH)
+    result = train(pm, mesh["dp"].get_local_rank(), par.dp, accum, check_keys)
+    if check_keys:
+        check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)
+    return result

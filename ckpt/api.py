@@ -83,7 +83,7 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
     if failures:
         inners = list(failures.values())
         first = inners[0]
-        if isinstance(first, (CheckpointError, FileExistsError, TypeError)) and all(
+        if isinstance(first, (CheckpointError, FileExistsError, TypeError, ValueError)) and all(
                 type(e) is type(first) for e in inners):
             return first
     return RankFailuresError("checkpoint operation",

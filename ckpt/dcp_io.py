@@ -57,8 +57,52 @@ VERIFY_MODES = ("full", "size", "none")
 _FILE_KEY = "__file__:"
 
 
+_HASH_KEY = "__ckpt_object_crc__:"
+
+
 class SafeSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles."""
+    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles.
+
+    DCP saves a key that every rank has from one rank only (it assumes replicas). For
+    non-tensor values that silently drops the others' values when they differ (a per-rank
+    counter saved under a shared key), so each rank sends a checksum of each object's
+    encoding with its plan and the coordinator refuses to save differing values.
+    """
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        hashes = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                obj = self.lookup_object(item.index)
+                hashes[_HASH_KEY + item.index.fqn] = [crc32c_of(
+                    [encode_object(obj, item.index.fqn)])]
+        if hashes:
+            plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
+                                                           **hashes})
+            self.plan = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        seen: dict[str, tuple[int, int]] = {}
+        conflicts = []
+        for rank, plan in enumerate(all_plans):
+            for key, value in (plan.planner_data or {}).items():
+                if not key.startswith(_HASH_KEY):
+                    continue
+                fqn = key[len(_HASH_KEY):]
+                if fqn in seen and seen[fqn][1] != value[0]:
+                    conflicts.append(f"{fqn!r} (rank {seen[fqn][0]} vs rank {rank})")
+                seen.setdefault(fqn, (rank, value[0]))
+        if conflicts:
+            raise ValueError(
+                f"state keys hold different values on different ranks: {', '.join(conflicts)}. "
+                f"A key present on every rank is saved once, as a replica; give per-rank "
+                f"values per-rank keys (e.g. f'rank{{rank}}').")
+        cleaned = [dataclasses.replace(p, planner_data={
+            k: v for k, v in (p.planner_data or {}).items() if not k.startswith(_HASH_KEY)})
+            for p in all_plans]
+        return super().create_global_plan(cleaned)
 
     def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
         if write_item.type == WriteItemType.BYTE_IO:

@@ -1,0 +1,53 @@
+"""The pickle-free encoding of non-tensor state values, and its guard against per-rank values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.codec import UnsupportedValueError, decode_object, encode_object
+from tests.dist import run_ranks
+
+
+def test_round_trip_of_python_values():
+    value = {"int": 3, "float": 0.1, "nan": float("nan"), "inf": float("-inf"), "none": None,
+             "tuple": (1, (2, "x")), "list": [1, [2.5]], "bytes": b"\x00\xff",
+             "dtype": torch.bfloat16, "device": torch.device("cpu"), 7: "int key",
+             "__tuple__": "a key that looks like a tag"}
+    out = decode_object(encode_object(value))
+    assert math.isnan(out.pop("nan")) and math.isnan(value.pop("nan"))
+    assert out == value
+    assert isinstance(out["tuple"], tuple) and isinstance(out["tuple"][1], tuple)
+
+
+def test_unsupported_values_name_the_key():
+    with pytest.raises(UnsupportedValueError, match="'cfg.fn'.*cannot be stored without pickle"):
+        encode_object(lambda: 0, "cfg.fn")
+    with pytest.raises(UnsupportedValueError, match="tensor nested"):
+        encode_object((torch.ones(1),), "x")
+
+
+def test_decoding_never_builds_anything_but_data():
+    assert decode_object(b'{"__dtype__": "float32"}') is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        decode_object(b'{"__dtype__": "__class__"}')
+
+
+def _save_differing_objects(rank, world, root):
+    ckpt.save({"w": torch.ones(2), "shared": {"a": 1}}, root, 1)   # equal values: fine
+    try:
+        ckpt.save({"w": torch.ones(2), "count": rank}, root, 2)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_shared_key_with_different_values_per_rank_is_refused(tmp_path):
+    errors = run_ranks(_save_differing_objects, 2, str(tmp_path), timeout=120)
+    for err in errors:
+        assert err is not None and "'count' (rank 0 vs rank 1)" in err and "per-rank keys" in err
+    store = ckpt.CheckpointStore(str(tmp_path))
+    assert store.committed_steps() == [1]      # nothing committed for the refused save

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckpt._crc import crc32c_combine
 from ckpt.codec import decode_object, encode_object
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.manifest import (
@@ -307,8 +308,8 @@ class CkptWriter(StorageWriter):
             offset, crc, out, bufs = 0, 0, [], []
             for item, buf in bucket:
                 item_crc = crc32c_of([buf])
-                crc = crc32c_of([buf], crc)
                 length = len(buf) if not hasattr(buf, "nbytes") else int(buf.nbytes)
+                crc = crc32c_combine(crc, item_crc, length)  # no second pass over the bytes
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=ItemLocation(name, offset, length, item_crc)))
                 bufs.append(buf)

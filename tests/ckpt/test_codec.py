@@ -51,3 +51,15 @@ def test_a_shared_key_with_different_values_per_rank_is_refused(tmp_path):
         assert err is not None and "'count' (rank 0 vs rank 1)" in err and "per-rank keys" in err
     store = ckpt.CheckpointStore(str(tmp_path))
     assert store.committed_steps() == [1]      # nothing committed for the refused save
+
+
+def test_crc32c_combine_matches_a_single_pass():
+    import os
+
+    import crc32c
+
+    from ckpt._crc import crc32c_combine
+
+    for la, lb in [(0, 5), (5, 0), (1, 1), (100, 3), (3, 100_000), (1 << 20, 12345)]:
+        a, b = os.urandom(la), os.urandom(lb)
+        assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b)

@@ -1,10 +1,12 @@
 """``ckpt``: the operator's view of a checkpoint root.
 
     ckpt list URL [--json] [--check none|size|full]
-    ckpt verify URL [--step N]
-    ckpt export URL --step N --out FILE(.pt|.safetensors)
+    ckpt verify URL [--step N] [--size-only] [--progress]
+    ckpt export URL [--step N] --out FILE(.pt|.safetensors)
     ckpt pin URL --step N / ckpt unpin URL --step N
-    ckpt rollback URL --step N      (un-commit newer checkpoints; reversible, deletes nothing)
+    ckpt rollback URL --step N [--force]
+                                    (un-commit newer checkpoints; reversible, deletes nothing;
+                                     refused while a job holds the write lease)
     ckpt plan ...                   (checkpoint interval from size, bandwidth, MTBF)
 
 S3 endpoints and credentials come from the usual AWS environment variables
@@ -123,10 +125,33 @@ def cmd_pin(args, pinned: bool) -> int:
     return 0
 
 
+def _live_writer(store: CheckpointStore) -> str | None:
+    """The job holding a fresh write lease on the root, described; None if there is none."""
+    from ckpt.lease import LEASE_NAME
+
+    try:
+        info = json.loads(store.storage.read_bytes(LEASE_NAME))
+        age = time.time() - float(info.get("heartbeat_unix", 0))
+        ttl = float(info.get("ttl_seconds") or 0)
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, AttributeError):
+        return "a job whose lease file cannot be read"
+    if age > ttl:
+        return None
+    return (f"job {info.get('job')!r} (host {info.get('host')}, pid {info.get('pid')}, "
+            f"heartbeat {age:.0f}s ago)")
+
+
 def cmd_rollback(args) -> int:
     from ckpt.manifest import MANIFEST_NAME, step_dirname
 
     store = CheckpointStore(args.url, _storage_options(args))
+    writer = _live_writer(store)
+    if writer and not args.force:
+        print(f"ckpt: {args.url} is being written by {writer}. Stop that job first (a rollback "
+              f"under a running job races with its saves), or pass --force.", file=sys.stderr)
+        return 2
     store.verify(args.step, full=True)
     newer = [s for s in store.committed_steps() if s > args.step]
     for s in reversed(newer):
@@ -172,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=lambda a: cmd_pin(a, False))
     sp = add("rollback", "make STEP the latest: un-commit newer checkpoints (reversible)")
     sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--force", action="store_true",
+                    help="roll back even while a job holds the write lease")
     sp.set_defaults(fn=cmd_rollback)
     try:
         from ckpt.plan import add_plan_arguments, run_plan

@@ -19,16 +19,19 @@ __all__ = ["Event", "EventBus", "JsonlEventLog"]
 
 log = logging.getLogger(__name__)
 
-# Kinds emitted by ckpt (fields in parentheses):
+# Kinds emitted by ckpt (fields in parentheses). Save events carry ``outcome``:
+# "committed", "retrying", "failed", "abandoned" or "skipped".
 #   save_staged     (step, stall_seconds, bytes, first)
-#   save_committed  (step, persist_seconds, total_seconds, bytes, bytes_per_second, retries)
-#   save_failed     (step, error, attempt, final)
-#   save_skipped    (step, reason)
-#   save_waited     (step, wait_seconds)
-#   load_done       (step, seconds, bytes, verify)
+#   save_committed  (step, outcome, stall_seconds, persist_seconds, total_seconds, bytes,
+#                    bytes_per_second, retries, attempts, total_bytes)
+#   save_failed     (step, outcome, error, attempt, final, stall_seconds, persist_seconds,
+#                    bytes, retries)
+#   save_skipped    (step, outcome, reason[, in_flight_step, num_skipped])
+#   save_waited     (step, wait_seconds, in_flight_step)
+#   load_done       (step, outcome, seconds, bytes, bytes_per_second, verify, num_fallbacks)
 #   load_fallback   (step, reason)
 #   retention_deleted (step)     retention_failed (step, error)
-#   lease_acquired  (holder)     lease_lost (holder, reason)
+#   lease_acquired  (holder, took_over)     lease_lost (reason)
 #   cleanup_aborted (step)
 #   cadence         (interval_steps, interval_seconds, active_bound, ...)
 

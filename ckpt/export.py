@@ -2,8 +2,10 @@
 
 ``consolidate(root, step)`` returns the checkpoint as a nested dict of full tensors and
 plain values; ``export(root, step, out)`` writes it as a ``.pt`` file loadable with
-``torch.load(out, weights_only=True)`` or as ``.safetensors`` (tensors only; non-tensor
-values go to the header's metadata as JSON).
+``torch.load(out, weights_only=True)`` or as ``.safetensors`` (tensors by their flat key;
+non-tensor values go to the header's metadata: ``ckpt_objects`` maps each key to its value in
+the tagged JSON of :mod:`ckpt.codec`, so ``decode_object(json.dumps(v).encode())`` restores
+tuples and bytes exactly).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ckpt import api
-from ckpt.codec import decode_object
+from ckpt.codec import decode_object, encode_object
 from ckpt.manifest import Manifest, dtype_from_name, step_dirname
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
@@ -98,7 +100,8 @@ def export(root: str | Storage, step: int | None, out: str, *, verify: str = "fu
             tensors = {k: v.contiguous() for k, v in state.items() if isinstance(v, torch.Tensor)}
             objects = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
             meta = {"ckpt_step": str(manifest.step),
-                    "ckpt_objects": json.dumps(objects, default=str)}
+                    "ckpt_objects": json.dumps({k: json.loads(encode_object(v, k))
+                                                for k, v in objects.items()})}
             save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, out)
     finally:

@@ -12,6 +12,12 @@ A save: ``stage`` (copy into reused host buffers; the only stall) -> background 
 (parallel per-rank file writes with checksums) -> coordinator commits the manifest ->
 retention. At most one save is in flight; when another is due first, ``busy`` decides:
 ``"skip"`` (counted, reported) or ``"wait"``.
+
+Failures: a storage error on any rank fails that attempt on every rank (DCP gathers each
+rank's outcome before the commit and broadcasts the result), so all ranks retry or give up
+together; nothing is committed unless every rank wrote its files. The commit is refused
+(``SaveAbandoned``, on every rank alike) after ``close(flush=False)`` or when the write lease
+was taken by another job. ``close`` releases the lease and frees the two private groups.
 """
 
 from __future__ import annotations
@@ -20,14 +26,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ckpt import api
 from ckpt.errors import CheckpointError, LeaseHeldError
-from ckpt.events import Event, EventBus
+from ckpt.events import EventBus
 from ckpt.lease import Lease
 from ckpt.manifest import Manifest, step_dirname
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
@@ -469,8 +475,21 @@ class CheckpointManager:
             self._executor.shutdown(wait=True)
             if self.lease is not None:
                 self.lease.release()
+            self._destroy_groups()
         if flush:
             self._raise_pending_failure()
+
+    def _destroy_groups(self) -> None:
+        """Free the two private groups (a job may build several managers over its life)."""
+        groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
+        if not self.distributed:
+            return
+        for group in groups:
+            try:
+                if group is not None and dist.is_initialized():
+                    dist.destroy_process_group(group)
+            except Exception as exc:  # noqa: BLE001 - only a leak
+                log.debug("could not destroy a checkpoint process group: %s", exc)
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -14,7 +14,7 @@ import json
 import logging
 from typing import Callable, Iterable, Protocol, Sequence
 
-from ckpt.errors import CorruptCheckpointError
+from ckpt.errors import CheckpointError
 from ckpt.store import CheckpointStore
 
 __all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll",
@@ -58,30 +58,51 @@ class KeepEvery:
 
 
 class KeepPinned:
-    """Keep the steps an operator pinned (``ckpt pin``), read from ``pins.json`` at the root."""
+    """Keep the steps an operator pinned (``ckpt pin``), read from ``pins.json`` at the root.
+
+    If ``pins.json`` exists but cannot be parsed, every checkpoint is kept (with a warning)
+    until it is fixed: a damaged pin list must not turn into deletions.
+    """
 
     def __init__(self, store: CheckpointStore, extra: Iterable[int] = ()):
         self.store = store
         self.extra = set(extra)
 
     def keep(self, steps: Sequence[int]) -> set[int]:
-        return (read_pins(self.store) | self.extra) & set(steps)
+        try:
+            pins = read_pins(self.store, strict=True)
+        except ValueError as exc:
+            log.warning("retention keeps every checkpoint: %s", exc)
+            return set(steps)
+        return (pins | self.extra) & set(steps)
 
 
-def read_pins(store: CheckpointStore) -> set[int]:
+def read_pins(store: CheckpointStore, *, strict: bool = False) -> set[int]:
+    """The pinned steps. An unreadable ``pins.json`` raises ``ValueError`` when ``strict``,
+    else it is logged and reads as no pins."""
+    where = store.storage.describe(PINS_NAME)
     try:
         data = json.loads(store.storage.read_bytes(PINS_NAME))
+        pins = data["pinned"] if isinstance(data, dict) else None
+        if not isinstance(pins, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in pins):
+            raise ValueError('expected {"pinned": [step, ...]} with integer steps')
     except FileNotFoundError:
         return set()
-    except ValueError:
-        log.warning("%s is not valid JSON; treating every checkpoint as pinned is not possible, "
-                    "so no pins are honoured until it is fixed", store.storage.describe(PINS_NAME))
+    except (ValueError, KeyError) as exc:
+        msg = (f"{where} is damaged ({exc}); fix it or delete it (`ckpt pin` rewrites it "
+               f"once it is gone)")
+        if strict:
+            raise ValueError(msg) from None
+        log.warning("%s", msg)
         return set()
-    return {int(s) for s in data.get("pinned", []) if isinstance(s, int)}
+    return set(pins)
 
 
 def set_pinned(store: CheckpointStore, step: int, pinned: bool = True) -> set[int]:
-    pins = read_pins(store)
+    """Pin (or unpin) ``step``; returns the pinned steps. Refuses a damaged ``pins.json``
+    rather than overwriting the pins it holds."""
+    pins = read_pins(store, strict=True)
     pins = pins | {step} if pinned else pins - {step}
     store.storage.write_bytes(PINS_NAME, json.dumps({"pinned": sorted(pins)}).encode())
     return pins
@@ -100,7 +121,7 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
     newest = committed[-1]
     try:
         store.verify(newest, full=False)
-    except CorruptCheckpointError as exc:
+    except CheckpointError as exc:  # corrupt, vanished, or storage unreachable
         log.warning("retention: newest checkpoint %d does not verify (%s); deleting nothing",
                     newest, exc)
         return []

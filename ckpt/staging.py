@@ -7,7 +7,8 @@ non-blocking, with one synchronisation at the end. Non-tensor values are deep-co
 are small). DTensors keep their mesh and placements around the staged local shard, so
 ``torch.distributed.checkpoint`` plans the same chunks as for the live state.
 
-Host memory added is about one copy of this rank's shard. ``prepare`` allocates (and
+Host memory added is about one copy of this rank's shard (buffers of tensors that are no
+longer in the state are dropped at the next ``stage``). ``prepare`` allocates (and
 touches) the buffers ahead of time, e.g. on a background thread right after the model is
 built, so even the first save's stall is only the copy.
 """
@@ -77,6 +78,7 @@ class StagingBuffers:
         dtensor = _dtensor_cls()
         total = 0
         cuda_used = False
+        seen: set[tuple] = set()
 
         def visit(path: tuple, value: Any) -> Any:
             nonlocal total, cuda_used
@@ -85,6 +87,7 @@ class StagingBuffers:
                 local = value.to_local() if is_d else value
                 local = local.detach()
                 buf = self._buffer(path, local)
+                seen.add(path)
                 non_blocking = local.device.type == "cuda" and buf.is_pinned()
                 cuda_used |= local.device.type == "cuda"
                 buf.copy_(local, non_blocking=non_blocking)
@@ -104,6 +107,8 @@ class StagingBuffers:
 
         with self._lock:
             staged = visit((), state_dict)
+            for path in [p for p in self._buffers if p not in seen]:
+                del self._buffers[path]  # the state no longer has this tensor
         if cuda_used:
             torch.cuda.synchronize()
         return staged, total

@@ -22,7 +22,9 @@ was taken by another job. ``close`` releases the lease and frees the two private
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +43,9 @@ from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
-__all__ = ["CheckpointManager", "SaveAbandoned"]
+__all__ = ["CheckpointManager", "SaveAbandoned", "HISTORY_NAME"]
+
+HISTORY_NAME = "_history.json"  # failures and uptime of the job on this root (JSON)
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +132,55 @@ class CheckpointManager:
         else:
             self._ctl_group = self._bg_group = None
         self.lease: Lease | None = None
+        self._found_aborted = False
         if use_lease:
             self._acquire_lease(lease_ttl_seconds, job_name)
+        self._load_history()
+
+    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
+    def _load_history(self) -> None:
+        """Read ``_history.json``, record this start as a failure if the last run died, share.
+
+        A start follows a failure when torchrun restarted us, when we took the lease over
+        from a dead holder, or when a dead writer's leftovers were found. Rank 0 decides and
+        broadcasts, so every rank's cadence sees the same history.
+        """
+        from ckpt.cadence import FailureHistory
+
+        data: dict | None = None
+        if self.rank == 0:
+            history = FailureHistory()
+            try:
+                history = FailureHistory.from_dict(json.loads(self.storage.read_bytes(HISTORY_NAME)))
+            except FileNotFoundError:
+                pass
+            except (ValueError, OSError) as exc:
+                log.warning("ignoring unreadable %s: %s", self.storage.describe(HISTORY_NAME), exc)
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+            took_over = self.lease is not None and self.lease.took_over is not None
+            if restarted or took_over or self._found_aborted:
+                history.record_failure(time.time())
+                self.events.emit("failure_recorded", restarted=restarted, took_over=took_over,
+                                 num_failures=history.num_failures)
+            data = history.to_dict()
+        if self.distributed:
+            holder = [data]
+            dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
+            data = holder[0]
+        self.history = FailureHistory.from_dict(data)
+        if self.cadence is not None and hasattr(self.cadence, "history"):
+            # The cadence accumulates uptime in the same object; one history per job.
+            self.cadence.history = self.history
+        self._history_uptime_owner = hasattr(self.cadence, "history")
+        self._save_history()
+
+    def _save_history(self) -> None:
+        if self.rank != 0 or (self.lease is not None and not self.lease.held):
+            return
+        try:
+            self.storage.write_bytes(HISTORY_NAME, json.dumps(self.history.to_dict()).encode())
+        except Exception as exc:  # noqa: BLE001 - advisory data only
+            log.warning("could not write %s: %s", self.storage.describe(HISTORY_NAME), exc)
 
     # -- lease -------------------------------------------------------------------------------
     def _acquire_lease(self, ttl: float, job_name: str | None) -> None:
@@ -156,6 +207,7 @@ class CheckpointManager:
         """Delete leftovers of saves whose writer died (their pending.json names another)."""
         try:
             for step in self.store.aborted_saves(live_owner=self.lease.holder_id):
+                self._found_aborted = True
                 try:
                     self.storage.delete(step_dirname(step), recursive=True)
                     self.events.emit("cleanup_aborted", step)
@@ -349,6 +401,12 @@ class CheckpointManager:
                                          num_bytes=nbytes, slowdown_seconds=self._slowdown())
             except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
                 log.exception("cadence policy failed to record the save of step %d", step)
+        if self.cadence is not None and hasattr(self.cadence, "describe"):
+            try:
+                self.events.emit("cadence", step, **self.cadence.describe())
+            except Exception:  # noqa: BLE001
+                log.exception("cadence policy failed to describe itself")
+        self._save_history()
         if self.rank == 0 and self.retention:
             try:
                 apply_retention(
@@ -385,6 +443,8 @@ class CheckpointManager:
     def _observe_step(self, now: float) -> None:
         if self._last_call is not None:
             dt = now - self._last_call
+            if not self._history_uptime_owner:
+                self.history.add_uptime(dt)
             busy = self.in_flight()
             attr = "_step_time_busy" if busy else "_step_time_idle"
             prev = getattr(self, attr)

@@ -209,7 +209,7 @@ def exit_body(rank: int, world: int, root: str) -> dict:
     mgr2.close()
     dist.barrier()
     return {"flushed": flushed, "leftover": leftover, "cleaned": cleaned,
-            "after": sorted(n for n, _, _ in storage.listdir(""))}
+            "after": sorted(n for n, _, _ in storage.listdir("") if n.startswith("step_"))}
 
 
 def fsdp_save_body(rank: int, world: int, root: str) -> dict:

@@ -1,0 +1,246 @@
+"""Turn the measured series into Markdown tables and PASS/MISS target lines.
+
+Every ratio is the median over rounds of ``contender_i / baseline_i`` (the two were measured
+moments apart, in the same round); medians of the series are shown alongside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _common import GiB, MiB, median, paired_ratio, round_min
+
+
+def _f(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "–" if x is None else fmt.format(x)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.targets: list[dict[str, Any]] = []
+
+    def add(self, line: str = "") -> None:
+        self.lines.append(line)
+
+    def table(self, title: str, rows: list[tuple[str, list | None, list | None, str]],
+              nbytes: int, unit: str = "GiB/s") -> None:
+        """rows: (label, series, baseline series or None, note)."""
+        self.add(f"**{title}**")
+        self.add("")
+        self.add(f"| contender | median s | {unit} | ratio vs baseline | note |")
+        self.add("|---|---:|---:|---:|---|")
+        for label, series, base, note in rows:
+            if series is None or median(series) is None:
+                self.add(f"| {label} | failed | | | {note} |")
+                continue
+            med = median(series)
+            rate = nbytes / med / (GiB if unit == "GiB/s" else MiB) if med > 0 else None
+            ratio = paired_ratio(series, base) if base is not None else None
+            self.add(f"| {label} | {med:.3f} | {_f(rate, '{:.2f}')} | "
+                     f"{_f(ratio, '{:.2f}x') if base is not None else 'baseline'} | {note} |")
+        self.add("")
+
+    def target(self, name: str, size: str, value: float | None, limit: float,
+               higher_is_better: bool = False, fmt: str = "{:.2f}x", why: str = "") -> None:
+        if value is None:
+            verdict = "n/a"
+        elif higher_is_better:
+            verdict = "PASS" if value >= limit else "MISS"
+        else:
+            verdict = "PASS" if value <= limit else "MISS"
+        self.targets.append({"target": name, "size": size, "value": value, "limit": limit,
+                             "higher_is_better": higher_is_better, "result": verdict,
+                             "fmt": fmt, "why": why})
+
+    def targets_table(self) -> None:
+        self.add("### Targets")
+        self.add("")
+        self.add("| target | size | measured | limit | result |")
+        self.add("|---|---|---:|---:|---|")
+        for t in self.targets:
+            op = ">=" if t["higher_is_better"] else "<="
+            self.add(f"| {t['target']} | {t['size']} | {_f(t['value'], t['fmt'])} | "
+                     f"{op} {t['fmt'].format(t['limit'])} | **{t['result']}** |")
+        self.add("")
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def local_section(rep: Report, label: str, nbytes: int, res: dict[str, Any]) -> None:
+    st = res.get("steady", {}).get("series")
+    if st:
+        s = st.get
+        nfiles = res["steady"]["info"].get("raw_write_files", 4)
+        floor_w = round_min(s("raw_write_1", []), s(f"raw_write_{nfiles}", []))
+        dcp_names = sorted(k for k in st if k.startswith("dcp_save_t"))
+        best_dcp = min(dcp_names, key=lambda k: median(st[k]) or float("inf"), default=None)
+        rep.table(f"{label}: stall (time the training loop is blocked), steady state", [
+            ("copy into preallocated buffers (floor)", s("copy_floor"), None,
+             res["steady"]["info"].get("copy_floor_target", "")),
+            ("ours: CheckpointManager.save() returns", s("ours.stall"), s("copy_floor"),
+             "whole call"),
+            ("ours: staging copy (its save_staged event)", s("ours.stage"), s("copy_floor"), ""),
+            ("dcp.async_save returns", s("dcp_async.stall"), s("copy_floor"),
+             "allocates its CPU copy every save"),
+        ], nbytes)
+        rep.table(f"{label}: persist (until durable), steady state", [
+            ("raw write + fsync (floor: best of 1 file / N files per round)", floor_w, None,
+             f"N = {nfiles}"),
+            ("raw write, 1 file", s("raw_write_1"), floor_w, ""),
+            (f"raw write, {nfiles} files in {nfiles} threads", s(f"raw_write_{nfiles}"),
+             floor_w, ""),
+            (f"raw write + crc32c, {nfiles} files in {nfiles} threads",
+             s(f"raw_write_crc_{nfiles}"), floor_w, "crc first, then write"),
+            ("ours: save() until committed (checksums on)", s("ours.commit"), floor_w,
+             "stage + persist + manifest"),
+            ("ours: save() until wait() returns", s("ours.wait"), floor_w, "+ retention"),
+            ("torch.save + fsync", s("torch_save"), floor_w, "one file"),
+            *[(f"dcp.save FileSystemWriter thread_count={k[len('dcp_save_t'):]}", s(k),
+               floor_w, "best DCP" if k == best_dcp else "") for k in dcp_names],
+            ("dcp.async_save until done", s("dcp_async.total"), floor_w, ""),
+        ], nbytes)
+        rep.target("stall <= 1.1x buffer copy (steady)", label,
+                   paired_ratio(s("ours.stall", []), s("copy_floor", [])), 1.1)
+        rep.target("total local save <= 1.1x raw write floor", label,
+                   paired_ratio(s("ours.commit", []), floor_w), 1.1)
+        if best_dcp:
+            rep.add(f"ours (commit) vs best dcp.save ({best_dcp}): "
+                    f"{_f(paired_ratio(s('ours.commit', []), st[best_dcp]), '{:.2f}x')}; "
+                    f"vs torch.save+fsync: "
+                    f"{_f(paired_ratio(s('ours.commit', []), s('torch_save', [])), '{:.2f}x')}")
+            rep.add("")
+    fs = res.get("first", {}).get("series")
+    if fs:
+        rep.table(f"{label}: first save's stall (fresh manager)", [
+            ("copy into preallocated buffers (floor)", fs.get("copy_floor"), None, ""),
+            ("ours: first save, no prepare()", fs.get("ours_first"), fs.get("copy_floor"),
+             "allocates + faults in buffers"),
+            ("ours: first save after prepare()", fs.get("ours_first_prepared"),
+             fs.get("copy_floor"), "as the trainer does"),
+        ], nbytes)
+        rep.target("first save's stall <= 1.5x buffer copy (no prepare)", label,
+                   paired_ratio(fs.get("ours_first", []), fs.get("copy_floor", [])), 1.5)
+        rep.target("first save's stall <= 1.5x buffer copy (after prepare)", label,
+                   paired_ratio(fs.get("ours_first_prepared", []), fs.get("copy_floor", [])), 1.5)
+    ld = res.get("load", {})
+    nfiles = ld.get("info", {}).get("raw_read_files", 4)
+    for mode in ("cold", "warm"):
+        ls = ld.get(mode)
+        if not ls:
+            continue
+        floor_r = round_min(ls.get("raw_read_1", []), ls.get(f"raw_read_{nfiles}", []))
+        rep.table(f"{label}: load, {mode} page cache", [
+            ("raw read into the tensors (floor: best of 1 / N files)", floor_r, None, ""),
+            ("ours verify=full", ls.get("ours_full"), floor_r, "crc32c of every byte"),
+            ("ours verify=size", ls.get("ours_size"), floor_r, ""),
+            ("ours verify=none", ls.get("ours_none"), floor_r, ""),
+            ("dcp.load (FileSystemReader)", ls.get("dcp_load"), floor_r, ""),
+            ("torch.load(weights_only=True)", ls.get("torch_load"), floor_r,
+             "allocates new tensors"),
+        ], nbytes)
+        rep.target(f"load (full verify) no slower than dcp.load, {mode}", label,
+                   paired_ratio(ls.get("ours_full", []), ls.get("dcp_load", [])), 1.0)
+        rep.target(f"full verification adds <= 30% (full/none), {mode}", label,
+                   paired_ratio(ls.get("ours_full", []), ls.get("ours_none", [])), 1.3)
+    if ld.get("info", {}).get("cold"):
+        rep.add(f"Cold-cache loads: {ld['info']['cold']}")
+        rep.add("")
+
+
+def s3_section(rep: Report, label: str, nbytes: int, res: dict[str, Any]) -> None:
+    st = res.get("series") or {}
+    dcp_names = sorted(k for k in st if k.startswith("dcp_fsspec_t"))
+    main_dcp = "dcp_fsspec_t4" if "dcp_fsspec_t4" in st else (dcp_names[-1] if dcp_names
+                                                                  else None)
+    rep.table(f"{label}: save to S3 (moto on loopback)", [
+        (f"raw concurrent put, {res.get('info', {}).get('raw_objects')} objects, "
+         f"{res.get('info', {}).get('raw_threads')} threads", st.get("raw_put"), None, "floor"),
+        ("ours: ckpt.save to s3://", st.get("ours"), st.get("raw_put"),
+         f"num_threads={res.get('info', {}).get('ours_threads')} (default)"),
+        *[(f"ours: ckpt.save, num_threads={k[len('ours_t'):]}", st.get(k), st.get("raw_put"),
+           "") for k in sorted(st) if k.startswith("ours_t")],
+        *[(f"dcp.save FsspecWriter thread_count={k[len('dcp_fsspec_t'):]}", st.get(k),
+           st.get("raw_put"), "") for k in dcp_names],
+    ], nbytes, unit="MiB/s")
+    # Throughput ratio = inverse time ratio. The default configuration is the target; other
+    # num_threads settings are listed too, marked as such.
+    threads = res.get("info", {}).get("ours_threads")
+    for key in ["ours"] + sorted(k for k in st if k.startswith("ours_t")):
+        which = (f"num_threads={threads}, default" if key == "ours"
+                 else f"num_threads={key[len('ours_t'):]}")
+        if main_dcp:
+            r = paired_ratio(st.get(main_dcp, []), st.get(key, []))
+            rep.target(f"S3 throughput >= 2x DCP fsspec writer ({main_dcp}); ours {which}",
+                       label, r, 2.0, higher_is_better=True)
+        r = paired_ratio(st.get("raw_put", []), st.get(key, []))
+        rep.target(f"S3 throughput >= 0.8x raw concurrent upload; ours {which}", label, r, 0.8,
+                   higher_is_better=True)
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def train_section(rep: Report, res: dict[str, Any]) -> None:
+    st = res.get("series") or {}
+    info = res.get("info", {})
+    rep.add(f"**Training: {info.get('ranks')} ranks, {info.get('config')} "
+            f"{' '.join(info.get('extra_args', []))}, {info.get('steps')} steps, window from "
+            f"step {info.get('warmup_steps')}**")
+    rep.add("")
+    rep.add("| checkpointing | median s/step | overhead vs never | ms/step outside train_step "
+            "| saves in window | stall s (sum) | checkpoint bytes/rank |")
+    rep.add("|---|---:|---:|---:|---:|---:|---:|")
+    base = st.get("never.step")
+    for v, label in (("never", "never"), ("every", f"every {info.get('every')} steps"),
+                     ("auto", "interval=auto")):
+        s = st.get(f"{v}.step")
+        if not s or median(s) is None:
+            rep.add(f"| {label} | failed | | | | | |")
+            continue
+        ov = paired_ratio(s, base)
+        rep.add(f"| {label} | {median(s):.4f} | "
+                f"{'baseline' if v == 'never' else _f((ov - 1) * 100 if ov else None, '{:+.1f}%')}"
+                f" | {_f(_ms(median(st.get(f'{v}.outside_mean', []))), '{:.2f}')}"
+                f" | {_f(median(st.get(f'{v}.saves', [])), '{:.0f}')} | "
+                f"{_f(median(st.get(f'{v}.stall_sum', [])), '{:.3f}')} | "
+                f"{_f(median(st.get(f'{v}.save_bytes', [])), '{:.0f}')} |")
+    rep.add("")
+    for v, limit in (("auto", 0.02), ("every", None)):
+        r = paired_ratio(st.get(f"{v}.step", []), base or [])
+        if limit is not None:
+            rep.target("training overhead <= 2% with interval=auto", "tiny model",
+                       None if r is None else (r - 1) * 100, limit * 100, fmt="{:+.1f}%")
+
+
+def rss_section(rep: Report, label: str, res: dict[str, Any]) -> None:
+    rep.add(f"**{label}: resident memory (each in a fresh process)**")
+    rep.add("")
+    rep.add("| contender | extra peak RSS | x shard | RSS growth | note |")
+    rep.add("|---|---:|---:|---:|---|")
+    notes = {"ours": "async manager, N saves each followed by wait()",
+             "ours_load": "ckpt.load verify=full", "dcp_load": "dcp.load, FileSystemReader",
+             "dcp_save": "3 saves, thread_count=4",
+             "dcp_async": "3 saves", "torch_save": "3 saves"}
+    for mode, r in res.items():
+        if "error" in r:
+            rep.add(f"| {mode} | failed | | | {r['error'][:80]} |")
+            continue
+        growth = r.get("growth_bytes")
+        num = len(r.get("rss_after_each", []))
+        grown = "–" if growth is None else f"{growth / MiB:+.1f} MiB over {num} saves"
+        reset = "" if r.get("peak_reset") else " (peak not reset)"
+        rep.add(f"| {mode} | {r['extra_peak_bytes'] / MiB:.0f} MiB | "
+                f"{r['extra_peak_ratio']:.2f} | {grown} | {notes.get(mode, '')}{reset} |")
+    rep.add("")
+    ours = res.get("ours", {})
+    if "extra_peak_ratio" in ours:
+        rep.target("extra RSS <= 1.1x shard during save", label, ours["extra_peak_ratio"], 1.1)
+        shard = ours["shard_bytes"]
+        g = ours.get("growth_bytes")
+        allowed = max(4 * MiB, 0.01 * shard)
+        rep.target(f"no RSS growth over {len(ours['rss_after_each'])} saves "
+                   f"(<= {allowed / MiB:.0f} MiB)", label,
+                   None if g is None else g / MiB, allowed / MiB, fmt="{:+.1f} MiB")

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["ModelState", "RNGState"]
+__all__ = ["ModelState", "RNGState", "init_optimizer_state"]
 
 
 class ModelState:
@@ -36,7 +36,10 @@ class ModelState:
         return self.optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self._optims(), options=self.options)
+        optims = self._optims()
+        for optim in (optims if isinstance(optims, (list, tuple)) else [optims]):
+            init_optimizer_state(optim)  # else DCP's own init counts a step (see below)
+        model_sd, optim_sd = get_state_dict(self.model, optims, options=self.options)
         out = {"model": model_sd}
         if self.optimizer is not None:
             out["optim"] = optim_sd
@@ -77,3 +80,33 @@ class RNGState:
         random.setstate((py[0], tuple(py[1]), py[2]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state now, exactly as its first step would, counting no step.
+
+    ``torch.distributed.checkpoint``'s ``get_state_dict`` initialises the state of an
+    optimizer that has none by taking a step with zero gradients and lr 0, which leaves
+    AdamW's step counter at 1 before training starts: its bias correction is then one step
+    behind, and a run with checkpoints (whose first ``prepare``/``load`` triggers that) would
+    train differently from the same run without. Here the same zero step is taken (no
+    parameter moves: lr 0 scales both the update and the decoupled weight decay; the moments
+    stay zero) and the counters are put back to 0, the state a fresh AdamW creates.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if optimizer.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from trainer.config import ConfigError, config_from_argv
-    from trainer.distributed import EXIT_CONFIG, init_distributed, shutdown
+    from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
     from trainer.train import run
 
     if any(a in ("-h", "--help") for a in argv):
@@ -40,7 +40,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     env = init_distributed(cfg.training.resolved_device())
-    code = run(cfg, env)
+    try:
+        code = run(cfg, env)
+    except Exception:  # noqa: BLE001 - e.g. a peer died mid-collective
+        # Leave through shutdown all the same: a traceback exit runs the interpreter's
+        # finalizers, which can abort in a gloo thread and replace our exit code.
+        logging.getLogger("trainer").exception("training failed")
+        shutdown(env, EXIT_FAILED, barrier=False)
     shutdown(env, code)
     return code  # not reached: shutdown leaves the process
 

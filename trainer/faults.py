@@ -132,7 +132,9 @@ class StragglerDetector:
     def find(self, step_seconds_by_rank: list[float]) -> list[int]:
         if self.factor <= 0 or len(step_seconds_by_rank) < 2:
             return []
+        # The lower median: with an even number of ranks the upper one is already a slow
+        # rank's time, so 2 ranks could never show a straggler (nor could half of 2k).
         ordered = sorted(step_seconds_by_rank)
-        median = ordered[len(ordered) // 2]
+        median = ordered[(len(ordered) - 1) // 2]
         return [r for r, t in enumerate(step_seconds_by_rank)
                 if median > 0 and t > self.factor * median]

@@ -11,11 +11,9 @@ newest checkpoint under ``checkpoint.root`` that verifies.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
-import sys
+import random
 import time
 from typing import Any
 
@@ -23,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ckpt.events import EventBus, JsonlEventLog
-from ckpt.stateful import RNGState
-from trainer.config import Config, ConfigError, config_fingerprint, config_to_dict
+from ckpt.stateful import RNGState, init_optimizer_state
+from trainer.config import Config, ConfigError, config_fingerprint
 from trainer.data import build_loader, split_microbatches
 from trainer.distributed import (
     EXIT_CONFIG,
@@ -110,7 +108,10 @@ class Trainer:
 
         self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
                                 for f in dataclasses.fields(_MC)})
+        # Every random stream a rank may use starts from the config's seed, so two runs of
+        # one config are the same run (and a resumed one restores the streams it saved).
         torch.manual_seed(t.seed)
+        random.seed(t.seed)
         self.mesh = None
         if env.distributed:
             self.mesh = mesh_mod.build_mesh(self.par, env.device.type, self.model_cfg,
@@ -120,6 +121,8 @@ class Trainer:
         self.optimizers = [torch.optim.AdamW(part.parameters(), lr=t.lr, betas=tuple(t.betas),
                                              eps=t.eps, weight_decay=t.weight_decay)
                            for part in self.model.model_parts]
+        for o in self.optimizers:
+            init_optimizer_state(o)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: t.lr_at(s) / t.lr)
                            for o in self.optimizers]
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
@@ -212,10 +215,35 @@ class Trainer:
         if self.env.rank == 0:
             log.info("resumed from %s step %d%s", c.root, manifest.step,
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
+            self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)
         if hasattr(self.manager.cadence, "record_saved"):
             self.manager.cadence.record_saved(self.step, time.time())
         return manifest.step
+
+    def _uncommit_newer(self, step: int) -> None:
+        """Rank 0, right after resuming from ``step``: un-commit every newer checkpoint.
+
+        There are newer ones only when resume fell back past checkpoints that failed
+        verification, or when ``checkpoint.load_step`` rewinds the run. Left committed, they
+        would be wrong twice: this run could not save those steps again (the manager skips
+        a step that is "already committed", so a finished run would end on a corrupt or
+        stale checkpoint) and the next automatic resume would jump onto them. As with
+        ``ckpt rollback``, nothing is deleted: the manifest is kept as
+        ``rolled-back-manifest.json``; saving the step again replaces the folder's files.
+        """
+        from ckpt.manifest import MANIFEST_NAME, step_dirname
+
+        storage = self.manager.storage
+        for newer in reversed([s for s in self.manager.store.committed_steps() if s > step]):
+            d = step_dirname(newer)
+            storage.write_bytes(f"{d}/rolled-back-{MANIFEST_NAME}",
+                                storage.read_bytes(f"{d}/{MANIFEST_NAME}"))
+            storage.delete(f"{d}/{MANIFEST_NAME}")
+            log.warning("un-committed checkpoint step %d (newer than the step %d resumed from; "
+                        "manifest kept as %s/rolled-back-%s): this run writes that step again",
+                        newer, step, d, MANIFEST_NAME)
+            self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
 
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:
@@ -248,11 +276,13 @@ class Trainer:
                                   f"bad steps, fault.max_skips={f.max_skips})")
         if f.nan_policy == "rollback" and self.manager is not None:
             bad_batch = self.loader.global_batch_index - 1
+            # Loading restores the checkpoint's count; keep counting the bad steps of this
+            # run, or a loss that is bad after every rollback would roll back forever.
+            skipped = self.num_skipped_steps
             self.manager.wait(raise_errors=False)
             manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
                                                 ignore_keys=("rng.",))
             if manifest is not None:
-                skipped = self.num_skipped_steps
                 consumed = (bad_batch + 1) * self.loader.global_batch_size
                 st = self.loader.state_dict()
                 st.update(next_batch=bad_batch + 1, samples_consumed=consumed)
@@ -294,8 +324,6 @@ class Trainer:
                     for s in self.schedulers:
                         s.step()
                 self.step += 1
-                if verdict is not None:
-                    self._handle_bad_step(verdict, loss)
                 dt = time.perf_counter() - t0
                 self.losses.append((self.step, loss))
                 self.events.emit("train_step", self.step, loss=loss, grad_norm=grad_norm,
@@ -305,6 +333,9 @@ class Trainer:
                                            or self.step == t.steps):
                     log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step",
                              self.step, loss, grad_norm, tokens_per_step / dt, dt)
+                if verdict is not None:
+                    # After the step is logged: a rollback moves self.step back.
+                    self._handle_bad_step(verdict, loss)
                 if self.step % max(1, t.log_every) == 0:
                     self._check_stragglers(dt)
                 watchdog.progress()

@@ -99,7 +99,7 @@ def _versions() -> dict[str, str]:
 def save(state: dict[str, Any], root: str | Storage, step: int, *,
          user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
          process_group=None, storage_options: dict[str, Any] | None = None,
-         num_threads: int = 4, owner: str | None = None, durable: bool = True,
+         num_threads: int | None = None, owner: str | None = None, durable: bool = True,
          resolved: bool = False, should_commit=None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
 
@@ -125,7 +125,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
 
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          verify: str = "full", strict: bool = True, process_group=None,
-         storage_options: dict[str, Any] | None = None, num_threads: int = 4,
+         storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
          ignore_keys: tuple[str, ...] = ()) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
@@ -165,7 +165,7 @@ def _agree(ok: bool, process_group) -> bool:
 def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
                 strict: bool = True, process_group=None,
                 storage_options: dict[str, Any] | None = None,
-                num_threads: int = 4, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
+                num_threads: int | None = None, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the

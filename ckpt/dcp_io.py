@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -59,6 +60,16 @@ _FILE_KEY = "__file__:"
 
 
 _HASH_KEY = "__ckpt_object_crc__:"
+
+
+def default_threads(storage: Storage) -> int:
+    """Files (and streams) per rank: object stores want many requests in flight.
+
+    Measured on a loopback S3 endpoint: 16 concurrent uploads per rank match a raw parallel
+    upload of the same bytes, 4 multipart files reach about half of it; on local disk a few
+    files saturate the device (bench/, docs/performance.md).
+    """
+    return 16 if storage.is_s3 else 4
 
 
 class SafeSavePlanner(DefaultSavePlanner):
@@ -235,7 +246,7 @@ class CkptWriter(StorageWriter):
     """Writes one checkpoint folder. Construct one per save (it holds that save's state)."""
 
     def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
-                 num_threads: int = 4, owner: str | None = None,
+                 num_threads: int | None = None, owner: str | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  on_file_written: Callable[[str, int], None] | None = None,
                  should_commit: Callable[[], bool] | None = None):
@@ -245,7 +256,7 @@ class CkptWriter(StorageWriter):
         self.step = step
         self.step_dir = step_dir
         self.save_id = save_id or uuid.uuid4().hex[:12]
-        self.num_threads = max(1, num_threads)
+        self.num_threads = max(1, num_threads or default_threads(storage))
         self.owner = owner
         self.extra = dict(manifest_extra or {})
         self.durable = durable
@@ -305,16 +316,24 @@ class CkptWriter(StorageWriter):
 
         def write_bucket(k: int, bucket):
             name = f"{prefix}_{k}.bin"
-            offset, crc, out, bufs = 0, 0, [], []
-            for item, buf in bucket:
-                item_crc = crc32c_of([buf])
+            bufs = [buf for _, buf in bucket]
+            # Checksums run on their own thread while this one writes and fsyncs the same
+            # (read-only) buffers: crc32c and file I/O both release the GIL.
+            crcs: list[int] = []
+            summer = threading.Thread(target=lambda: crcs.extend(crc32c_of([b]) for b in bufs),
+                                      name="ckpt-crc")
+            summer.start()
+            try:
+                self.storage.write_buffers(f"{self.step_dir}/{name}", bufs, durable=self.durable)
+            finally:
+                summer.join()
+            offset, crc, out = 0, 0, []
+            for (item, buf), item_crc in zip(bucket, crcs):
                 length = len(buf) if not hasattr(buf, "nbytes") else int(buf.nbytes)
                 crc = crc32c_combine(crc, item_crc, length)  # no second pass over the bytes
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=ItemLocation(name, offset, length, item_crc)))
-                bufs.append(buf)
                 offset += length
-            self.storage.write_buffers(f"{self.step_dir}/{name}", bufs, durable=self.durable)
             if self.on_file_written is not None:
                 self.on_file_written(name, offset)
             out.append(WriteResult(index=MetadataIndex(_FILE_KEY + name), size_in_bytes=offset,
@@ -403,7 +422,7 @@ class CkptReader(StorageReader):
     """Reads one committed checkpoint described by an already validated ``Manifest``."""
 
     def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, *,
-                 verify: str = "full", num_threads: int = 4,
+                 verify: str = "full", num_threads: int | None = None,
                  on_bytes_read: Callable[[int], None] | None = None):
         super().__init__()
         if verify not in VERIFY_MODES:
@@ -412,7 +431,7 @@ class CkptReader(StorageReader):
         self.step_dir = step_dir
         self.manifest = manifest
         self.verify = verify
-        self.num_threads = max(1, num_threads)
+        self.num_threads = max(1, num_threads or default_threads(storage))
         self.on_bytes_read = on_bytes_read
         self._metadata = manifest.to_dcp_metadata()
 
@@ -435,11 +454,35 @@ class CkptReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _direct_target(self, req: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+        """The tensor to read ``req``'s bytes straight into, if the saved chunk *is* it.
+
+        That is the common case of resuming on the same layout (a whole saved chunk into a
+        contiguous CPU tensor of the same dtype): no intermediate buffer and no copy.
+        """
+        if req.type == LoadItemType.BYTE_IO or not self.storage.is_local:
+            return None
+        md = self._metadata.state_dict_metadata[req.storage_index.fqn]
+        chunk = next(c for c in md.chunks if c.offsets == req.storage_index.offset)
+        if any(req.storage_offsets) or list(req.lengths) != list(chunk.sizes):
+            return None
+        target = planner.resolve_tensor(req).detach()
+        loc = self._metadata.storage_data[req.storage_index]
+        if (target.device.type != "cpu" or not target.is_contiguous()
+                or target.dtype != md.properties.dtype
+                or target.numel() * target.element_size() != loc.length):
+            return None
+        return target
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage_data: dict[MetadataIndex, ItemLocation] = self._metadata.storage_data
         per_file: dict[str, list[ReadItem]] = {}
+        direct: dict[ReadItem, torch.Tensor] = {}
         for req in plan.items:
             per_file.setdefault(storage_data[req.storage_index].file, []).append(req)
+            target = self._direct_target(req, planner)  # planner calls stay on this thread
+            if target is not None:
+                direct[req] = target
 
         def read_file(name: str) -> list[tuple[ReadItem, Any]]:
             rel = f"{self.step_dir}/{name}"
@@ -457,8 +500,11 @@ class CkptReader(StorageReader):
                         f"data file {self.storage.describe(rel)} is {actual} bytes, the manifest "
                         f"says {expected_size} (truncated or overwritten). Load an earlier step.",
                         path=self.storage.describe(rel), expected=expected_size, actual=actual)
-            locs = sorted({storage_data[r.storage_index] for r in per_file[name]},
-                          key=lambda loc: loc.offset)
+            mine = [r for r in per_file[name] if r in direct]
+            if mine:
+                self._read_into(rel, [(storage_data[r.storage_index], direct[r]) for r in mine])
+            locs = sorted({storage_data[r.storage_index] for r in per_file[name]
+                           if r not in direct}, key=lambda loc: loc.offset)
             blobs: dict[ItemLocation, memoryview] = {}
             for start, end, group in _coalesce(locs):
                 try:
@@ -486,7 +532,7 @@ class CkptReader(StorageReader):
                                 f"load an earlier step.", path=self.storage.describe(rel),
                                 expected=f"{loc.crc32c:08x}", actual=f"{actual_crc:08x}")
                     blobs[loc] = blob
-            return [(r, blobs[storage_data[r.storage_index]]) for r in per_file[name]]
+            return [(r, blobs.get(storage_data[r.storage_index])) for r in per_file[name]]
 
         names = list(per_file)
         if len(names) > 1 and self.num_threads > 1:
@@ -498,6 +544,9 @@ class CkptReader(StorageReader):
         # Planner callbacks run on this thread: DCP planners are not thread-safe.
         for pairs in loaded:
             for req, blob in pairs:
+                if req in direct:
+                    planner.commit_tensor(req, direct[req])
+                    continue
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(bytes(blob)))
                     continue
@@ -520,6 +569,40 @@ class CkptReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+    def _read_into(self, rel: str, pairs: list[tuple[ItemLocation, torch.Tensor]]) -> None:
+        """Local files: read each item into its target tensor's memory, then verify it there.
+
+        On a checksum mismatch the target holds the corrupt bytes, and the error says so:
+        a failed load leaves the state to be loaded again (``load_latest`` does that).
+        """
+        path = self.storage.path(rel)
+        where = self.storage.describe(rel)
+        with open(path, "rb", buffering=0) as f:
+            for loc, target in sorted(pairs, key=lambda p: p[0].offset):
+                view = memoryview(target.view(-1).view(torch.uint8).numpy()) if loc.length \
+                    else memoryview(b"")
+                f.seek(loc.offset)
+                got = 0
+                while got < loc.length:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise CorruptCheckpointError(
+                            f"data file {where} is truncated: bytes [{loc.offset}, "
+                            f"{loc.offset + loc.length}) not all present", path=where)
+                    got += n
+                if self.on_bytes_read is not None:
+                    self.on_bytes_read(loc.length)
+                if self.verify == "full":
+                    actual_crc = crc32c_of([view])
+                    if actual_crc != loc.crc32c:
+                        raise CorruptCheckpointError(
+                            f"checksum mismatch in {where} bytes [{loc.offset}, "
+                            f"{loc.offset + loc.length}): expected crc32c {loc.crc32c:08x}, got "
+                            f"{actual_crc:08x}. The file is corrupt; load an earlier step (the "
+                            f"state being loaded into is partly overwritten).", path=where,
+                            expected=f"{loc.crc32c:08x}", actual=f"{actual_crc:08x}")
 
 
 def _coalesce(locs: list[ItemLocation], gap: int = 1 << 20, max_bytes: int = 256 << 20):

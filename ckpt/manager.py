@@ -78,7 +78,7 @@ class CheckpointManager:
     def __init__(self, root: str | Storage, *, storage_options: dict[str, Any] | None = None,
                  cadence: Any = None, retention: Sequence[RetentionPolicy] | None = None,
                  async_save: bool = True, busy: str = "skip", verify: str = "full",
-                 num_threads: int = 4, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
+                 num_threads: int | None = None, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
                  raise_on_failure: bool = False, max_attempts: int = 3,
                  retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
@@ -133,6 +133,7 @@ class CheckpointManager:
             self._ctl_group = self._bg_group = None
         self.lease: Lease | None = None
         self._found_aborted = False
+        self._check_every = 1  # see maybe_save
         if use_lease:
             self._acquire_lease(lease_ttl_seconds, job_name)
         self._load_history()
@@ -255,7 +256,10 @@ class CheckpointManager:
         if self.cadence is not None:
             want = bool(self.cadence.should_save(step, time.time()))
             if not getattr(self.cadence, "deterministic", False):
-                want = bool(self._agree_max(int(want))[0])
+                # A time-based decision differs between ranks, so it is agreed; but only
+                # every ``_check_every`` steps (about 1/20 of the interval, agreed at each
+                # save), not at every step: a save is at most 5% of an interval late.
+                want = step % self._check_every == 0 and bool(self._agree_max(int(want))[0])
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
@@ -275,9 +279,10 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save() called after close()")
         lease_lost = self.lease is not None and self.lease.lost
         pending_failure = self.raise_on_failure and self._failure is not None
-        busy, exists, lost, failed = self._agree_max(
+        busy, exists, lost, failed, neg_period = self._agree_max(
             int(self.in_flight()), int(self._committed(step)), int(lease_lost),
-            int(pending_failure))
+            int(pending_failure), -self._proposed_check_period())
+        self._check_every = max(1, -neg_period)  # the smallest any rank proposed
         if failed:
             self._raise_agreed_failure()
         if lost:
@@ -322,6 +327,15 @@ class CheckpointManager:
             self._wait_inflight()
             self._raise_pending_failure()
         return True
+
+    def _proposed_check_period(self) -> int:
+        """Steps between agreements of a time-based cadence: ~1/20 of its interval."""
+        try:
+            steps = (self.cadence.describe() or {}).get("interval_steps") \
+                if hasattr(self.cadence, "describe") else None
+        except Exception:  # noqa: BLE001 - advisory only
+            steps = None
+        return max(1, int(steps) // 20) if steps else 1
 
     def _committed(self, step: int) -> bool:
         if self.rank != 0:

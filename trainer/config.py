@@ -456,7 +456,8 @@ class Config:
         the batch does not divide over the layout. Every rank calls it with the same input."""
         p = self.parallel
         if world_size % (p.pp * p.tp):
-            _raise("parallel.pp", f"world size {world_size} is not divisible by pp * tp = "
+            _raise("parallel.tp" if p.tp > 1 else "parallel.pp",
+                   f"world size {world_size} is not divisible by pp * tp = "
                    f"{p.pp} * {p.tp}", "launch pp * dp * tp ranks")
         dp = world_size // (p.pp * p.tp) if p.dp == -1 else p.dp
         if p.pp * dp * p.tp != world_size:

@@ -43,6 +43,7 @@ LAYOUTS = [
     ("tp2-seqpar", dict(tp=2, sequence_parallel=True), 1, False),
     ("pp2-interleaved", dict(pp=2, stages_per_rank=2, schedule="interleaved1f1b", n_microbatches=4), 1, True),
     ("dp2xtp2", dict(dp=2, tp=2), 1, False),
+    ("pp2xtp2-gpipe", dict(pp=2, tp=2, schedule="gpipe", n_microbatches=2), 1, False),
     ("pp2xdp2-ddp-gpipe-accum2", dict(pp=2, dp=2, dp_mode="ddp", schedule="gpipe", n_microbatches=2), 2, False),
     ("pp2xdp2xtp2-1f1b", dict(pp=2, dp=2, tp=2, schedule="1f1b", n_microbatches=2), 1, True),
 ]

@@ -4,7 +4,9 @@
 # start it again and watch it resume by itself; finally list and verify the checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+echo "== 0. setting up .venv (log: runs/setup.log)"
+mkdir -p runs
+bash scripts/setup.sh > runs/setup.log 2>&1 || { tail -30 runs/setup.log; exit 1; }
 PY=.venv/bin/python
 RUN=${RUN_DIR:-runs/demo}
 STEPS=${STEPS:-120}
@@ -22,7 +24,7 @@ echo "== 1. training; it will be killed (SIGKILL) once two checkpoints are commi
 train > "$RUN/run1.log" 2>&1 &
 pid=$!
 for _ in $(seq 600); do
-  n=$(ls -d "$RUN"/ckpt/step_*/manifest.json 2>/dev/null | wc -l)
+  n=$( (ls -d "$RUN"/ckpt/step_*/manifest.json 2>/dev/null || true) | wc -l)
   [ "$n" -ge 2 ] && break
   kill -0 $pid 2>/dev/null || break
   sleep 0.2

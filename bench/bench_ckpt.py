@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--s3-repeats", type=int, default=None, help="default: --repeats")
     g.add_argument("--s3-dcp-threads", type=_ints, default=_ints("1,4"))
     g.add_argument("--s3-raw-threads", type=int, default=16)
-    g.add_argument("--s3-ours-threads", type=_ints, default=_ints("16"),
+    g.add_argument("--s3-ours-threads", type=_ints, default=_ints("4"),
                    help="also time ckpt.save with these num_threads (files per rank)")
     g = p.add_argument_group("train")
     g.add_argument("--train-config", default="configs/tiny.toml")

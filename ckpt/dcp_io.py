@@ -56,6 +56,7 @@ from ckpt.storage import Storage, crc32c_of
 __all__ = ["SafeSavePlanner", "SafeLoadPlanner", "CkptWriter", "CkptReader", "VERIFY_MODES"]
 
 VERIFY_MODES = ("full", "size", "none")
+_S3_FILE_BYTES = 32 << 20  # one S3 part (Storage.write_buffers' default part size)
 _FILE_KEY = "__file__:"
 
 
@@ -311,7 +312,14 @@ class CkptWriter(StorageWriter):
             else:
                 buf = _tensor_view_bytes(data)
             resolved.append((item, buf))
-        buckets = _balance(resolved, self.num_threads)
+        num_files = self.num_threads
+        if self.storage.is_s3:
+            # Object stores: files of about one part each, so every file is a single PUT and
+            # num_threads of them are in flight (multipart completion is slow on some
+            # servers, and parallel parts of one file add nothing over parallel files).
+            total = sum(_nbytes(buf) for _, buf in resolved)
+            num_files = max(num_files, min(1024, -(-total // _S3_FILE_BYTES)))
+        buckets = _balance(resolved, num_files)
         results: list[WriteResult] = []
 
         def write_bucket(k: int, bucket):
@@ -345,7 +353,8 @@ class CkptWriter(StorageWriter):
             for k, b in non_empty:
                 results.extend(write_bucket(k, b))
         else:
-            with ThreadPoolExecutor(len(non_empty), thread_name_prefix="ckpt-write") as pool:
+            with ThreadPoolExecutor(min(self.num_threads, len(non_empty)),
+                                    thread_name_prefix="ckpt-write") as pool:
                 for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
                     results.extend(out)
         fut: Future[list[WriteResult]] = Future()
@@ -523,14 +532,7 @@ class CkptReader(StorageReader):
                 for loc in group:
                     blob = view[loc.offset - start: loc.offset - start + loc.length]
                     if self.verify == "full":
-                        actual_crc = crc32c_of([blob])
-                        if actual_crc != loc.crc32c:
-                            raise CorruptCheckpointError(
-                                f"checksum mismatch in {self.storage.describe(rel)} bytes "
-                                f"[{loc.offset}, {loc.offset + loc.length}): expected crc32c "
-                                f"{loc.crc32c:08x}, got {actual_crc:08x}. The file is corrupt; "
-                                f"load an earlier step.", path=self.storage.describe(rel),
-                                expected=f"{loc.crc32c:08x}", actual=f"{actual_crc:08x}")
+                        _check_crc(self.storage.describe(rel), loc, blob)
                     blobs[loc] = blob
             return [(r, blobs.get(storage_data[r.storage_index])) for r in per_file[name]]
 
@@ -595,14 +597,18 @@ class CkptReader(StorageReader):
                 if self.on_bytes_read is not None:
                     self.on_bytes_read(loc.length)
                 if self.verify == "full":
-                    actual_crc = crc32c_of([view])
-                    if actual_crc != loc.crc32c:
-                        raise CorruptCheckpointError(
-                            f"checksum mismatch in {where} bytes [{loc.offset}, "
-                            f"{loc.offset + loc.length}): expected crc32c {loc.crc32c:08x}, got "
-                            f"{actual_crc:08x}. The file is corrupt; load an earlier step (the "
-                            f"state being loaded into is partly overwritten).", path=where,
-                            expected=f"{loc.crc32c:08x}", actual=f"{actual_crc:08x}")
+                    _check_crc(where, loc, view, " (the state being loaded into is partly "
+                                                 "overwritten)")
+
+
+def _check_crc(where: str, loc: ItemLocation, data: Any, note: str = "") -> None:
+    actual = crc32c_of([data])
+    if actual != loc.crc32c:
+        raise CorruptCheckpointError(
+            f"checksum mismatch in {where} bytes [{loc.offset}, {loc.offset + loc.length}): "
+            f"expected crc32c {loc.crc32c:08x}, got {actual:08x}. The file is corrupt; load an "
+            f"earlier step{note}.", path=where, expected=f"{loc.crc32c:08x}",
+            actual=f"{actual:08x}")
 
 
 def _coalesce(locs: list[ItemLocation], gap: int = 1 << 20, max_bytes: int = 256 << 20):

@@ -134,6 +134,7 @@ class CheckpointManager:
         self.lease: Lease | None = None
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
+        self._prepare_started = False
         if use_lease:
             self._acquire_lease(lease_ttl_seconds, job_name)
         self._load_history()
@@ -238,7 +239,9 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any]) -> None:
-        """Allocate staging buffers for ``state`` now, so the first save only copies."""
+        """Allocate staging buffers for ``state`` now (``maybe_save`` also does it, in the
+        background, on its first call), so the first save only copies."""
+        self._prepare_started = True
         self.staging.prepare(api.resolve_state(state))
 
     def in_flight(self) -> bool:
@@ -252,6 +255,11 @@ class CheckpointManager:
         """
         now = time.monotonic()
         self._observe_step(now)
+        if self.num_saves == 0 and not self._prepare_started:
+            # Allocate (and fault in) the staging buffers in the background now, while
+            # training runs, so that even the first save's stall is only the copy.
+            self._prepare_started = True
+            self._executor.submit(self.staging.prepare, api.resolve_state(state))
         want = False
         if self.cadence is not None:
             want = bool(self.cadence.should_save(step, time.time()))

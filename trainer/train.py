@@ -39,6 +39,10 @@ __all__ = ["Trainer", "TrainingStopped"]
 log = logging.getLogger("trainer")
 
 
+# Extra time the hang watchdog allows a blocking (final or preemption) save.
+_BLOCKING_SAVE_GRACE_SECONDS = 3600.0
+
+
 class TrainingStopped(RuntimeError):
     """The loss guard gave up (too many bad steps, or policy 'stop')."""
 
@@ -343,6 +347,7 @@ class Trainer:
                     log.warning("preemption signal: saving step %d and exiting", self.step)
                     self.events.emit("failure", self.step, failure="preempted")
                     if self.manager is not None:
+                        watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
                         self.manager.save(self.step, self.checkpoint_state(), force=True,
                                           block=True, user_metadata={"loss": loss})
                     exit_code = EXIT_PREEMPTED
@@ -353,6 +358,8 @@ class Trainer:
             else:
                 if self.manager is not None:
                     # The last step is always checkpointed, so a finished run can be exported.
+                    # A blocking save is slow, not hung: the watchdog gives it time.
+                    watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
                     self.manager.save(self.step, self.checkpoint_state(), force=True,
                                       block=True, user_metadata={"loss": self.losses[-1][1]
                                                                  if self.losses else None})

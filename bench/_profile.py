@@ -56,7 +56,7 @@ def profile_ours(state: dict, root: str, num_threads: int) -> dict[str, Any]:
     """One staging copy, one synchronous ``ckpt.save``, loads with verify full and none."""
     import torch.distributed.checkpoint.state_dict_saver as saver
 
-    from ckpt import api, dcp_io, staging, storage
+    from ckpt import api, dcp_io, planners, staging, storage
 
     out: dict[str, Any] = {}
     targets = [
@@ -71,7 +71,7 @@ def profile_ours(state: dict, root: str, num_threads: int) -> dict[str, Any]:
         (storage.Storage, "read_bytes", "Storage.read_bytes"),
         (storage.Storage, "size", "Storage.size"),
         (dcp_io.CkptReader, "read_data", "CkptReader.read_data"),
-        (dcp_io.SafeLoadPlanner, "create_local_plan", "SafeLoadPlanner.create_local_plan"),
+        (planners.SafeLoadPlanner, "create_local_plan", "SafeLoadPlanner.create_local_plan"),
         (saver, "_save_state_dict", "dcp _save_state_dict (whole save)"),
     ]
     buffers = staging.StagingBuffers()

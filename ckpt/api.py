@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.dcp_io import CkptReader, CkptWriter, SafeLoadPlanner, SafeSavePlanner
+from ckpt.dcp_io import CkptReader, CkptWriter
+from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -1,7 +1,7 @@
 """Structured events from the store and the training loop.
 
 Core code emits events; ``monitoring/`` turns them into metrics, so the store can be
-embedded without prometheus_client. A subscriber is any callable taking an ``Event``;
+embedded without the Prometheus client library. A subscriber is any callable taking an ``Event``;
 subscribers are called synchronously on the emitting thread and must not raise (errors are
 logged and swallowed so that monitoring can never break a save).
 """

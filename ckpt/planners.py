@@ -1,0 +1,182 @@
+"""Pickle-free planners for torch.distributed.checkpoint.
+
+DCP's planners decide *what* each rank saves and loads; they understand DTensor, FSDP2 and
+tensor-parallel shards, which is what makes resharding work. Its default ones store every
+non-tensor value with ``torch.save`` and load it back with an unrestricted ``torch.load``;
+these store JSON (:mod:`ckpt.codec`) instead, check that a key shared by all ranks holds one
+value, and check the whole state against the checkpoint before reading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItemType
+
+from ckpt.codec import decode_object, encode_object
+from ckpt.errors import CorruptCheckpointError, StateMismatchError
+from ckpt.manifest import dtype_name
+from ckpt.storage import crc32c_of
+
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
+
+_HASH_KEY = "__ckpt_object_crc__:"
+
+
+class SafeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles.
+
+    DCP saves a key that every rank has from one rank only (it assumes replicas). For
+    non-tensor values that silently drops the others' values when they differ (a per-rank
+    counter saved under a shared key), so each rank sends a checksum of each object's
+    encoding with its plan and the coordinator refuses to save differing values.
+    """
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        hashes = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                obj = self.lookup_object(item.index)
+                hashes[_HASH_KEY + item.index.fqn] = [crc32c_of(
+                    [encode_object(obj, item.index.fqn)])]
+        if hashes:
+            plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
+                                                           **hashes})
+            self.plan = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        seen: dict[str, tuple[int, int]] = {}
+        conflicts = []
+        for rank, plan in enumerate(all_plans):
+            for key, value in (plan.planner_data or {}).items():
+                if not key.startswith(_HASH_KEY):
+                    continue
+                fqn = key[len(_HASH_KEY):]
+                if fqn in seen and seen[fqn][1] != value[0]:
+                    conflicts.append(f"{fqn!r} (rank {seen[fqn][0]} vs rank {rank})")
+                seen.setdefault(fqn, (rank, value[0]))
+        if conflicts:
+            raise ValueError(
+                f"state keys hold different values on different ranks: {', '.join(conflicts)}. "
+                f"A key present on every rank is saved once, as a replica; give per-rank "
+                f"values per-rank keys (e.g. f'rank{{rank}}').")
+        cleaned = [dataclasses.replace(p, planner_data={
+            k: v for k, v in (p.planner_data or {}).items() if not k.startswith(_HASH_KEY)})
+            for p in all_plans]
+        return super().create_global_plan(cleaned)
+
+    def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(encode_object(object, write_item.index.fqn))
+        return object
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that decodes JSON objects and checks the whole state first.
+
+    Before any byte is read, the state to load into is compared with the checkpoint and every
+    missing key, unexpected key, shape and dtype mismatch is reported in one error.
+    """
+
+    def __init__(self, strict: bool = True, source: str = "checkpoint",
+                 ignore_prefixes: tuple[str, ...] = ()):
+        super().__init__(allow_partial_load=not strict)
+        self.strict = strict
+        self.source = source
+        self.ignore_prefixes = tuple(ignore_prefixes)
+
+    def create_local_plan(self) -> LoadPlan:
+        """Plan this rank's reads; record (not raise) its problems for the global check."""
+        md = self.metadata.state_dict_metadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        missing, mismatched = [], []
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md:
+                missing.append(fqn)
+                continue
+            saved = md[fqn]
+            is_tensor = isinstance(obj, torch.Tensor)
+            if isinstance(saved, TensorStorageMetadata) != is_tensor:
+                kind = "a tensor" if isinstance(saved, TensorStorageMetadata) else "an object"
+                mismatched.append(f"{fqn}: checkpoint holds {kind}, state holds "
+                                  f"{type(obj).__name__}")
+                continue
+            if is_tensor:
+                shape = tuple(obj.shape)  # DTensor reports its global shape
+                if tuple(saved.size) != shape:
+                    mismatched.append(f"{fqn}: shape {list(saved.size)} in checkpoint, "
+                                      f"{list(shape)} in state")
+                elif saved.properties.dtype != obj.dtype:
+                    mismatched.append(f"{fqn}: dtype {dtype_name(saved.properties.dtype)} in "
+                                      f"checkpoint, {str(obj.dtype).removeprefix('torch.')} "
+                                      f"in state")
+        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+        requested = sorted(k for k in self.state_dict if k in md)
+        self.state_dict = {k: v for k, v in self.state_dict.items() if k not in bad}
+        # Not super(): DefaultLoadPlanner re-flattens the original state when keys are
+        # missing (a pre-2.4 compatibility path), which would undo the filtering above.
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, False)
+        return dataclasses.replace(plan, planner_data={
+            "missing": sorted(missing), "mismatched": mismatched, "requested": requested})
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: one error listing every problem of every rank.
+
+        A checkpoint key is *unexpected* only if no rank asked for it (per-rank keys such as
+        each rank's RNG state are asked for by one rank each).
+        """
+        missing: set[str] = set()
+        mismatched: list[str] = []
+        requested: set[str] = set()
+        for plan in global_plan:
+            data = plan.planner_data or {}
+            missing.update(data.get("missing", ()))
+            for m in data.get("mismatched", ()):
+                if m not in mismatched:
+                    mismatched.append(m)
+            requested.update(data.get("requested", ()))
+        if self.strict:
+            unexpected = sorted(k for k in set(self.metadata.state_dict_metadata) - requested
+                                if not k.startswith(self.ignore_prefixes))
+            missing_list = sorted(missing)
+        else:
+            unexpected, missing_list = [], []
+        if missing_list or unexpected or mismatched:
+            lines = [f"state does not match {self.source}:"]
+            if missing_list:
+                lines.append(f"  {len(missing_list)} key(s) in the state but not in the "
+                             f"checkpoint: {', '.join(missing_list)}")
+            if unexpected:
+                lines.append(f"  {len(unexpected)} key(s) in the checkpoint but not in the "
+                             f"state: {', '.join(unexpected)}")
+            for m in mismatched:
+                lines.append(f"  mismatch: {m}")
+            lines.append("  Fix: load into the model/optimizer the checkpoint was saved from, "
+                         "or pass strict=False to load only the keys both have (mismatched "
+                         "keys are never loaded).")
+            raise StateMismatchError("\n".join(lines), missing=missing_list,
+                                     unexpected=unexpected, mismatched=mismatched)
+        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = decode_object(value.getvalue())
+        except (ValueError, TypeError, RuntimeError) as exc:  # bad JSON, UTF-8 or tag payload
+            fqn = read_item.storage_index.fqn
+            raise CorruptCheckpointError(
+                f"{self.source}: object {fqn!r} is not a ckpt JSON value ({exc}); the "
+                f"checkpoint is corrupt or was not written by ckpt (its bytes are never "
+                f"unpickled). Load an earlier step.", path=self.source) from None
+        from torch.distributed.checkpoint._traverse import set_element
+
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -135,9 +135,15 @@ class CheckpointManager:
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
         self._prepare_started = False
+        self._newest_known_step: int | None = None  # see _committed
         if use_lease:
             self._acquire_lease(lease_ttl_seconds, job_name)
         self._load_history()
+        if self.rank == 0:
+            try:  # once, here, so that saves need no listing (see _committed)
+                self._newest_known_step = max(self.store.committed_steps(), default=-1)
+            except Exception:  # noqa: BLE001 - _committed retries lazily
+                self._newest_known_step = None
 
     # -- failure history (for the auto cadence's MTBF) ---------------------------------------
     def _load_history(self) -> None:
@@ -346,10 +352,26 @@ class CheckpointManager:
         return max(1, int(steps) // 20) if steps else 1
 
     def _committed(self, step: int) -> bool:
+        """Rank 0: is ``step`` committed already? Asks storage only when it could be.
+
+        Only this job writes under the root (the lease), so a step above every step that was
+        committed when the job started and every step it committed since cannot exist: no
+        storage request on the training thread in the common case.
+        """
         if self.rank != 0:
             return False
-        return self.last_committed is not None and self.last_committed.step == step or \
-            self.storage.exists(f"{step_dirname(step)}/manifest.json")
+        if self.last_committed is not None and self.last_committed.step == step:
+            return True
+        if self._newest_known_step is None:
+            try:
+                self._newest_known_step = max(self.store.committed_steps(), default=-1)
+            except Exception:  # noqa: BLE001 - fall back to asking each time
+                self._newest_known_step = 1 << 62
+        newest = max(self._newest_known_step,
+                     self.last_committed.step if self.last_committed is not None else -1)
+        if step > newest:
+            return False
+        return self.storage.exists(f"{step_dirname(step)}/manifest.json")
 
     def _may_commit(self) -> bool:
         """Coordinator, inside the commit: refuse when abandoned or when the lease is gone.

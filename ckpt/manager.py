@@ -22,9 +22,7 @@ was taken by another job. ``close`` releases the lease and frees the two private
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +33,9 @@ import torch.distributed as dist
 
 from ckpt import api
 from ckpt.errors import CheckpointError, LeaseHeldError
+from ckpt.cadence import FailureHistory
 from ckpt.events import EventBus
+from ckpt.history import HISTORY_NAME, read_history, write_history
 from ckpt.lease import Lease
 from ckpt.manifest import Manifest, step_dirname
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
@@ -44,8 +44,6 @@ from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
 __all__ = ["CheckpointManager", "SaveAbandoned", "HISTORY_NAME"]
-
-HISTORY_NAME = "_history.json"  # failures and uptime of the job on this root (JSON)
 
 log = logging.getLogger(__name__)
 
@@ -147,30 +145,14 @@ class CheckpointManager:
 
     # -- failure history (for the auto cadence's MTBF) ---------------------------------------
     def _load_history(self) -> None:
-        """Read ``_history.json``, record this start as a failure if the last run died, share.
-
-        A start follows a failure when torchrun restarted us, when we took the lease over
-        from a dead holder, or when a dead writer's leftovers were found. Rank 0 decides and
-        broadcasts, so every rank's cadence sees the same history.
-        """
-        from ckpt.cadence import FailureHistory
-
-        data: dict | None = None
+        """Read the job's failure history, count this start as a failure if the last run
+        died (torchrun restart, a dead lease holder taken over, or a dead writer's leftovers
+        found), and share rank 0's view with every rank's cadence."""
+        took_over = self.lease is not None and self.lease.took_over is not None
+        data = None
         if self.rank == 0:
-            history = FailureHistory()
-            try:
-                history = FailureHistory.from_dict(json.loads(self.storage.read_bytes(HISTORY_NAME)))
-            except FileNotFoundError:
-                pass
-            except (ValueError, OSError) as exc:
-                log.warning("ignoring unreadable %s: %s", self.storage.describe(HISTORY_NAME), exc)
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-            took_over = self.lease is not None and self.lease.took_over is not None
-            if restarted or took_over or self._found_aborted:
-                history.record_failure(time.time())
-                self.events.emit("failure_recorded", restarted=restarted, took_over=took_over,
-                                 num_failures=history.num_failures)
-            data = history.to_dict()
+            data = read_history(self.storage, self.events, took_over=took_over,
+                                found_aborted=self._found_aborted).to_dict()
         if self.distributed:
             holder = [data]
             dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
@@ -183,12 +165,8 @@ class CheckpointManager:
         self._save_history()
 
     def _save_history(self) -> None:
-        if self.rank != 0 or (self.lease is not None and not self.lease.held):
-            return
-        try:
-            self.storage.write_bytes(HISTORY_NAME, json.dumps(self.history.to_dict()).encode())
-        except Exception as exc:  # noqa: BLE001 - advisory data only
-            log.warning("could not write %s: %s", self.storage.describe(HISTORY_NAME), exc)
+        if self.rank == 0 and (self.lease is None or self.lease.held):
+            write_history(self.storage, self.history)
 
     # -- lease -------------------------------------------------------------------------------
     def _acquire_lease(self, ttl: float, job_name: str | None) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import platform
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -166,11 +166,12 @@ def _agree(ok: bool, process_group) -> bool:
 def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
                 strict: bool = True, process_group=None,
                 storage_options: dict[str, Any] | None = None,
-                num_threads: int | None = None, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
+                num_threads: int | None = None, ignore_keys: tuple[str, ...] = (),
+                on_fallback: Callable[[int, str], None] | None = None) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the
-    file, and the one before it is tried. Returns None when the root holds no usable
+    file (and ``on_fallback(step, reason)``), and the one before it is tried. Returns None when the root holds no usable
     checkpoint (a fresh start). Collective over ``process_group``.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
@@ -194,8 +195,8 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
         if not _agree(error is None, process_group):
-            log.warning("checkpoint step %d is not usable (%s); falling back to an earlier one",
-                        step, error or "failed verification on another rank")
+            _fell_back(step, f"not usable ({error or 'failed verification on another rank'})",
+                       on_fallback)
             continue
         try:
             load(state, storage, manifest, verify=verify, strict=strict,
@@ -207,6 +208,13 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             error = exc
         if _agree(error is None, process_group):
             return manifest
-        log.warning("checkpoint step %d failed verification while loading (%s); falling back "
-                    "to an earlier one", step, error or "on another rank")
+        _fell_back(step, f"failed verification while loading ({error or 'on another rank'})",
+                   on_fallback)
     return None
+
+
+def _fell_back(step: int, reason: str, on_fallback: Callable[[int, str], None] | None) -> None:
+    message = f"checkpoint step {step} is {reason}; falling back to an earlier one"
+    log.warning("%s", message)
+    if on_fallback is not None:
+        on_fallback(step, message)

@@ -144,8 +144,6 @@ def _live_writer(store: CheckpointStore) -> str | None:
 
 
 def cmd_rollback(args) -> int:
-    from ckpt.manifest import MANIFEST_NAME, step_dirname
-
     store = CheckpointStore(args.url, _storage_options(args))
     writer = _live_writer(store)
     if writer and not args.force:
@@ -155,11 +153,7 @@ def cmd_rollback(args) -> int:
     store.verify(args.step, full=True)
     newer = [s for s in store.committed_steps() if s > args.step]
     for s in reversed(newer):
-        d = step_dirname(s)
-        data = store.storage.read_bytes(f"{d}/{MANIFEST_NAME}")
-        store.storage.write_bytes(f"{d}/rolled-back-{MANIFEST_NAME}", data)
-        store.storage.delete(f"{d}/{MANIFEST_NAME}")
-        print(f"step {s}: un-committed (manifest kept as {d}/rolled-back-{MANIFEST_NAME})")
+        print(f"step {s}: un-committed (manifest kept as {store.uncommit(s)})")
     print(f"step {args.step} is now the latest checkpoint; a resumed job starts from it")
     return 0
 

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import torch
 
 from ckpt import api
-from ckpt.codec import decode_object, encode_object
-from ckpt.manifest import Manifest, dtype_from_name, step_dirname
+from ckpt.codec import encode_object
+from ckpt.manifest import Manifest, dtype_from_name
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
@@ -65,13 +65,7 @@ def consolidate(root: str | Storage, step: int | None = None, *, verify: str = "
         flat[fqn] = torch.zeros(t["shape"], dtype=dtype_from_name(t["dtype"], fqn))
     for fqn in manifest.objects:
         flat[fqn] = None
-    api.load(flat, storage, manifest, verify=verify, process_group=None)
-    # api.load sets objects through the planner; read them back explicitly for clarity.
-    for fqn, loc in manifest.objects.items():
-        if flat[fqn] is None:
-            blob = storage.read_bytes(f"{step_dirname(manifest.step)}/{loc.file}", loc.offset,
-                                      loc.offset + loc.length)
-            flat[fqn] = decode_object(blob)
+    api.load(flat, storage, manifest, verify=verify, process_group=None)  # objects too
     if not nested:
         return flat, manifest
     out: dict[str, Any] = {}

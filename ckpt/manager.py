@@ -513,25 +513,27 @@ class CheckpointManager:
         Returns the manifest loaded, or None when there is nothing to resume from.
         """
         t0 = time.monotonic()
-        fallbacks = _FallbackRecorder(self.events)
-        logging.getLogger("ckpt.api").addHandler(fallbacks)
-        try:
-            if step is not None:
-                manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
-                                    process_group=self._ctl_group, num_threads=self.num_threads,
-                                    ignore_keys=ignore_keys)
-            else:
-                manifest = api.load_latest(state, self.storage, verify=self.verify,
-                                           strict=strict, process_group=self._ctl_group,
-                                           num_threads=self.num_threads, ignore_keys=ignore_keys)
-        finally:
-            logging.getLogger("ckpt.api").removeHandler(fallbacks)
+        fallbacks: list[int] = []
+
+        def fell_back(skipped: int, reason: str) -> None:
+            fallbacks.append(skipped)
+            self.events.emit("load_fallback", skipped, reason=reason)
+
+        if step is not None:
+            manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
+                                process_group=self._ctl_group, num_threads=self.num_threads,
+                                ignore_keys=ignore_keys)
+        else:
+            manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
+                                       process_group=self._ctl_group,
+                                       num_threads=self.num_threads, ignore_keys=ignore_keys,
+                                       on_fallback=fell_back)
         if manifest is not None:
             seconds = time.monotonic() - t0
             self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
                              bytes=manifest.total_bytes, verify=self.verify,
                              bytes_per_second=manifest.total_bytes / seconds if seconds > 0
-                             else 0.0, num_fallbacks=fallbacks.num_fallbacks)
+                             else 0.0, num_fallbacks=len(fallbacks))
         return manifest
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -578,19 +580,3 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close(flush=exc[0] is None)
-
-
-class _FallbackRecorder(logging.Handler):
-    """Turns load_latest's fallback warnings into ``load_fallback`` events."""
-
-    def __init__(self, events: EventBus):
-        super().__init__(level=logging.WARNING)
-        self.events = events
-        self.num_fallbacks = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "falling back" in record.getMessage():
-            step = record.args[0] if record.args else None
-            self.num_fallbacks += 1
-            self.events.emit("load_fallback", step if isinstance(step, int) else None,
-                             reason=record.getMessage())

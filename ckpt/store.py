@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK = "committed", "incomplete", "corrupt", "rolled-back"
 _VERIFY_BLOCK = 64 << 20
+ROLLED_BACK_MANIFEST = f"rolled-back-{MANIFEST_NAME}"
 
 
 @dataclass
@@ -84,10 +85,10 @@ class CheckpointStore:
             manifest = self.read_manifest(step)
         except CheckpointNotFoundError:
             entries = self.storage.listdir(d)
-            if any(name == f"rolled-back-{MANIFEST_NAME}" for name, _, _ in entries):
+            if any(name == ROLLED_BACK_MANIFEST for name, _, _ in entries):
                 return CheckpointInfo(step, ROLLED_BACK, url, sum(e[2] for e in entries),
-                                      problem="un-committed by `ckpt rollback`; its manifest "
-                                              f"is kept as rolled-back-{MANIFEST_NAME}")
+                                      problem="un-committed (rollback); its manifest is "
+                                              f"kept as {ROLLED_BACK_MANIFEST}")
             owner = None
             try:
                 pending = json.loads(self.storage.read_bytes(f"{d}/{PENDING_NAME}"))
@@ -183,6 +184,18 @@ class CheckpointStore:
         d = step_dirname(step)
         self.storage.delete(f"{d}/{MANIFEST_NAME}")
         self.storage.delete(d, recursive=True)
+
+    def uncommit(self, step: int) -> str:
+        """Un-commit ``step`` reversibly: its manifest is kept as ``rolled-back-manifest.json``.
+
+        The data stays; the checkpoint is no longer visible to loads and resumes (restore the
+        manifest's name to undo). Returns the kept manifest's path.
+        """
+        d = step_dirname(step)
+        kept = f"{d}/{ROLLED_BACK_MANIFEST}"
+        self.storage.write_bytes(kept, self.storage.read_bytes(f"{d}/{MANIFEST_NAME}"))
+        self.storage.delete(f"{d}/{MANIFEST_NAME}")
+        return kept
 
     def aborted_saves(self, live_owner: str | None) -> list[int]:
         """Incomplete folders whose ``pending.json`` names a writer other than ``live_owner``.

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,7 @@ def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> Di
     return DistEnv(rank, world, local_rank, dev, backend, restart)
 
 
-def shutdown(env: DistEnv, code: int, *, barrier: bool = True) -> "NoReturn":  # noqa: F821
+def shutdown(env: DistEnv, code: int, *, barrier: bool = True) -> NoReturn:
     """Tear down cleanly and exit the process with ``code`` (never returns)."""
     try:
         if env.distributed and dist.is_initialized():

@@ -236,17 +236,12 @@ class Trainer:
         ``ckpt rollback``, nothing is deleted: the manifest is kept as
         ``rolled-back-manifest.json``; saving the step again replaces the folder's files.
         """
-        from ckpt.manifest import MANIFEST_NAME, step_dirname
-
-        storage = self.manager.storage
-        for newer in reversed([s for s in self.manager.store.committed_steps() if s > step]):
-            d = step_dirname(newer)
-            storage.write_bytes(f"{d}/rolled-back-{MANIFEST_NAME}",
-                                storage.read_bytes(f"{d}/{MANIFEST_NAME}"))
-            storage.delete(f"{d}/{MANIFEST_NAME}")
+        store = self.manager.store
+        for newer in reversed([s for s in store.committed_steps() if s > step]):
+            kept = store.uncommit(newer)
             log.warning("un-committed checkpoint step %d (newer than the step %d resumed from; "
-                        "manifest kept as %s/rolled-back-%s): this run writes that step again",
-                        newer, step, d, MANIFEST_NAME)
+                        "manifest kept as %s): this run writes that step again",
+                        newer, step, kept)
             self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
 
     # -- the loop ------------------------------------------------------------------------------

@@ -18,12 +18,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    LeaseHeldError,
     RankFailuresError,
 )
 from ckpt.manifest import Manifest, step_dirname
@@ -100,28 +102,66 @@ def _versions() -> dict[str, str]:
 def save(state: dict[str, Any], root: str | Storage, step: int, *,
          user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
          process_group=None, storage_options: dict[str, Any] | None = None,
-         num_threads: int | None = None, owner: str | None = None, durable: bool = True,
-         resolved: bool = False, should_commit=None) -> Manifest | None:
+         num_threads: int | None = None, durable: bool = True, resolved: bool = False,
+         use_lease: bool = True, lifecycle: Lifecycle | None = None,
+         before_commit: Callable[[], None] | None = None,
+         save_id: str | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
 
     Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
     Raises ``FileExistsError`` if that step is already committed (nothing is overwritten).
+
+    Like every writer, a save holds the root's write lease while it writes: the coordinator
+    takes it (``LeaseHeldError`` on every rank when another live job holds it) and
+    releases it after the commit. ``lifecycle``: write through one that already holds the
+    lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
+    ``save_id``: this attempt's id (default: a fresh random one).
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     sd = state if resolved else resolve_state(state)
-    world = dist.get_world_size(process_group) if _is_dist(process_group) else 1
+    distributed = _is_dist(process_group)
+    world = dist.get_world_size(process_group) if distributed else 1
+    own_lease = lifecycle is None and use_lease
+    if own_lease:
+        lifecycle = _acquire_for_save(storage, process_group)
     extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
-             "user_metadata": dict(user_metadata or {}), "writer": {"owner": owner}}
-    writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads, owner=owner,
-                        manifest_extra=extra, durable=durable, should_commit=should_commit)
+             "user_metadata": dict(user_metadata or {})}
+    writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
+                        lifecycle=lifecycle, manifest_extra=extra, durable=durable,
+                        before_commit=before_commit, save_id=save_id)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(),
-                     process_group=process_group, no_dist=not _is_dist(process_group))
+                     process_group=process_group, no_dist=not distributed)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc
+    finally:
+        if own_lease and lifecycle is not None and lifecycle.lease is not None:
+            release_lease(lifecycle)
     return writer.manifest
+
+
+def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
+    """The coordinator takes the lease; every rank learns whether it could."""
+    coordinator = _rank(process_group) == 0
+    life, error = Lifecycle(storage), ""
+    if coordinator:
+        try:
+            storage.makedirs("")
+            life = acquire_lease(storage, heartbeat=True)
+        except LeaseHeldError as exc:
+            error = str(exc)
+    if _is_dist(process_group):
+        holder = [error]
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(process_group, 0)
+                                   if process_group is not None else 0, group=process_group)
+        error = holder[0]
+    if error:
+        if coordinator and life.lease is not None:
+            release_lease(life)
+        raise LeaseHeldError(error)
+    return life
 
 
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,

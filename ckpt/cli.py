@@ -1,12 +1,15 @@
 """``ckpt``: the operator's view of a checkpoint root.
 
-    ckpt list URL [--json] [--check none|size|full]
-    ckpt verify URL [--step N] [--size-only] [--progress]
+    ckpt list URL [--all] [--json] [--check none|size|full]
+    ckpt verify URL [--step N | --id ID] [--size-only] [--progress]
     ckpt export URL [--step N] --out FILE(.pt|.safetensors)
     ckpt pin URL --step N / ckpt unpin URL --step N
     ckpt rollback URL --step N [--force]
                                     (un-commit newer checkpoints; reversible, deletes nothing;
-                                     refused while a job holds the write lease)
+                                     refused while a live job holds the write lease)
+    ckpt restore URL --id ID [--replace]   (re-commit a rolled-back checkpoint)
+    ckpt gc URL [--rolled-back [--older-than 7d]] [--yes]
+                                    (remove aborted saves' leftovers; dry run by default)
     ckpt plan ...                   (checkpoint interval from size, bandwidth, MTBF)
 
 S3 endpoints and credentials come from the usual AWS environment variables
@@ -17,12 +20,18 @@ Exit status: 0 ok, 1 a checkpoint is corrupt or missing, 2 bad usage or input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 from typing import Any, Sequence
 
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LeaseHeldError,
+)
 from ckpt.store import CheckpointStore
 
 __all__ = ["main"]
@@ -70,17 +79,18 @@ class _Progress:
 
 def cmd_list(args) -> int:
     store = CheckpointStore(args.url, _storage_options(args))
-    infos = store.list(check=args.check)
+    infos = store.list(check=args.check, all_versions=args.all)
     if args.json:
         print(json.dumps([i.to_json() for i in infos], indent=1))
         return 0
     if not infos:
         print(f"no checkpoints under {args.url}")
         return 0
-    rows = [("STEP", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE")]
+    rows = [("STEP", "ID", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE")]
     for i in infos:
         loss = (i.user_metadata or {}).get("loss")
-        rows.append((str(i.step), i.status, _fmt_bytes(i.bytes), _fmt_time(i.created),
+        rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
+                     _fmt_time(i.created),
                      f"{loss:.4g}" if isinstance(loss, (int, float)) else "-",
                      (i.problem or "")[:70]))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
@@ -91,6 +101,20 @@ def cmd_list(args) -> int:
 
 def cmd_verify(args) -> int:
     store = CheckpointStore(args.url, _storage_options(args))
+    if args.id is not None:
+        entry = store.life.find(args.id)
+        if entry.manifest is None:
+            print(f"id {args.id} (step {entry.step}): {entry.status}: {entry.problem}")
+            return 1
+        progress = _Progress(f"id {args.id}", args.progress or sys.stderr.isatty())
+        try:
+            store.verify_manifest(entry.manifest, full=not args.size_only, progress=progress)
+        except CheckpointError as exc:
+            print(f"id {args.id} (step {entry.step}, {entry.status}): CORRUPT: {exc}")
+            return 1
+        print(f"id {args.id} (step {entry.step}, {entry.status}): ok "
+              f"({len(entry.manifest.files)} files, {_fmt_bytes(entry.manifest.total_bytes)})")
+        return 0
     steps = [args.step] if args.step is not None else store.committed_steps()
     if not steps:
         print(f"no committed checkpoints under {args.url}", file=sys.stderr)
@@ -125,36 +149,105 @@ def cmd_pin(args, pinned: bool) -> int:
     return 0
 
 
-def _live_writer(store: CheckpointStore) -> str | None:
-    """The job holding a fresh write lease on the root, described; None if there is none."""
-    from ckpt.lease import LEASE_NAME
+@contextlib.contextmanager
+def _writer(args, command: str):
+    """Hold the root's write lease for one command, under the rules every writer follows.
 
+    A live job's lease is refused (``--force`` takes it over and fences that job off); a
+    dead holder's is taken at once when its death is certain (same host, pid gone), else
+    after its TTL.
+    """
+    from ckpt.commit import acquire_lease, release_lease
+    from ckpt.storage import Storage
+
+    storage = Storage(args.url, _storage_options(args))
+    if not storage.exists("") and not storage.is_s3:
+        raise CheckpointNotFoundError(f"checkpoint root {args.url} does not exist")
     try:
-        info = json.loads(store.storage.read_bytes(LEASE_NAME))
-        age = time.time() - float(info.get("heartbeat_unix", 0))
-        ttl = float(info.get("ttl_seconds") or 0)
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError, AttributeError):
-        return "a job whose lease file cannot be read"
-    if age > ttl:
-        return None
-    return (f"job {info.get('job')!r} (host {info.get('host')}, pid {info.get('pid')}, "
-            f"heartbeat {age:.0f}s ago)")
+        life = acquire_lease(storage, ttl_seconds=30.0, job_name=f"ckpt {command}",
+                             force=getattr(args, "force", False))
+    except LeaseHeldError as exc:
+        raise LeaseHeldError(f"{exc} `ckpt {command}` changes the root and needs its write "
+                             f"lease: stop that job first, or pass --force to take the lease "
+                             f"over (that job's later saves will not count).") from None
+    try:
+        yield life
+    finally:
+        release_lease(life)
 
 
 def cmd_rollback(args) -> int:
-    store = CheckpointStore(args.url, _storage_options(args))
-    writer = _live_writer(store)
-    if writer and not args.force:
-        print(f"ckpt: {args.url} is being written by {writer}. Stop that job first (a rollback "
-              f"under a running job races with its saves), or pass --force.", file=sys.stderr)
-        return 2
-    store.verify(args.step, full=True)
-    newer = [s for s in store.committed_steps() if s > args.step]
-    for s in reversed(newer):
-        print(f"step {s}: un-committed (manifest kept as {store.uncommit(s)})")
+    with _writer(args, "rollback") as life:
+        store = CheckpointStore(life.storage, lifecycle=life)
+        store.verify(args.step, full=True)
+        for s in reversed([s for s in store.committed_steps() if s > args.step]):
+            try:
+                kept = life.uncommit(s)
+            except CheckpointError as exc:
+                print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
+                continue
+            print(f"step {s}: rolled back (id {kept}; `ckpt restore {args.url} --id {kept}` "
+                  f"re-commits it)")
     print(f"step {args.step} is now the latest checkpoint; a resumed job starts from it")
+    return 0
+
+
+def cmd_restore(args) -> int:
+    with _writer(args, "restore") as life:
+        m = life.restore(args.id, replace=args.replace)
+    print(f"step {m.step}: restored id {m.save_id}; it is committed again")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
+    ``--yes``; either way the root's lease is respected."""
+    from ckpt.cadence import parse_duration
+    from ckpt.commit import ROLLED_BACK, Lifecycle
+
+    older = parse_duration(args.older_than) if args.older_than else 0.0
+
+    def plan(life) -> tuple[list, list]:
+        rolled = []
+        if args.rolled_back:
+            now = time.time()
+            for step in life.steps():
+                for e in life.entries(step):
+                    if e.status == ROLLED_BACK and e.manifest is not None and \
+                            now - e.manifest.created_unix >= older:
+                        rolled.append(e)
+        return life.leftovers(), rolled
+
+    def show(leftovers, rolled, verb: str) -> None:
+        for step, names in leftovers:
+            print(f"step {step}: {verb} {len(names)} leftover file(s) of aborted saves")
+        for e in rolled:
+            print(f"step {e.step}: {verb} rolled-back checkpoint id {e.id} "
+                  f"({_fmt_bytes(e.manifest.total_bytes)})")
+        if not leftovers and not rolled:
+            print("nothing to remove")
+
+    if not args.yes:
+        from ckpt.lease import Lease
+        from ckpt.storage import Storage
+
+        storage = Storage(args.url, _storage_options(args))
+        info, _ = Lease(storage).read()
+        if info is not None and Lease(storage).expired_because(info) is None:
+            raise LeaseHeldError(f"{args.url} is being written by job {info.get('job')!r} "
+                                 f"(host {info.get('host')}, pid {info.get('pid')}): its save "
+                                 f"in flight would look like leftovers. Run gc when it stops.")
+        leftovers, rolled = plan(Lifecycle(storage))
+        show(leftovers, rolled, "would remove")
+        if leftovers or rolled:
+            print("dry run: nothing removed; pass --yes to remove these")
+        return 0
+    with _writer(args, "gc") as life:
+        leftovers, rolled = plan(life)
+        life.cleanup()
+        for e in rolled:
+            life.delete_entry(e)
+        show(leftovers, rolled, "removed")
     return 0
 
 
@@ -173,9 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print a JSON list")
     sp.add_argument("--check", choices=("none", "size", "full"), default="size",
                     help="how hard to check each committed checkpoint (default: size)")
+    sp.add_argument("--all", action="store_true",
+                    help="every version of every step, each with its id (rolled-back, "
+                         "incomplete and fenced ones too)")
     sp.set_defaults(fn=cmd_list)
     sp = add("verify", "full checksum pass over one or all checkpoints")
     sp.add_argument("--step", type=int)
+    sp.add_argument("--id", help="verify one version by id (e.g. a rolled-back one)")
     sp.add_argument("--size-only", action="store_true", help="check sizes, not checksums")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_verify)
@@ -192,8 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("rollback", "make STEP the latest: un-commit newer checkpoints (reversible)")
     sp.add_argument("--step", type=int, required=True)
     sp.add_argument("--force", action="store_true",
-                    help="roll back even while a job holds the write lease")
+                    help="take the write lease from a live job (its later saves stop counting)")
     sp.set_defaults(fn=cmd_rollback)
+    sp = add("restore", "re-commit a rolled-back checkpoint by its id (see list --all)")
+    sp.add_argument("--id", required=True, help="the checkpoint id, from `ckpt list --all`")
+    sp.add_argument("--replace", action="store_true",
+                    help="roll back the committed checkpoint of that step to make room")
+    sp.add_argument("--force", action="store_true",
+                    help="take the write lease from a live job (its later saves stop counting)")
+    sp.set_defaults(fn=cmd_restore)
+    sp = add("gc", "remove aborted saves' leftovers (and rolled-back checkpoints if asked)")
+    sp.add_argument("--rolled-back", action="store_true",
+                    help="also remove rolled-back checkpoints")
+    sp.add_argument("--older-than", metavar="DURATION",
+                    help="with --rolled-back: only those created longer ago (e.g. 7d, 12h)")
+    sp.add_argument("--yes", action="store_true", help="remove (default: dry run)")
+    sp.add_argument("--force", action="store_true",
+                    help="take the write lease from a live job (its later saves stop counting)")
+    sp.set_defaults(fn=cmd_gc)
     try:
         from ckpt.plan import add_plan_arguments, run_plan
     except ImportError:  # pragma: no cover

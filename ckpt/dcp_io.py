@@ -5,16 +5,16 @@ decide *where* the bytes go, and keep the manifest, commit and checksums ours. D
 ``.metadata`` file is a pickle; ours is the JSON manifest (:mod:`ckpt.manifest`).
 
 Call order (DCP's contract): every rank ``set_up_storage_writer`` -> ``prepare_local_plan``;
-the coordinator ``prepare_global_plan`` (here it also refuses an existing checkpoint and
-writes the ``pending.json`` marker before any data exists); every rank ``write_data``; the
-coordinator ``finish`` (writes the manifest: the commit).
+the coordinator ``prepare_global_plan`` (here it also begins the attempt through
+:mod:`ckpt.commit`: refuses a committed step, writes the attempt's marker before any data
+exists); every rank ``write_data``; the coordinator ``finish`` (commits the manifest through
+:mod:`ckpt.commit`, which fences off a writer that lost the lease).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import threading
 import time
 import uuid
@@ -39,9 +39,8 @@ from torch.futures import Future
 from ckpt._crc import crc32c_combine
 from ckpt.errors import CorruptCheckpointError
 
+from ckpt.commit import Lifecycle
 from ckpt.manifest import (
-    MANIFEST_NAME,
-    PENDING_NAME,
     FileRecord,
     ItemLocation,
     Manifest,
@@ -85,22 +84,21 @@ class CkptWriter(StorageWriter):
     """Writes one checkpoint folder. Construct one per save (it holds that save's state)."""
 
     def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
-                 num_threads: int | None = None, owner: str | None = None,
+                 num_threads: int | None = None, lifecycle: Lifecycle | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  on_file_written: Callable[[str, int], None] | None = None,
-                 should_commit: Callable[[], bool] | None = None):
+                 before_commit: Callable[[], None] | None = None):
         super().__init__()
-        self.should_commit = should_commit
+        self.before_commit = before_commit
         self.storage = storage
+        self.life = lifecycle or Lifecycle(storage)
         self.step = step
         self.step_dir = step_dir
         self.save_id = save_id or uuid.uuid4().hex[:12]
         self.num_threads = max(1, num_threads or default_threads(storage))
-        self.owner = owner
         self.extra = dict(manifest_extra or {})
         self.durable = durable
         self.on_file_written = on_file_written
-        self.rank = 0
         self.is_coordinator = True
         self.manifest: Manifest | None = None
 
@@ -117,23 +115,12 @@ class CkptWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank", 0) or 0
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        rel = f"{self.step_dir}/{MANIFEST_NAME}"
-        if self.storage.exists(rel):
-            raise FileExistsError(
-                f"checkpoint {self.storage.describe(self.step_dir)} is already committed; "
-                f"checkpoints are never overwritten. Save under another step or delete it first.")
-        self.storage.makedirs(self.step_dir)
-        marker = {"save_id": self.save_id, "owner": self.owner, "step": self.step,
-                  "started_unix": time.time(), "host": os.uname().nodename, "pid": os.getpid()}
-        import json
-        self.storage.write_bytes(f"{self.step_dir}/{PENDING_NAME}",
-                                 json.dumps(marker).encode(), durable=self.durable)
+        self.life.begin(self.step, self.save_id, durable=self.durable)
         return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
                 for i, p in enumerate(plans)]
 
@@ -226,23 +213,12 @@ class CkptWriter(StorageWriter):
         manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
                             tensors=tensors, objects=objects, files=files,
                             planner_data=planner_data, **self.extra)
-        if self.should_commit is not None and not self.should_commit():
-            raise RuntimeError(f"save of {self.storage.describe(self.step_dir)} abandoned before "
-                               f"its commit; it stays uncommitted")
-        self.storage.create_exclusive(f"{self.step_dir}/{MANIFEST_NAME}", manifest.to_json_bytes())
+        if self.before_commit is not None:
+            self.before_commit()  # raises to abandon; the attempt stays uncommitted
+        # Other versions in this folder (earlier failed attempts, rolled-back checkpoints)
+        # are left alone: they are the life-cycle's to judge, never the writer's.
+        self.life.commit(manifest)
         self.manifest = manifest
-        # Files of earlier failed attempts at this step are not in the manifest: remove them.
-        try:
-            for name, kind, _ in self.storage.listdir(self.step_dir):
-                if kind == "file" and name.endswith(".bin") and name not in files:
-                    self.storage.delete(f"{self.step_dir}/{name}")
-        except Exception:  # noqa: BLE001 - leftovers are harmless, the manifest ignores them
-            pass
-        # The marker has served its purpose; a failure to remove it is harmless.
-        try:
-            self.storage.delete(f"{self.step_dir}/{PENDING_NAME}")
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def _balance(items: list, num_buckets: int) -> list[list]:

@@ -14,6 +14,7 @@ __all__ = [
     "FormatVersionError",
     "StateMismatchError",
     "LeaseHeldError",
+    "LeaseLostError",
     "StorageUnavailableError",
     "RankFailuresError",
 ]
@@ -81,3 +82,7 @@ class RankFailuresError(CheckpointError, RuntimeError):
         for rank in sorted(failures):
             lines.append(f"  rank {rank}: {failures[rank]}")
         super().__init__("\n".join(lines))
+
+
+class LeaseLostError(CheckpointError, RuntimeError):
+    """This writer's lease was taken over: it is fenced off and its commit does not count."""

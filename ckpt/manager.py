@@ -16,8 +16,10 @@ retention. At most one save is in flight; when another is due first, ``busy`` de
 Failures: a storage error on any rank fails that attempt on every rank (DCP gathers each
 rank's outcome before the commit and broadcasts the result), so all ranks retry or give up
 together; nothing is committed unless every rank wrote its files. The commit is refused
-(``SaveAbandoned``, on every rank alike) after ``close(flush=False)`` or when the write lease
-was taken by another job. ``close`` releases the lease and frees the two private groups.
+(``SaveAbandoned``, on every rank alike) after ``close(flush=False)``, and does not count
+(``LeaseLostError``) when the write lease was taken by another job: every folder
+transition goes through :mod:`ckpt.commit`, which fences such a writer off. ``close``
+releases the lease and frees the two private groups.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -32,12 +35,13 @@ import torch
 import torch.distributed as dist
 
 from ckpt import api
-from ckpt.errors import CheckpointError, LeaseHeldError
+from ckpt.commit import Lifecycle, acquire_lease, release_lease
+from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.cadence import FailureHistory
 from ckpt.events import EventBus
 from ckpt.history import HISTORY_NAME, read_history, write_history
 from ckpt.lease import Lease
-from ckpt.manifest import Manifest, step_dirname
+from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
 from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
@@ -80,14 +84,16 @@ class CheckpointManager:
                  raise_on_failure: bool = False, max_attempts: int = 3,
                  retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
-                 process_group=None, events: EventBus | None = None):
+                 job_fingerprint: str | None = None, process_group=None,
+                 events: EventBus | None = None):
         if busy not in ("skip", "wait"):
             raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
         if max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
         self.storage.makedirs("")  # the lease and the first save need the root to exist
-        self.store = CheckpointStore(self.storage)
+        self.life = Lifecycle(self.storage)
+        self.store = CheckpointStore(self.storage, lifecycle=self.life)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -121,6 +127,8 @@ class CheckpointManager:
         self.num_skipped = 0
         self.num_saves = 0
         self.last_committed: Manifest | None = None
+        self.newest_committed_step: int | None = None  # by this manager, known on every rank
+        self.lease_lost = False  # agreed on every rank at a save
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
@@ -135,7 +143,7 @@ class CheckpointManager:
         self._prepare_started = False
         self._newest_known_step: int | None = None  # see _committed
         if use_lease:
-            self._acquire_lease(lease_ttl_seconds, job_name)
+            self._acquire_lease(lease_ttl_seconds, job_name, job_fingerprint)
         self._load_history()
         if self.rank == 0:
             try:  # once, here, so that saves need no listing (see _committed)
@@ -169,15 +177,20 @@ class CheckpointManager:
             write_history(self.storage, self.history)
 
     # -- lease -------------------------------------------------------------------------------
-    def _acquire_lease(self, ttl: float, job_name: str | None) -> None:
+    def _acquire_lease(self, ttl: float, job_name: str | None,
+                       fingerprint: str | None) -> None:
+        """Rank 0 takes the lease (fencing off earlier writers) and removes dead attempts'
+        leftovers; every rank learns whether it could."""
         error = ""
         if self.rank == 0:
-            self.lease = Lease(self.storage, ttl_seconds=ttl, job_name=job_name,
-                               on_lost=lambda why: self.events.emit("lease_lost", reason=why))
             try:
-                self.lease.acquire()
+                acquire_lease(self.storage, ttl_seconds=ttl, job_name=job_name,
+                              fingerprint=fingerprint, lifecycle=self.life,
+                              on_lost=lambda why: self.events.emit("lease_lost", reason=why))
+                self.lease = self.life.lease
                 self.events.emit("lease_acquired", holder=self.lease.holder_id,
-                                 took_over=self.lease.took_over is not None)
+                                 took_over=self.lease.took_over is not None,
+                                 generation=self.lease.generation)
             except LeaseHeldError as exc:
                 error = str(exc)
         if self.distributed:
@@ -190,18 +203,16 @@ class CheckpointManager:
             self._cleanup_aborted()
 
     def _cleanup_aborted(self) -> None:
-        """Delete leftovers of saves whose writer died (their pending.json names another)."""
+        """Remove the files of attempts whose writer is gone (every earlier generation)."""
+        def removed(step: int, names: list[str]) -> None:
+            self._found_aborted = True
+            self.events.emit("cleanup_aborted", step, files=len(names))
+            log.info("removed %d leftover file(s) of aborted saves at step %d", len(names), step)
+
         try:
-            for step in self.store.aborted_saves(live_owner=self.lease.holder_id):
-                self._found_aborted = True
-                try:
-                    self.storage.delete(step_dirname(step), recursive=True)
-                    self.events.emit("cleanup_aborted", step)
-                    log.info("removed the leftovers of an aborted save at step %d", step)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("could not remove aborted save %d: %s", step, exc)
+            self.life.cleanup(on_removed=removed)
         except Exception as exc:  # noqa: BLE001 - cleanup is best effort
-            log.warning("could not scan %s for aborted saves: %s", self.storage.url, exc)
+            log.warning("could not clean up aborted saves under %s: %s", self.storage.url, exc)
 
     @property
     def owner(self) -> str | None:
@@ -269,7 +280,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
-        lease_lost = self.lease is not None and self.lease.lost
+        lease_lost = self.lease is not None and not self.lease.held
         pending_failure = self.raise_on_failure and self._failure is not None
         busy, exists, lost, failed, neg_period = self._agree_max(
             int(self.in_flight()), int(self._committed(step)), int(lease_lost),
@@ -278,11 +289,13 @@ class CheckpointManager:
         if failed:
             self._raise_agreed_failure()
         if lost:
+            self.lease_lost = True
             self.events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
             log.error("not saving step %d: the write lease on %s was lost to another job",
                       step, self.storage.url)
             return False
         if exists:
+            self.newest_committed_step = max(step, self.newest_committed_step or step)
             self.events.emit("save_skipped", step, reason="already committed",
                              outcome="skipped")
             return False
@@ -349,21 +362,23 @@ class CheckpointManager:
                      self.last_committed.step if self.last_committed is not None else -1)
         if step > newest:
             return False
-        return self.storage.exists(f"{step_dirname(step)}/manifest.json")
+        if not self.life.has_manifest(step):
+            return False
+        try:
+            self.life.read_committed(step)
+            return True
+        except CheckpointError:  # fenced off or damaged: it does not count, save again
+            return False
 
-    def _may_commit(self) -> bool:
-        """Coordinator, inside the commit: refuse when abandoned or when the lease is gone.
+    def _before_commit(self) -> None:
+        """Coordinator, right before the commit: refuse when abandoned.
 
-        Raising (rather than returning False) sends the same ``SaveAbandoned`` to every rank
-        through DCP's result broadcast, so no rank retries alone.
+        Raising sends the same ``SaveAbandoned`` to every rank through DCP's result
+        broadcast, so no rank retries alone. (The lease is checked by the commit itself.)
         """
         if self._abandon.is_set():
             raise SaveAbandoned("save abandoned at shutdown before its commit; it stays "
                                 "uncommitted and a later job removes its files")
-        if self.lease is not None and not self.lease.heartbeat():
-            raise SaveAbandoned(f"lease lost: another job took over {self.storage.url}; "
-                                f"not committing")
-        return True
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float) -> Manifest | None:
@@ -377,21 +392,24 @@ class CheckpointManager:
         t0 = time.monotonic()
         manifest = None
         attempt = 0
+        attempt_ids: list[str] = []
         for attempt in range(1, self.max_attempts + 1):
+            attempt_ids.append(uuid.uuid4().hex[:12])
             try:
                 if self._agree_max(int(self._abandon.is_set()), group=self._bg_group)[0]:
                     raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
                 manifest = api.save(
                     staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
-                    process_group=self._bg_group, num_threads=self.num_threads, owner=self.owner,
-                    resolved=True, should_commit=self._may_commit)
+                    process_group=self._bg_group, num_threads=self.num_threads,
+                    resolved=True, lifecycle=self.life, before_commit=self._before_commit,
+                    save_id=attempt_ids[-1])
                 break
             except FileExistsError:
                 self.events.emit("save_skipped", step, reason="already committed",
                                  outcome="skipped")
                 return None
             except BaseException as exc:  # noqa: BLE001 - reported, never silent
-                abandoned = isinstance(exc, SaveAbandoned)
+                abandoned = isinstance(exc, (SaveAbandoned, LeaseLostError))
                 final = attempt == self.max_attempts or abandoned
                 outcome = "abandoned" if abandoned else ("failed" if final else "retrying")
                 self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
@@ -405,10 +423,11 @@ class CheckpointManager:
                 if final:
                     self._failure = exc
                     if not abandoned:
-                        self._remove_uncommitted(step)
+                        self._remove_uncommitted(step, attempt_ids)
                     return None
                 time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
         persist = time.monotonic() - t0
+        self.newest_committed_step = step
         if self.rank == 0:
             self.last_committed = manifest
         self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
@@ -441,18 +460,18 @@ class CheckpointManager:
                 self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
         return manifest
 
-    def _remove_uncommitted(self, step: int) -> None:
-        """Coordinator, after a final failure: remove the step's files (never a commit).
+    def _remove_uncommitted(self, step: int, attempt_ids: list[str]) -> None:
+        """Coordinator, after a final failure: remove the files of this save's attempts.
 
         Every rank has returned from the failed DCP call (its result is gathered from all),
-        so nobody writes there any more. Best effort: a later job removes what is left.
+        so nobody writes there any more. Only these attempts' files are touched: another
+        writer's never are. Best effort: a later job removes what is left.
         """
-        if self.rank != 0:
+        if self.rank != 0 or (self.lease is not None and not self.lease.held):
             return
-        d = step_dirname(step)
         try:
-            if not self.storage.exists(f"{d}/manifest.json"):
-                self.storage.delete(d, recursive=True)
+            for save_id in attempt_ids:
+                self.life.abandon(step, save_id)
         except Exception as exc:  # noqa: BLE001
             log.warning("could not remove the files of failed save %d: %s", step, exc)
 
@@ -558,7 +577,7 @@ class CheckpointManager:
         finally:
             self._executor.shutdown(wait=True)
             if self.lease is not None:
-                self.lease.release()
+                release_lease(self.life)
             self._destroy_groups()
         if flush:
             self._raise_pending_failure()

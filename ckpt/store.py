@@ -1,40 +1,44 @@
-"""Discovery, verification and deletion of the checkpoints under one root.
+"""Discovery, verification and deletion of the checkpoints under one root (the read side).
 
-A root holds one folder per checkpoint, ``step_NNNNNNNNN/``. A folder is *committed* when
-its ``manifest.json`` exists and parses; *incomplete* when it has no manifest (a save in
-flight, or the leftovers of one that died: its ``pending.json`` names the writer); *corrupt*
-when the manifest is unreadable or its files fail verification.
+A root holds one folder per step, ``step_NNNNNNNNN/``. A step is *committed* when its
+manifest exists, parses, describes that step and was not fenced off; *incomplete* when it
+has no manifest (a save in flight, or the leftovers of one that died); *rolled-back* when
+its manifest was un-committed (kept, restorable); *fenced* when its manifest was created by
+a writer that had lost the lease; *corrupt* when the manifest is unreadable or its files
+fail verification. The life-cycle itself (every transition, every file name) lives in
+:mod:`ckpt.commit`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.manifest import (
-    MANIFEST_NAME,
-    PENDING_NAME,
-    Manifest,
-    parse_step_dirname,
-    step_dirname,
+from ckpt.commit import (
+    COMMITTED,
+    CORRUPT,
+    FENCED,
+    INCOMPLETE,
+    ROLLED_BACK,
+    Entry,
+    Lifecycle,
 )
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.manifest import Manifest, step_dirname
 from ckpt.storage import Storage, crc32c_of
 
-__all__ = ["CheckpointInfo", "CheckpointStore", "COMMITTED", "INCOMPLETE", "CORRUPT"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "COMMITTED", "INCOMPLETE", "CORRUPT",
+           "ROLLED_BACK", "FENCED"]
 
 log = logging.getLogger(__name__)
 
-COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK = "committed", "incomplete", "corrupt", "rolled-back"
 _VERIFY_BLOCK = 64 << 20
-ROLLED_BACK_MANIFEST = f"rolled-back-{MANIFEST_NAME}"
 
 
 @dataclass
 class CheckpointInfo:
-    """One checkpoint folder as an operator sees it."""
+    """One checkpoint (one version of one step) as an operator sees it."""
 
     step: int
     status: str
@@ -46,75 +50,91 @@ class CheckpointInfo:
     problem: str | None = None
     user_metadata: dict[str, Any] | None = None
 
+    @property
+    def id(self) -> str | None:
+        return self.save_id
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "id": self.save_id}
+
+
+def _info(store: "CheckpointStore", e: Entry) -> CheckpointInfo:
+    url = store.storage.describe(step_dirname(e.step))
+    m = e.manifest
+    if m is not None:
+        return CheckpointInfo(e.step, e.status, url, m.total_bytes, m.created_unix, m.save_id,
+                              m.writer.get("owner"), e.problem, m.user_metadata)
+    owner = (e.marker or {}).get("owner")
+    created = (e.marker or {}).get("started_unix")
+    return CheckpointInfo(e.step, e.status, url, e.bytes,
+                          created if isinstance(created, (int, float)) else None, e.id,
+                          owner if isinstance(owner, str) else None, e.problem)
 
 
 class CheckpointStore:
-    """Read-side view of a checkpoint root, plus deletion. Safe to use from any one rank."""
+    """Read-side view of a checkpoint root. Safe to use from any one process.
 
-    def __init__(self, root: str | Storage, storage_options: dict[str, Any] | None = None):
+    ``delete`` and ``uncommit`` go through the root's :class:`~ckpt.commit.Lifecycle`;
+    a job's manager gives the store its own (the one holding the write lease).
+    """
+
+    def __init__(self, root: str | Storage, storage_options: dict[str, Any] | None = None,
+                 *, lifecycle: Lifecycle | None = None):
         self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+        self.life = lifecycle or Lifecycle(self.storage)
 
     # -- listing ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
         """Every step that has a folder, committed or not, ascending."""
-        steps = []
-        for name, kind, _ in self.storage.listdir(""):
-            step = parse_step_dirname(name)
-            if step is not None and kind == "directory":
-                steps.append(step)
-        return sorted(steps)
+        return self.life.steps()
 
     def read_manifest(self, step: int) -> Manifest:
-        rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
-        try:
-            data = self.storage.read_bytes(rel)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"no committed checkpoint at {self.storage.describe(step_dirname(step))} "
-                f"({MANIFEST_NAME} is absent). `ckpt list {self.storage.url}` shows what exists."
-            ) from None
-        return Manifest.from_json_bytes(data, self.storage.describe(rel))
+        """The committed manifest of ``step`` (``CheckpointNotFoundError`` when there is
+        none or it was fenced off, ``CorruptCheckpointError`` when it is damaged)."""
+        return self.life.read_committed(step)
+
+    def entries(self, step: int) -> list[CheckpointInfo]:
+        """Every version of ``step`` (committed, rolled back, incomplete, fenced, corrupt)."""
+        return [_info(self, e) for e in self.life.entries(step)]
 
     def info(self, step: int, *, check: str = "none") -> CheckpointInfo:
-        """Status of one step. ``check``: 'none' (manifest only), 'size', or 'full'."""
-        d = step_dirname(step)
-        url = self.storage.describe(d)
-        try:
-            manifest = self.read_manifest(step)
-        except CheckpointNotFoundError:
-            entries = self.storage.listdir(d)
-            if any(name == ROLLED_BACK_MANIFEST for name, _, _ in entries):
-                return CheckpointInfo(step, ROLLED_BACK, url, sum(e[2] for e in entries),
-                                      problem="un-committed (rollback); its manifest is "
-                                              f"kept as {ROLLED_BACK_MANIFEST}")
-            owner = None
+        """Status of one step: its committed version if any, else its most telling one.
+
+        ``check``: 'none' (manifest only), 'size', or 'full'.
+        """
+        entries = self.life.entries(step)
+        if not entries:
+            return CheckpointInfo(step, INCOMPLETE, self.storage.describe(step_dirname(step)),
+                                  0, problem="no manifest: not committed")
+        order = {COMMITTED: 0, CORRUPT: 1, FENCED: 2, ROLLED_BACK: 3, INCOMPLETE: 4}
+        e = min(entries, key=lambda e: order.get(e.status, 9))
+        info = _info(self, e)
+        if e.status == COMMITTED and check != "none":
             try:
-                pending = json.loads(self.storage.read_bytes(f"{d}/{PENDING_NAME}"))
-                owner = pending.get("owner")
-            except (FileNotFoundError, ValueError):
-                pass
-            return CheckpointInfo(step, INCOMPLETE, url, sum(e[2] for e in entries),
-                                  owner=owner, problem="no manifest: not committed")
-        except CorruptCheckpointError as exc:
-            return CheckpointInfo(step, CORRUPT, url, 0, problem=str(exc))
-        info = CheckpointInfo(step, COMMITTED, url, manifest.total_bytes, manifest.created_unix,
-                              manifest.save_id, manifest.writer.get("owner"),
-                              user_metadata=manifest.user_metadata)
-        if check != "none":
-            try:
-                self.verify_manifest(manifest, full=(check == "full"))
+                self.verify_manifest(e.manifest, full=(check == "full"))
             except CorruptCheckpointError as exc:
                 info.status, info.problem = CORRUPT, str(exc)
         return info
 
-    def list(self, *, check: str = "none") -> list[CheckpointInfo]:
-        return [self.info(s, check=check) for s in self.steps()]
+    def list(self, *, check: str = "none", all_versions: bool = False) -> list[CheckpointInfo]:
+        """One row per step; with ``all_versions`` one row per version (each with an id)."""
+        if not all_versions:
+            return [self.info(s, check=check) for s in self.steps()]
+        out = []
+        for step in self.steps():
+            for e in self.life.entries(step):
+                info = _info(self, e)
+                if e.status == COMMITTED and check != "none":
+                    try:
+                        self.verify_manifest(e.manifest, full=(check == "full"))
+                    except CorruptCheckpointError as exc:
+                        info.status, info.problem = CORRUPT, str(exc)
+                out.append(info)
+        return out
 
     def committed_steps(self) -> list[int]:
-        return [s for s in self.steps()
-                if self.storage.exists(f"{step_dirname(s)}/{MANIFEST_NAME}")]
+        """Steps whose folder holds a manifest (cheap: no manifest is read or checked)."""
+        return [s for s in self.steps() if self.life.has_manifest(s)]
 
     # -- verification ----------------------------------------------------------------------
     def verify_manifest(self, manifest: Manifest, *, full: bool = True,
@@ -161,57 +181,26 @@ class CheckpointStore:
         self.verify_manifest(manifest, full=full, progress=progress)
         return manifest
 
-    def latest(self, *, check: str = "size", below: int | None = None) -> Manifest | None:
+    def latest(self, *, check: str = "size") -> Manifest | None:
         """The newest committed checkpoint that passes ``check``; older ones are tried in turn.
 
         Every checkpoint skipped on the way is logged with the reason.
         """
         for step in reversed(self.committed_steps()):
-            if below is not None and step >= below:
-                continue
             try:
                 manifest = self.read_manifest(step)
                 if check != "none":
                     self.verify_manifest(manifest, full=(check == "full"))
                 return manifest
-            except CorruptCheckpointError as exc:
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 log.warning("skipping checkpoint step %d: %s", step, exc)
         return None
 
-    # -- deletion --------------------------------------------------------------------------
+    # -- changes (through the life-cycle) -------------------------------------------------
     def delete(self, step: int) -> None:
-        """Delete one checkpoint: the manifest first (un-commit), then the data."""
-        d = step_dirname(step)
-        self.storage.delete(f"{d}/{MANIFEST_NAME}")
-        self.storage.delete(d, recursive=True)
+        """Delete the committed checkpoint of ``step`` (manifest first, then its files)."""
+        self.life.delete(step)
 
     def uncommit(self, step: int) -> str:
-        """Un-commit ``step`` reversibly: its manifest is kept as ``rolled-back-manifest.json``.
-
-        The data stays; the checkpoint is no longer visible to loads and resumes (restore the
-        manifest's name to undo). Returns the kept manifest's path.
-        """
-        d = step_dirname(step)
-        kept = f"{d}/{ROLLED_BACK_MANIFEST}"
-        self.storage.write_bytes(kept, self.storage.read_bytes(f"{d}/{MANIFEST_NAME}"))
-        self.storage.delete(f"{d}/{MANIFEST_NAME}")
-        return kept
-
-    def aborted_saves(self, live_owner: str | None) -> list[int]:
-        """Incomplete folders whose ``pending.json`` names a writer other than ``live_owner``.
-
-        Only folders with a marker are considered: the marker is written before any data, so
-        a folder without one (and without a manifest) is not ours to judge and is left alone.
-        """
-        out = []
-        for step in self.steps():
-            d = step_dirname(step)
-            if self.storage.exists(f"{d}/{MANIFEST_NAME}"):
-                continue
-            try:
-                pending = json.loads(self.storage.read_bytes(f"{d}/{PENDING_NAME}"))
-            except (FileNotFoundError, ValueError):
-                continue
-            if live_owner is None or pending.get("owner") != live_owner:
-                out.append(step)
-        return out
+        """Un-commit ``step`` reversibly; returns the id of the kept (rolled-back) version."""
+        return self.life.uncommit(step)

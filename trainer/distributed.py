@@ -23,13 +23,15 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistEnv", "init_distributed", "shutdown", "EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG",
-           "EXIT_PREEMPTED", "EXIT_HANG"]
+           "EXIT_PREEMPTED", "EXIT_HANG", "EXIT_NOT_CHECKPOINTED", "EXIT_LEASE_LOST"]
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_FAILED = 1        # training failed (e.g. loss diverged and policy says stop)
 EXIT_CONFIG = 2        # bad config or input; restarting will not help
+EXIT_NOT_CHECKPOINTED = 3  # trained to the end, but the final save did not commit
+EXIT_LEASE_LOST = 4    # another job holds (or took over) the checkpoint root's write lease
 EXIT_PREEMPTED = 75    # EX_TEMPFAIL: checkpointed on a preemption signal; requeue me
 EXIT_HANG = 124        # watchdog: no progress; torchrun restarts the group
 

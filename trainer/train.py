@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt.errors import LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.stateful import RNGState, init_optimizer_state
 from trainer.config import Config, ConfigError, config_fingerprint
@@ -28,6 +29,8 @@ from trainer.distributed import (
     EXIT_CONFIG,
     EXIT_FAILED,
     EXIT_HANG,
+    EXIT_LEASE_LOST,
+    EXIT_NOT_CHECKPOINTED,
     EXIT_OK,
     EXIT_PREEMPTED,
     DistEnv,
@@ -176,7 +179,8 @@ class Trainer:
         mgr = CheckpointManager(c.root, storage_options=c.storage_options or None,
                                 cadence=cadence, retention=retention, async_save=c.async_save,
                                 verify=c.verify, layout=layout, events=self.events,
-                                raise_on_failure=c.fail_on_error)
+                                raise_on_failure=c.fail_on_error,
+                                job_fingerprint=self.fingerprint)
         if retention:
             mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
         return mgr
@@ -233,14 +237,14 @@ class Trainer:
         would be wrong twice: this run could not save those steps again (the manager skips
         a step that is "already committed", so a finished run would end on a corrupt or
         stale checkpoint) and the next automatic resume would jump onto them. As with
-        ``ckpt rollback``, nothing is deleted: the manifest is kept as
-        ``rolled-back-manifest.json``; saving the step again replaces the folder's files.
+        ``ckpt rollback``, nothing is deleted: each becomes a rolled-back version that
+        ``ckpt restore --id`` brings back; saving the step again writes a new version.
         """
         store = self.manager.store
         for newer in reversed([s for s in store.committed_steps() if s > step]):
             kept = store.uncommit(newer)
             log.warning("un-committed checkpoint step %d (newer than the step %d resumed from; "
-                        "manifest kept as %s): this run writes that step again",
+                        "kept as rolled-back id %s): this run writes that step again",
                         newer, step, kept)
             self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
 
@@ -350,6 +354,9 @@ class Trainer:
                 if self.manager is not None and self.step < t.steps:
                     self.manager.maybe_save(self.step, self.checkpoint_state(),
                                             user_metadata={"loss": loss})
+                    if self.manager.lease_lost:  # agreed by every rank at the save
+                        exit_code = EXIT_LEASE_LOST
+                        break
             else:
                 if self.manager is not None:
                     # The last step is always checkpointed, so a finished run can be exported.
@@ -365,6 +372,25 @@ class Trainer:
                 self.manager.close(flush=True)
             if self.metrics is not None:
                 self.metrics.shutdown()
+        return self._checked_exit(exit_code)
+
+    def _checked_exit(self, exit_code: int) -> int:
+        """Exit 0 only when the last step is committed; otherwise a code and one line why."""
+        m = self.manager
+        if m is None:
+            return exit_code
+        if exit_code == EXIT_LEASE_LOST or (exit_code == EXIT_OK and m.lease_lost):
+            log.error("stopped at step %d: another job took over the write lease on %s; this "
+                      "job's saves no longer count (exit %d). Check which job should own "
+                      "the root (`ckpt list %s --all`).", self.step, m.storage.url,
+                      EXIT_LEASE_LOST, m.storage.url)
+            return EXIT_LEASE_LOST
+        if exit_code == EXIT_OK and m.newest_committed_step != self.step:
+            log.error("trained to step %d but its checkpoint did not commit (newest committed "
+                      "by this run: %s; storage failures are logged above) (exit %d). "
+                      "Restart to resume from the newest checkpoint.", self.step,
+                      m.newest_committed_step, EXIT_NOT_CHECKPOINTED)
+            return EXIT_NOT_CHECKPOINTED
         return exit_code
 
     def _check_stragglers(self, dt: float) -> None:
@@ -394,3 +420,6 @@ def run(cfg: Config, env: DistEnv) -> int:
     except TrainingStopped as exc:
         log.error("%s", exc)
         return EXIT_FAILED
+    except LeaseHeldError as exc:
+        log.error("%s", exc)
+        return EXIT_LEASE_LOST

@@ -8,6 +8,8 @@ process that uses it (rank processes build their own), so it never needs to be p
 from __future__ import annotations
 
 import errno
+import json
+import os
 import re
 import threading
 import time
@@ -114,3 +116,15 @@ def wait_for(cond, timeout: float = 20.0, interval: float = 0.02) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+def lease_released(root) -> bool:
+    """The lease record stays at a local root after release, marked released."""
+    path = os.path.join(str(root), "_lease.json")
+    with open(path) as f:
+        return json.load(f)["released"] is True
+
+
+def marker_names(names) -> list[str]:
+    """The attempt markers (``pending-<id>.json``) among a folder's file names."""
+    return sorted(n for n in names if n.startswith("pending-") and n.endswith(".json"))

@@ -98,8 +98,9 @@ def test_list_verify_export(root, tmp_path, capsys):
     assert cli(capsys, "export", url, "--out", latest)[0] == 0
 
     lines = table.splitlines()
-    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE"]
-    assert [ln.split()[:2] for ln in lines[1:]] == [[str(s), "committed"] for s in STEPS]
+    assert lines[0].split() == ["STEP", "ID", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE"]
+    assert [ln.split()[:3:2] for ln in lines[1:]] == [[str(s), "committed"] for s in STEPS]
+    assert all(len(ln.split()[1]) == 12 for ln in lines[1:])  # every row has its id
     assert "0.2" in lines[2]  # the loss from user_metadata
 
     items = json.loads(js.stdout)

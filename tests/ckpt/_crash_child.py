@@ -9,7 +9,7 @@ rank named by ``CRASH_RANK``, default every rank):
 
 - ``before_commit``: right before the manifest is created;
 - ``mid_write``: half-way through writing its second data file (the first half is on disk);
-- ``after_commit``: after the manifest exists, before ``pending.json`` is removed.
+- ``after_commit``: after the manifest exists, before the attempt's marker is removed.
 
 ``CRASH_AFTER_FRACTION=f`` SIGKILLs the process (every rank) ``f`` times step 1's save
 duration after step 2's save starts: a kill at a random point, timed inside the child so
@@ -30,7 +30,6 @@ import time
 
 import torch
 
-OWNER = "crash-test"
 NUM_SHARED = 6
 NUM_OWN = 3
 NUMEL = 1 << 15  # 128 KiB of float32 per tensor
@@ -97,7 +96,7 @@ def _install_crash(point: str) -> None:
         original_delete = Storage.delete
 
         def delete(self, rel, recursive=False):
-            if rel.endswith("/pending.json"):
+            if "/pending-" in rel:
                 _die()
             return original_delete(self, rel, recursive)
         Storage.delete = delete
@@ -139,7 +138,7 @@ def main(root: str) -> None:
     if os.environ.get("CRASH_SLOW_SECONDS"):
         _slow_down(float(os.environ["CRASH_SLOW_SECONDS"]))
     t0 = time.perf_counter()
-    ckpt.save(state_for(1, [rank]), root, 1, owner=OWNER)
+    ckpt.save(state_for(1, [rank]), root, 1)
     save1_seconds = time.perf_counter() - t0
     print(f"SAVED 1 {save1_seconds:.4f}", flush=True)
     crash_rank = os.environ.get("CRASH_RANK")
@@ -153,7 +152,7 @@ def main(root: str) -> None:
 
         delay = float(os.environ["CRASH_AFTER_FRACTION"]) * save1_seconds
         threading.Timer(delay, _die).start()
-    ckpt.save(state_for(2, [rank]), root, 2, owner=OWNER)
+    ckpt.save(state_for(2, [rank]), root, 2)
     print("SAVED 2", flush=True)
     if world > 1:
         dist.barrier()

@@ -5,7 +5,7 @@ step 2 and is killed: after a random delay (several seeds), or by itself at a pr
 (right before the manifest commit, half-way through a data file, after the commit but before
 the pending marker is removed). Then ``load_latest`` and ``CheckpointStore.latest`` must agree
 on step 1 intact or step 2 complete, the loaded values must equal what was saved at that
-step, and ``aborted_saves`` must recognise the killed save's leftovers by its pending.json.
+step, and the life-cycle must recognise the killed save's leftovers by its marker.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 
 import ckpt
+from ckpt.commit import Lifecycle, acquire_lease, release_lease
+from ckpt.storage import Storage
 from ckpt.store import INCOMPLETE, CheckpointStore
 from tests.ckpt import _crash_child as child
 from tests.ckpt._helpers import assert_same
@@ -107,37 +109,45 @@ def _check_recovery(root: str, world: int) -> int:
     leftovers = sorted(os.listdir(step2)) if os.path.isdir(step2) else []
     committed2 = "manifest.json" in leftovers
     assert committed2 == (manifest.step == 2), leftovers
-    aborted = store.aborted_saves(live_owner=None)
+    markers = [n for n in leftovers if n.startswith("pending-")]
+    aborted = dict(Lifecycle(Storage(root)).leftovers())
     marker = None
-    if "pending.json" in leftovers:
+    if markers:
         try:
-            marker = json.loads(Path(step2, "pending.json").read_bytes())
+            marker = json.loads(Path(step2, markers[0]).read_bytes())
         except ValueError:
             marker = None  # killed while writing the marker itself: no data can follow it
     if not committed2 and any(n.endswith(".bin") for n in leftovers):
         # The marker is written (and synced) before any data file.
         assert marker is not None, leftovers
     if not committed2 and marker is not None:
-        assert marker["owner"] == child.OWNER and marker["step"] == 2, marker
-        assert aborted == [2], (aborted, leftovers)
+        assert marker["step"] == 2 and markers[0] == f"pending-{marker['save_id']}.json"
+        assert marker["lease_generation"] >= 1 and marker["owner"], marker
+        assert sorted(aborted) == [2], (aborted, leftovers)
         assert store.info(2).status == INCOMPLETE
-        assert store.info(2).owner == child.OWNER
-    else:
-        assert aborted == [], (aborted, leftovers)
-    # A live writer with the same owner may still be saving: not reported as aborted.
-    assert store.aborted_saves(live_owner=child.OWNER) == []
-    assert store.aborted_saves(live_owner="another-job") == aborted
+        assert store.info(2).owner == marker["owner"]
+    elif committed2:
+        # At most the committed attempt's stale marker is left; its data is referenced.
+        assert all(n.startswith("pending-") for n in aborted.get(2, [])), aborted
     # Step 1 is never harmed by a crash during step 2.
+    assert 1 not in aborted
     store.verify(1)
     return manifest.step
 
 
 def _resume_and_save_step2(root: str, world: int) -> None:
-    """A restarted job saves step 2 again over the leftovers; it loads back exactly."""
-    ckpt.save(child.state_for(2, range(world)), root, 2, owner="restarted")
+    """A restarted job saves step 2 again beside the leftovers; it loads back exactly, and
+    a cleanup by the next lease holder removes only the dead attempt's files."""
+    ckpt.save(child.state_for(2, range(world)), root, 2)  # the dead holder's lease: taken
     store = CheckpointStore(root)
     store.verify(2)
-    assert store.aborted_saves(live_owner=None) == []
+    life = acquire_lease(Storage(root))
+    try:
+        life.cleanup()
+    finally:
+        release_lease(life)
+    assert Lifecycle(Storage(root)).leftovers() == []
+    store.verify(2)
     state = child.empty_state(range(world))
     assert ckpt.load_latest(state, root).step == 2
     assert_same(child.state_for(2, range(world)), state, "re-saved step 2")
@@ -161,7 +171,7 @@ def test_sigkill_at_random_point(tmp_path, seed, world):
     leftovers = os.listdir(step2) if os.path.isdir(step2) else []
     print(f"seed {seed}: latest step {step}; step-2 folder holds "
           f"{sum(n.endswith('.bin') for n in leftovers)} data file(s)"
-          f"{', pending.json' if 'pending.json' in leftovers else ''}"
+          f"{', a marker' if any(n.startswith('pending-') for n in leftovers) else ''}"
           f"{', manifest.json' if 'manifest.json' in leftovers else ''}")
 
 
@@ -190,10 +200,12 @@ def test_sigkill_at_precise_point(tmp_path, point, world, crash_rank, expected_s
         # A half-written data file is on disk, and no manifest.
         assert any(n.endswith(".bin") for n in leftovers) and "manifest.json" not in leftovers
     if point == "before_commit":
-        assert "manifest.json" not in leftovers and "pending.json" in leftovers
+        assert "manifest.json" not in leftovers
+        assert any(n.startswith("pending-") for n in leftovers)
     if point == "after_commit":
         # Committed, and the stale marker does not make it look aborted.
-        assert {"manifest.json", "pending.json"} <= set(leftovers)
+        assert "manifest.json" in leftovers
+        assert any(n.startswith("pending-") for n in leftovers)
     assert _check_recovery(job.root, world) == expected_step
     if expected_step == 1:
         _resume_and_save_step2(job.root, world)

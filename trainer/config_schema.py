@@ -12,11 +12,12 @@ import copy
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from ckpt.cadence import Interval
 
 __all__ = [
     "ConfigError",
@@ -28,7 +29,6 @@ __all__ = [
     "MetricsConfig",
     "FaultConfig",
     "Config",
-    "parse_interval",
 ]
 
 
@@ -268,34 +268,13 @@ class DataConfig(_Section):
             self._fail("synthetic_noise", f"must be in [0, 1], got {self.synthetic_noise}")
 
 
-_INTERVAL_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)$")
-_UNIT_SECONDS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-
-
-def parse_interval(text: str, key: str = "checkpoint.interval") -> tuple[str, float | None]:
-    """Parse a checkpoint interval: ``"auto"`` -> ("auto", None), ``"50"`` -> ("steps", 50),
-    ``"300s"`` / ``"5m"`` / ``"1h"`` -> ("seconds", 300.0). Raises :class:`ConfigError`."""
-    t = str(text).strip().lower()
-    if t == "auto":
-        return ("auto", None)
-    if t.isdigit():
-        if int(t) < 1:
-            raise ConfigError(f"{key}: a step interval must be >= 1, got {text!r}", key=key)
-        return ("steps", int(t))
-    m = _INTERVAL_RE.match(t)
-    if m and float(m.group(1)) > 0:
-        return ("seconds", float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
-    raise ConfigError(f"{key}: cannot parse {text!r}; use 'auto', a step count like '50', "
-                      "or a duration like '300s', '5m', '1h'", key=key)
-
-
 @dataclass
 class CheckpointConfig(_Section):
     """Where, when and how checkpoints are written and which one is loaded."""
 
     _section: ClassVar[str] = "checkpoint"
     root: str = _f("", "Directory or URL (file://, s3://, memory://); empty = no checkpoints.")
-    interval: str = _f("auto", "'auto' (Young/Daly), steps like '50', or time like '300s'.")
+    interval: str = _f("auto", "'auto' (Young/Daly), steps like '50', or time like '30sec', '5m'.")
     load_step: int | None = _f(None, "Step to resume from; None = newest committed checkpoint.")
     keep_last: int = _f(3, "Committed checkpoints to keep; 0 = keep all.")
     keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple; 0 = off.")
@@ -308,7 +287,10 @@ class CheckpointConfig(_Section):
     fail_on_error: bool = _f(False, "Stop the job when a save fails instead of alerting.")
 
     def _validate(self) -> None:
-        parse_interval(self.interval)
+        try:
+            Interval.parse(self.interval)
+        except ValueError as exc:
+            self._fail("interval", str(exc))
         if self.load_step is not None:
             self._at_least("load_step", 0, "leave it unset to load the newest checkpoint")
         self._at_least("keep_last", 0, "use 0 to keep all")
@@ -319,10 +301,6 @@ class CheckpointConfig(_Section):
         if not 0 < self.overhead_budget < 1:
             self._fail("overhead_budget", f"must be in (0, 1), got {self.overhead_budget}",
                        "e.g. 0.01 for 1%")
-
-    def interval_kind(self) -> tuple[str, float | None]:
-        """("auto", None), ("steps", n) or ("seconds", s); see :func:`parse_interval`."""
-        return parse_interval(self.interval)
 
     @property
     def enabled(self) -> bool:

@@ -152,20 +152,15 @@ class Trainer:
 
     # -- checkpointing -----------------------------------------------------------------------
     def _build_manager(self):
-        from ckpt.cadence import Auto, EverySeconds, EverySteps
+        from ckpt.cadence import parse_interval
         from ckpt.manager import CheckpointManager
         from ckpt.retention import KeepEvery, KeepLast, KeepPinned
         from ckpt.store import CheckpointStore
 
         c = self.cfg.checkpoint
-        kind, value = c.interval_kind()
-        if kind == "steps":
-            cadence = EverySteps(int(value))
-        elif kind == "seconds":
-            cadence = EverySeconds(float(value))
-        else:
-            cadence = Auto(mtbf_seconds=c.mtbf_hours * 3600.0, overhead_budget=c.overhead_budget,
-                           initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        cadence = parse_interval(c.interval, mtbf_seconds=c.mtbf_hours * 3600.0,
+                                 overhead_budget=c.overhead_budget,
+                                 initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
         retention = []
         if c.keep_last > 0:
             retention.append(KeepLast(c.keep_last))

@@ -8,8 +8,9 @@ A policy is a small object with one decision method. The training loop, after ev
         ...stage, then persist in the background...
         policy.record_save(stall_seconds, persist_seconds, num_bytes)   # when it completes
 
-``now`` is any monotonic clock in seconds (``time.monotonic()``); intervals count from the last
-``record_saved``, or from step 0 and the first ``now`` seen. After restoring a checkpoint, call
+``now`` is a monotonic clock in seconds (``time.monotonic()``), the same clock for every call
+to one policy; intervals count from the last ``record_saved``, or from step 0 and the first
+``now`` seen. After restoring a checkpoint, call
 ``record_saved(restored_step, now)`` so the next save is one interval after it.
 ``should_save`` keeps answering True until ``record_saved`` is called, so a save the caller
 skipped (e.g. because the previous one is still persisting) is retried at the next step. Its one
@@ -30,37 +31,57 @@ from __future__ import annotations
 import math
 import re
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "CadencePolicy",
+    "CadenceBase",
     "EverySteps",
     "EverySeconds",
     "Auto",
     "FailureHistory",
     "young_daly_interval",
     "optimal_interval",
+    "Interval",
     "parse_interval",
     "parse_duration",
+    "DURATION_FORMS",
+    "INTERVAL_FORMS",
 ]
 
-_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+# The one duration grammar of the project: the trainer's config, CheckpointManager(cadence=...)
+# and `ckpt plan` all parse through parse_duration / Interval.parse.
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+                   "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+DURATION_FORMS = ("a number with an optional unit ms, s or sec, m or min, h, d "
+                  "(e.g. '500ms', '30sec', '5m', '1.5h', '1d')")
+"""The accepted duration spellings, as error messages and docs state them."""
+INTERVAL_FORMS = ("'auto', a whole number of steps such as '50', or a duration such as "
+                  "'500ms', '30sec', '5m', '1.5h', '1d'")
+"""The accepted checkpoint-interval spellings, as error messages and docs state them."""
+
+
+def _split_duration(text: str) -> tuple[float, str] | None:
+    """``(number, unit)`` with the unit lower-cased ('' for none), or None if malformed."""
+    match = _DURATION_RE.match(str(text))
+    if not match or match.group(2).lower() not in {"", *_DURATION_UNITS}:
+        return None
+    return float(match.group(1)), match.group(2).lower()
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a number with an optional unit ``ms``, ``s``, ``m``/``min``, ``h``,
-    ``d`` (no unit means seconds), e.g. ``"300"``, ``"300s"``, ``"5m"``, ``"1.5h"``. Must be >= 0.
-    """
-    match = _DURATION_RE.match(str(text))
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in {"", *_DURATION_UNITS}:
-        raise ValueError(
-            f"invalid duration {text!r}: pass a non-negative number with an optional unit "
-            f"ms, s, m, h or d, e.g. '90s', '5m', '1.5h'"
-        )
-    return float(match.group(1)) * _DURATION_UNITS.get(unit, 1.0)
+    """Seconds in ``text``: a number >= 0 with an optional unit ``ms``, ``s``/``sec``,
+    ``m``/``min``, ``h`` or ``d`` (case-insensitive; no unit means seconds), e.g. ``"300"``,
+    ``"30sec"``, ``"5m"``, ``"1.5h"``. Raises ``ValueError`` naming the value and the forms."""
+    parts = _split_duration(text)
+    if parts is None:
+        raise ValueError(f"invalid duration {text!r}: pass {DURATION_FORMS}")
+    number, unit = parts
+    return number * _DURATION_UNITS.get(unit, 1.0)
 
 
 def young_daly_interval(delta: float, mtbf: float) -> float:
@@ -168,7 +189,27 @@ class FailureHistory:
 
 @runtime_checkable
 class CadencePolicy(Protocol):
-    """What the training loop calls; see the module docstring for the order of calls."""
+    """What a training loop (or ``CheckpointManager``) may call on a cadence policy.
+
+    Every shipped policy implements all of it (through :class:`CadenceBase`), so callers need
+    no ``hasattr`` probes. Order of calls: see the module docstring. Clocks:
+
+    * ``should_save(step, now)`` and ``record_saved(step, now)``: ``now`` is a monotonic clock
+      in seconds (``time.monotonic()``), the same clock in every call to one policy (only
+      differences are used; a wall clock that steps back or jumps would move saves).
+    * ``record_step`` and ``record_save``: durations in seconds, measured with a monotonic
+      timer (``time.monotonic()`` / ``time.perf_counter()`` differences).
+    * ``record_failure(wall_time)``: Unix time (``time.time()``), because the failure history
+      outlives the process and is compared across restarts.
+
+    Attributes: ``deterministic`` is True when ``should_save`` depends on the step alone (every
+    rank agrees without talking); ``history`` is the job's :class:`FailureHistory`, which the
+    policy adds uptime to (``record_step``, stalls in ``record_save``) and a caller may replace
+    with the job's shared one.
+    """
+
+    deterministic: bool
+    history: FailureHistory
 
     def should_save(self, step: int, now: float) -> bool: ...
     def record_step(self, step_seconds: float) -> None: ...
@@ -191,39 +232,51 @@ class _Ewma:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
-class _Policy:
-    """Shared bookkeeping: last save, clock origin, step-time EWMA; no-op feedback hooks."""
+class CadenceBase(ABC):
+    """Base of every shipped policy, implementing :class:`CadencePolicy`: the last save, the
+    clock origin, the step-time EWMA and uptime in ``history``. Subclasses implement
+    ``should_save`` and ``describe``; the feedback hooks default to bookkeeping only."""
 
     name = "policy"
     deterministic = False
     """True when decisions depend on the step alone, so every rank agrees without talking."""
 
-    def __init__(self, smoothing: float = 0.3) -> None:
+    def __init__(self, smoothing: float = 0.3, history: FailureHistory | None = None) -> None:
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing={smoothing!r} is invalid: pass the EWMA weight of a new sample in (0, 1]")
         self._step_seconds = _Ewma(smoothing)
         self._last_step = 0
         self._last_time: float | None = None
+        self.history = history if history is not None else FailureHistory()
 
     def _since(self, step: int, now: float) -> tuple[int, float]:
         if self._last_time is None:  # the first clock reading is the origin
             self._last_time = float(now)
         return step - self._last_step, float(now) - self._last_time
 
+    @abstractmethod
+    def should_save(self, step: int, now: float) -> bool:
+        """True when a save should start at ``step`` (``now``: monotonic seconds)."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """JSON-safe ``{"policy", "interval_steps", "interval_seconds", "active_bound", "inputs"}``."""
+
     def record_step(self, step_seconds: float) -> None:
         if step_seconds >= 0:
             self._step_seconds.add(step_seconds)
+            self.history.add_uptime(step_seconds)
 
     def record_save(
         self, stall_seconds: float, persist_seconds: float, num_bytes: int, slowdown_seconds: float = 0.0
     ) -> None:
-        pass
+        self.history.add_uptime(stall_seconds)
 
     def record_saved(self, step: int, now: float) -> None:
         self._last_step, self._last_time = int(step), float(now)
 
     def record_failure(self, wall_time: float) -> None:
-        pass
+        self.history.record_failure(wall_time)
 
     def _describe(self, steps: int | None, seconds: float | None, bound: str, **inputs: Any) -> dict[str, Any]:
         inputs["step_seconds"] = self._step_seconds.value
@@ -231,10 +284,10 @@ class _Policy:
                 "active_bound": bound, "inputs": inputs}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.describe()})"  # type: ignore[attr-defined]
+        return f"{type(self).__name__}({self.describe()})"
 
 
-class EverySteps(_Policy):
+class EverySteps(CadenceBase):
     """Save every ``num_steps`` steps after the last save."""
 
     name = "every_steps"
@@ -254,7 +307,7 @@ class EverySteps(_Policy):
         return self._describe(self.num_steps, None if step is None else self.num_steps * step, "fixed")
 
 
-class EverySeconds(_Policy):
+class EverySeconds(CadenceBase):
     """Save when ``seconds`` have passed since the last save (or since the first ``now`` seen)."""
 
     name = "every_seconds"
@@ -274,7 +327,7 @@ class EverySeconds(_Policy):
         return self._describe(steps, self.seconds, "fixed")
 
 
-class Auto(_Policy):
+class Auto(CadenceBase):
     """Young/Daly interval from measured checkpoint cost, bandwidth and failure history.
 
     Until the first ``record_save`` it saves after ``initial_steps`` steps or ``initial_seconds``
@@ -307,7 +360,7 @@ class Auto(_Policy):
         prior_weight: float = 1.0,
         smoothing: float = 0.3,
     ) -> None:
-        super().__init__(smoothing)
+        super().__init__(smoothing, history)
         if not (math.isfinite(mtbf_seconds) and mtbf_seconds > 0):
             raise ValueError(f"mtbf_seconds={mtbf_seconds!r} is invalid: pass the prior MTBF in seconds, > 0")
         if initial_steps is None and initial_seconds is None:
@@ -317,7 +370,6 @@ class Auto(_Policy):
         if initial_seconds is not None and not initial_seconds > 0:
             raise ValueError(f"initial_seconds={initial_seconds!r} is invalid: pass seconds > 0 or None")
         optimal_interval(1.0, 1.0, 0.0, overhead_budget)  # validates overhead_budget
-        self.history = history if history is not None else FailureHistory()
         self.history.mtbf(mtbf_seconds, prior_weight)  # validates prior_weight
         self.mtbf_seconds, self.prior_weight = float(mtbf_seconds), float(prior_weight)
         self.overhead_budget = overhead_budget
@@ -362,7 +414,6 @@ class Auto(_Policy):
     def record_step(self, step_seconds: float) -> None:
         with self._lock:
             super().record_step(step_seconds)
-            self.history.add_uptime(step_seconds)
             if self._interval_steps is None:
                 self._retune()
 
@@ -377,8 +428,8 @@ class Auto(_Policy):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}={value!r} is invalid: pass a measured value >= 0")
         with self._lock:
+            super().record_save(stall_seconds, persist_seconds, num_bytes, slowdown_seconds)
             self._cost.add(stall_seconds + slowdown_seconds)
-            self.history.add_uptime(stall_seconds)
             if num_bytes > 0 and persist_seconds > 0:
                 self._seconds_per_byte.add(persist_seconds / num_bytes)
                 self._num_bytes = int(num_bytes)
@@ -391,7 +442,7 @@ class Auto(_Policy):
 
     def record_failure(self, wall_time: float) -> None:
         with self._lock:
-            self.history.record_failure(wall_time)
+            super().record_failure(wall_time)
             self._retune()
 
     def describe(self) -> dict[str, Any]:
@@ -413,21 +464,49 @@ class Auto(_Policy):
         )
 
 
-def parse_interval(text: str, **auto_options: Any) -> CadencePolicy:
-    """Policy for a config string: ``"auto"`` -> ``Auto(**auto_options)``; a whole number such as
-    ``"50"`` -> ``EverySteps(50)``; a duration such as ``"300s"``, ``"5m"``, ``"1.5h"`` ->
-    ``EverySeconds``. ``auto_options`` are used only for ``"auto"``."""
-    raw = str(text).strip()
-    if raw.lower() == "auto":
+@dataclass(frozen=True)
+class Interval:
+    """A parsed checkpoint interval: ``kind`` is ``"auto"``, ``"steps"`` (``steps`` set) or
+    ``"seconds"`` (``seconds`` set). :meth:`parse` is the one parser of interval strings."""
+
+    kind: str
+    steps: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | int) -> "Interval":
+        """``"auto"``; a whole number of steps >= 1 (``"50"``, or the int ``50`` from TOML); or
+        a duration > 0 with a unit (``"500ms"``, ``"30sec"``, ``"5m"``, ``"1.5h"``, ``"1d"``;
+        see :func:`parse_duration`). Case and surrounding spaces do not matter. Raises
+        ``ValueError`` naming the value and the accepted forms."""
+        if isinstance(text, bool):
+            raise ValueError(f"invalid checkpoint interval {text!r}: pass {INTERVAL_FORMS}")
+        raw = str(text).strip()
+        if raw.lower() == "auto":
+            return cls("auto")
+        if re.fullmatch(r"[0-9]+", raw):
+            if int(raw) < 1:
+                raise ValueError(f"invalid checkpoint interval {text!r}: a step count must be >= 1; "
+                                 f"pass {INTERVAL_FORMS}")
+            return cls("steps", steps=int(raw))
+        parts = _split_duration(raw)
+        if parts is not None and parts[1]:  # a bare number means steps, never seconds
+            seconds = parse_duration(raw)
+            if seconds > 0:
+                return cls("seconds", seconds=seconds)
+        raise ValueError(f"invalid checkpoint interval {text!r}: pass {INTERVAL_FORMS}")
+
+    def policy(self, **auto_options: Any) -> CadencePolicy:
+        """The policy for this interval; ``auto_options`` go to :class:`Auto` only."""
+        if self.kind == "steps":
+            return EverySteps(self.steps)
+        if self.kind == "seconds":
+            return EverySeconds(self.seconds)
         return Auto(**auto_options)
-    accepted = "'auto', a whole number of steps such as '50', or a duration such as '300s', '5m', '1.5h'"
-    if re.fullmatch(r"[0-9]+", raw):
-        if int(raw) < 1:
-            raise ValueError(f"invalid checkpoint interval {text!r}: steps must be >= 1; pass {accepted}")
-        return EverySteps(int(raw))
-    match = _DURATION_RE.match(raw)
-    if match and match.group(2).lower() in _DURATION_UNITS:
-        seconds = parse_duration(raw)
-        if seconds > 0:
-            return EverySeconds(seconds)
-    raise ValueError(f"invalid checkpoint interval {text!r}: pass {accepted}")
+
+
+def parse_interval(text: str | int, **auto_options: Any) -> CadencePolicy:
+    """Policy for an interval string (:meth:`Interval.parse`): ``"auto"`` ->
+    ``Auto(**auto_options)``, ``"50"`` -> ``EverySteps(50)``, ``"300s"`` / ``"5m"`` ->
+    ``EverySeconds``. ``auto_options`` are used only for ``"auto"``."""
+    return Interval.parse(text).policy(**auto_options)

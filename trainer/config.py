@@ -47,7 +47,6 @@ __all__ = [
     "config_to_dict",
     "config_to_toml",
     "config_fingerprint",
-    "parse_interval",
     "parse_overrides",
     "field_docs",
 ]
@@ -65,7 +64,6 @@ from trainer.config_schema import (  # the types (trainer/config_schema.py), re-
     _SECTIONS,
     _coerce,
     _type_name,
-    parse_interval,
 )
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")

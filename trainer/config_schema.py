@@ -12,23 +12,25 @@ import copy
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from ckpt.cadence import Interval
 
 __all__ = [
     "ConfigError",
     "ModelConfig",
     "TrainingConfig",
     "ParallelConfig",
+    "DP_MODES",
+    "PP_SCHEDULES",
     "DataConfig",
     "CheckpointConfig",
     "MetricsConfig",
     "FaultConfig",
     "Config",
-    "parse_interval",
 ]
 
 
@@ -192,9 +194,22 @@ class TrainingConfig(_Section):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+DP_MODES = ("fsdp", "ddp")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
 @dataclass
 class ParallelConfig(_Section):
-    """Layout of the (pp, dp, tp) device mesh; pp * dp * tp = world size."""
+    """The parallel layout: a (pp, dp, tp) device mesh plus how each axis is used.
+
+    The one layout type of ``trainer/``: the ``[parallel]`` config section, what
+    :func:`trainer.mesh.build_mesh` and :func:`trainer.parallelize.build_parallel_model` take,
+    and what the layout planner evaluates. Its rules live here only: single-field rules in
+    ``__post_init__``, rules against the model and the batch in :meth:`check`, rules against
+    the world size in :meth:`resolved`. Every error is a :class:`ConfigError` whose message
+    starts with the dotted key at fault. ``dp = -1`` and ``n_microbatches = 0`` mean "not
+    decided yet"; :meth:`resolved` makes them concrete.
+    """
 
     _section: ClassVar[str] = "parallel"
     pp: int = _f(1, "Pipeline-parallel degree (stages).")
@@ -212,8 +227,9 @@ class ParallelConfig(_Section):
         if self.dp != -1 and self.dp < 1:
             self._fail("dp", f"must be >= 1 or -1, got {self.dp}",
                        "use -1 for the rest of the world")
-        self._choice("dp_mode", ("fsdp", "ddp"))
-        self._choice("pp_schedule", ("gpipe", "1f1b", "interleaved1f1b"))
+        self.pp_schedule = self.pp_schedule.lower()
+        self._choice("dp_mode", DP_MODES)
+        self._choice("pp_schedule", PP_SCHEDULES)
         self._at_least("n_microbatches", 0, "use 0 for 2 * pp")
         self._at_least("stages_per_rank", 1)
         if self.pp_schedule == "interleaved1f1b" and self.pp > 1 and self.stages_per_rank < 2:
@@ -243,6 +259,64 @@ class ParallelConfig(_Section):
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 
+    @property
+    def world_size(self) -> int:
+        """``pp * dp * tp``; needs a concrete ``dp`` (see :meth:`resolved`)."""
+        if self.dp == -1:
+            self._fail("dp", "is -1 (unresolved)", "call resolved(world_size) first")
+        return self.pp * self.dp * self.tp
+
+    def check(self, model: Any, *, global_batch_size: int | None = None,
+              grad_accum_steps: int = 1, seq_len: int | None = None) -> None:
+        """Raise :class:`ConfigError` naming the key at fault if this layout cannot train
+        ``model`` (any object with ``n_heads``, ``dim``, ``hidden_ffn_dim`` and ``n_layers``)
+        on ``global_batch_size`` sequences of ``seq_len`` tokens per step. Batch rules need a
+        concrete ``dp`` and are skipped while it is -1. Pure: no process group needed."""
+        for what, n in (("model.n_heads", model.n_heads), ("model.dim", model.dim),
+                        ("the MLP hidden size (model.ffn_dim)", model.hidden_ffn_dim)):
+            if n % self.tp:
+                self._fail("tp", f"{self.tp} does not divide {what}={n}",
+                           "choose a tp that divides it")
+        if model.n_layers < self.num_stages:
+            self._fail("pp", f"{self.num_stages} pipeline stages (pp * stages_per_rank) but "
+                       f"model.n_layers={model.n_layers}", "use fewer stages or more layers")
+        if self.sequence_parallel and self.tp == 1:
+            self._fail("sequence_parallel", "needs parallel.tp > 1",
+                       "set it to false or raise parallel.tp")
+        if self.sequence_parallel and seq_len is not None and seq_len % self.tp:
+            self._fail("sequence_parallel", f"shards the sequence over parallel.tp={self.tp}, "
+                       f"which does not divide training.seq_len={seq_len}",
+                       "change tp or the sequence length")
+        if self.dp_mode == "ddp" and self.tp > 1:
+            self._fail("dp_mode", f"'ddp' does not compose with tensor parallelism "
+                       f"(parallel.tp={self.tp})", "use parallel.dp_mode='fsdp' or parallel.tp=1")
+        if global_batch_size is None or self.dp == -1:
+            return
+        per_rank = self.dp * grad_accum_steps
+        if global_batch_size % per_rank:
+            _raise("training.global_batch_size",
+                   f"{global_batch_size} is not divisible by dp * grad_accum_steps = "
+                   f"{self.dp} * {grad_accum_steps}", f"use a multiple of {per_rank}")
+        micro = global_batch_size // per_rank
+        if micro % self.num_microbatches:
+            self._fail("n_microbatches",
+                       f"the per-rank micro-batch of {micro} sequences does not split into "
+                       f"{self.num_microbatches} micro-batches",
+                       "make global_batch_size / (dp * grad_accum_steps) a multiple of it")
+
+    def resolved(self, world_size: int) -> ParallelConfig:
+        """A copy with ``dp`` and ``n_microbatches`` concrete for ``world_size`` ranks.
+        Raises :class:`ConfigError` when pp * dp * tp cannot equal ``world_size``."""
+        if world_size % (self.pp * self.tp):
+            self._fail("tp" if self.tp > 1 else "pp",
+                       f"world size {world_size} is not divisible by pp * tp = "
+                       f"{self.pp} * {self.tp}", "launch pp * dp * tp ranks")
+        dp = world_size // (self.pp * self.tp) if self.dp == -1 else self.dp
+        if self.pp * dp * self.tp != world_size:
+            self._fail("dp", f"pp * dp * tp = {self.pp} * {dp} * {self.tp} != world size "
+                       f"{world_size}", "set parallel.dp=-1 to use the rest of the world")
+        return dataclasses.replace(self, dp=dp, n_microbatches=self.num_microbatches)
+
 
 @dataclass
 class DataConfig(_Section):
@@ -268,34 +342,13 @@ class DataConfig(_Section):
             self._fail("synthetic_noise", f"must be in [0, 1], got {self.synthetic_noise}")
 
 
-_INTERVAL_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|sec|m|min|h)$")
-_UNIT_SECONDS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
-
-
-def parse_interval(text: str, key: str = "checkpoint.interval") -> tuple[str, float | None]:
-    """Parse a checkpoint interval: ``"auto"`` -> ("auto", None), ``"50"`` -> ("steps", 50),
-    ``"300s"`` / ``"5m"`` / ``"1h"`` -> ("seconds", 300.0). Raises :class:`ConfigError`."""
-    t = str(text).strip().lower()
-    if t == "auto":
-        return ("auto", None)
-    if t.isdigit():
-        if int(t) < 1:
-            raise ConfigError(f"{key}: a step interval must be >= 1, got {text!r}", key=key)
-        return ("steps", int(t))
-    m = _INTERVAL_RE.match(t)
-    if m and float(m.group(1)) > 0:
-        return ("seconds", float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
-    raise ConfigError(f"{key}: cannot parse {text!r}; use 'auto', a step count like '50', "
-                      "or a duration like '300s', '5m', '1h'", key=key)
-
-
 @dataclass
 class CheckpointConfig(_Section):
     """Where, when and how checkpoints are written and which one is loaded."""
 
     _section: ClassVar[str] = "checkpoint"
     root: str = _f("", "Directory or URL (file://, s3://, memory://); empty = no checkpoints.")
-    interval: str = _f("auto", "'auto' (Young/Daly), steps like '50', or time like '300s'.")
+    interval: str = _f("auto", "'auto' (Young/Daly), steps like '50', or time like '30sec', '5m'.")
     load_step: int | None = _f(None, "Step to resume from; None = newest committed checkpoint.")
     keep_last: int = _f(3, "Committed checkpoints to keep; 0 = keep all.")
     keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple; 0 = off.")
@@ -308,7 +361,10 @@ class CheckpointConfig(_Section):
     fail_on_error: bool = _f(False, "Stop the job when a save fails instead of alerting.")
 
     def _validate(self) -> None:
-        parse_interval(self.interval)
+        try:
+            Interval.parse(self.interval)
+        except ValueError as exc:
+            self._fail("interval", str(exc))
         if self.load_step is not None:
             self._at_least("load_step", 0, "leave it unset to load the newest checkpoint")
         self._at_least("keep_last", 0, "use 0 to keep all")
@@ -319,10 +375,6 @@ class CheckpointConfig(_Section):
         if not 0 < self.overhead_budget < 1:
             self._fail("overhead_budget", f"must be in (0, 1), got {self.overhead_budget}",
                        "e.g. 0.01 for 1%")
-
-    def interval_kind(self) -> tuple[str, float | None]:
-        """("auto", None), ("steps", n) or ("seconds", s); see :func:`parse_interval`."""
-        return parse_interval(self.interval)
 
     @property
     def enabled(self) -> bool:
@@ -376,7 +428,9 @@ _SECTIONS: dict[str, type] = {
 
 @dataclass
 class Config:
-    """The whole job. Cross-section rules are checked here; layout rules in :meth:`resolved`."""
+    """The whole job. Cross-section rules are checked here; layout rules by
+    :meth:`ParallelConfig.check` (against the model and batch) and
+    :meth:`ParallelConfig.resolved` (against the world size)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -387,60 +441,19 @@ class Config:
     fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
-        m, t, p = self.model, self.training, self.parallel
+        m, t = self.model, self.training
         if t.seq_len > m.max_seq_len:
             _raise("training.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
                    "raise model.max_seq_len or lower training.seq_len")
-        for what, n in (("model.n_heads", m.n_heads), ("model.dim", m.dim),
-                        ("the MLP hidden size (model.ffn_dim)", m.hidden_ffn_dim)):
-            if n % p.tp:
-                _raise("parallel.tp", f"{p.tp} does not divide {what}={n}",
-                       "choose a tp that divides it")
-        if m.n_layers < p.num_stages:
-            _raise("parallel.pp", f"{p.num_stages} pipeline stages (pp * stages_per_rank) but "
-                   f"model.n_layers={m.n_layers}", "use fewer stages or more layers")
-        if p.sequence_parallel and p.tp == 1:
-            _raise("parallel.sequence_parallel", "needs parallel.tp > 1",
-                   "set it to false or raise parallel.tp")
-        if p.sequence_parallel and t.seq_len % p.tp:
-            _raise("parallel.sequence_parallel", f"shards the sequence over parallel.tp={p.tp}, "
-                   f"which does not divide training.seq_len={t.seq_len}",
-                   "change tp or the sequence length")
-        if p.dp_mode == "ddp" and p.tp > 1:
-            _raise("parallel.dp_mode", f"'ddp' does not compose with tensor parallelism "
-                   f"(parallel.tp={p.tp})", "use parallel.dp_mode='fsdp' or parallel.tp=1")
-        if p.dp != -1:
-            self._check_batch(p.dp)
-
-    def _check_batch(self, dp: int) -> None:
-        t, p = self.training, self.parallel
-        per_rank = dp * t.grad_accum_steps
-        if t.global_batch_size % per_rank:
-            _raise("training.global_batch_size",
-                   f"{t.global_batch_size} is not divisible by dp * grad_accum_steps = "
-                   f"{dp} * {t.grad_accum_steps}", f"use a multiple of {per_rank}")
-        micro = t.global_batch_size // per_rank
-        if p.pp > 1 and micro % p.num_microbatches:
-            _raise("parallel.n_microbatches",
-                   f"the per-rank micro-batch of {micro} sequences does not split into "
-                   f"{p.num_microbatches} pipeline micro-batches",
-                   "make global_batch_size / (dp * grad_accum_steps) a multiple of it")
+        self.parallel.check(m, global_batch_size=t.global_batch_size,
+                            grad_accum_steps=t.grad_accum_steps, seq_len=t.seq_len)
 
     def resolved(self, world_size: int) -> Config:
-        """A copy with ``parallel.dp`` and ``parallel.n_microbatches`` made concrete for
-        ``world_size`` ranks. Raises :class:`ConfigError` when pp * dp * tp != world_size or
-        the batch does not divide over the layout. Every rank calls it with the same input."""
-        p = self.parallel
-        if world_size % (p.pp * p.tp):
-            _raise("parallel.tp" if p.tp > 1 else "parallel.pp",
-                   f"world size {world_size} is not divisible by pp * tp = "
-                   f"{p.pp} * {p.tp}", "launch pp * dp * tp ranks")
-        dp = world_size // (p.pp * p.tp) if p.dp == -1 else p.dp
-        if p.pp * dp * p.tp != world_size:
-            _raise("parallel.dp", f"pp * dp * tp = {p.pp} * {dp} * {p.tp} != world size "
-                   f"{world_size}", "set parallel.dp=-1 to use the rest of the world")
+        """A copy whose ``parallel`` is :meth:`ParallelConfig.resolved` for ``world_size``
+        ranks, checked against the model and batch. Raises :class:`ConfigError`. Every rank
+        calls it with the same input."""
         out = copy.deepcopy(self)
-        out.parallel = dataclasses.replace(p, dp=dp, n_microbatches=p.num_microbatches)
+        out.parallel = self.parallel.resolved(world_size)
         out.__post_init__()
         return out
 

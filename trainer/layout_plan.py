@@ -1,8 +1,8 @@
-"""Memory and layout planner: which (pp, dp, tp) layout fits a model on given GPUs.
+"""Layout planner: which (pp, dp, tp) layout fits a model on given GPUs, and its report/CLI.
 
-Pure functions estimate per-GPU memory (weights, gradients, optimizer state, FSDP buffers,
-activations, logits) for a :class:`Layout` and a :class:`Workload`; :func:`plan_layout` ranks
-every layout of the cluster by a fixed preference order and recommends the simplest that fits:
+:func:`plan_layout` estimates every layout of the cluster with the memory model
+(:mod:`trainer.memory_model`), ranks them by a fixed preference order and recommends the
+simplest that fits:
 
     DDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP (smallest first)
 
@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
+from trainer.memory_model import (
+    SHARDINGS,
+    Candidate,
+    MemoryEstimate,
+    ModelShape,
+    Workload,
+    estimate_memory,
+    optimizer_bytes_per_param,
+    shape_from_dims,
+    shape_from_params,
+)
 
-__all__ = [
-    "ModelShape", "Workload", "Layout", "MemoryEstimate", "Plan",
-    "parse_count", "shape_from_dims", "shape_from_params", "activation_bytes_per_layer",
-    "pipeline_bubble", "estimate_memory", "candidate_layouts", "plan_layout",
-    "add_plan_arguments", "run_plan",
-]
+__all__ = ["Plan", "parse_count", "candidate_layouts", "plan_layout", "add_plan_arguments",
+           "run_plan"]
 
 BUBBLE_WARN_FRACTION = 0.10
 """Warn when the pipeline bubble exceeds this fraction of step time."""
@@ -44,206 +50,12 @@ def parse_count(text: str | int | float) -> int:
     return int(round(float(m.group(1)) * scale))
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer: attention 4*d^2, MLP 2*d*f (3*d*f when gated), untied
-    input/output embeddings V*d each. ``num_params`` is authoritative; when the dims were
-    guessed from it (``inferred``) they only shape the activation estimate."""
-
-    num_params: int
-    dim: int
-    n_layers: int
-    n_heads: int
-    vocab_size: int
-    ffn_dim: int
-    gated_mlp: bool = False
-    inferred: bool = False
-
-    @property
-    def layer_params(self) -> int:
-        return 4 * self.dim * self.dim + (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim \
-            + 2 * self.dim
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.dim
-
-    @property
-    def shape_params(self) -> int:
-        return self.n_layers * self.layer_params + 2 * self.embedding_params + self.dim
-
-
-def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
-                    ffn_dim: int = 0, gated_mlp: bool = False) -> ModelShape:
-    """Exact shape; ``ffn_dim = 0`` means 4 * dim."""
-    s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp)
-    return replace(s, num_params=s.shape_params)
-
-
-def shape_from_params(num_params: int, vocab_size: int = 32000) -> ModelShape:
-    """Guess a Llama-like shape for a parameter count: head_dim 128, n_layers ~ dim/128,
-    SwiGLU MLP of 8/3 * dim (so ~12 * L * d^2 non-embedding params), dim a multiple of 256."""
-    dim = max(256, int(round((num_params / 0.09375) ** (1 / 3) / 256)) * 256)
-    body = num_params - 2 * vocab_size * dim
-    n_layers = max(1, int(round(body / (12 * dim * dim))))
-    return ModelShape(num_params, dim, n_layers, max(1, dim // 128), vocab_size,
-                      dim * 8 // 3, gated_mlp=True, inferred=True)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """``pp * dp * tp`` GPUs; ``dp_mode`` is 'ddp', 'zero1', 'zero2' or 'fsdp' (ZeRO-3)."""
-
-    pp: int
-    dp: int
-    tp: int
-    dp_mode: str = "ddp"
-
-    @property
-    def num_gpus(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def name(self) -> str:
-        parts = [f"{self.dp_mode.upper()} dp={self.dp}"] * (self.dp > 1)
-        parts += [f"TP{self.tp}"] * (self.tp > 1) + [f"PP{self.pp}"] * (self.pp > 1)
-        return " + ".join(parts) or "single GPU"
-
-    def preference(self) -> tuple:
-        """Sort key of the documented preference order (simplest first)."""
-        return (self.pp > 1, self.tp > 1, self.pp, self.tp,
-                ("ddp", "zero1", "zero2", "fsdp").index(self.dp_mode))
-
-    def overrides(self, sequence_parallel: bool = True) -> str:
-        """The trainer flags for this layout (ZeRO-1/2 have no trainer mode: shown as fsdp)."""
-        mode = "ddp" if self.dp_mode == "ddp" else "fsdp"
-        out = f"--parallel.pp={self.pp} --parallel.dp={self.dp} --parallel.tp={self.tp} " \
-              f"--parallel.dp_mode={mode}"
-        sp = self.tp > 1 and sequence_parallel
-        return out + (" --parallel.sequence_parallel=true" if sp else "")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one training step does. ``micro_batch`` sequences per forward per GPU;
-    ``num_microbatches`` pipeline micro-batches per step (None: from ``global_batch`` if
-    given, else 2 * pp, the trainer's default)."""
-
-    shape: ModelShape
-    precision: str = "bf16-mixed"
-    optimizer: str = "adamw"
-    seq_len: int = 2048
-    micro_batch: int = 1
-    num_microbatches: int | None = None
-    global_batch: int | None = None
-    recompute: str = "none"
-    sequence_parallel: bool = True
-    pp_schedule: str = "1f1b"
-    stages_per_rank: int = 1
-
-    def microbatches_for(self, layout: Layout) -> int:
-        if self.num_microbatches:
-            return self.num_microbatches
-        if self.global_batch:
-            return max(1, self.global_batch // (layout.dp * self.micro_batch))
-        return 2 * layout.pp if layout.pp > 1 else 1
-
-
-def activation_bytes_per_layer(seq_len: int, micro_batch: int, dim: int, n_heads: int,
-                               tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", bytes_per_element: int = 2) -> float:
-    """Activation memory of one transformer layer for one micro-batch (Korthikanti et al.
-    2022, Table 2): ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; with TP only
-    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; with TP + sequence parallelism everything / t.
-    'selective' recomputation (or flash attention) drops the ``5*a*s/h`` attention term;
-    'full' keeps only the layer input, ``2*s*b*h`` (/ t with SP). Scaled by
-    ``bytes_per_element / 2`` for fp32 activations."""
-    s, b, h, a, t = seq_len, micro_batch, dim, n_heads, tp
-    sp = sequence_parallel and t > 1
-    if recompute == "full":
-        per = 2 * s * b * h / (t if sp else 1)
-    else:
-        attn = 0.0 if recompute == "selective" else 5 * a * s / h
-        per = s * b * h * (34 + attn) / t if sp or t == 1 else s * b * h * (10 + 24 / t + attn / t)
-    return per * bytes_per_element / 2
-
-
-def pipeline_bubble(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of a pipelined step: (pp-1) / (v*m + pp-1) (Narayanan et al. 2021)."""
-    return 0.0 if pp <= 1 else (pp - 1) / (stages_per_rank * num_microbatches + pp - 1)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-GPU bytes on the busiest pipeline stage (``stage``)."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    fsdp_buffers: float
-    activations: float
-    logits: float
-    stage: int
-    num_microbatches: int
-    bubble: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.fsdp_buffers \
-            + self.activations + self.logits
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "total": self.total}
-
-
-def estimate_memory(work: Workload, layout: Layout) -> MemoryEstimate:
-    """Per-GPU memory of ``layout`` running ``work``; the max over the first and last pipeline
-    stage (the first holds the most in-flight micro-batches, the last the output layer)."""
-    pc, sh = PRECISIONS[work.precision], work.shape
-    n_states = OPTIMIZER_STATES[work.optimizer]
-    pp, dp, t = layout.pp, layout.dp, layout.tp
-    scale = sh.num_params / sh.shape_params
-    layers = math.ceil(sh.n_layers / pp)
-    m = work.microbatches_for(layout)
-    v = work.stages_per_rank if work.pp_schedule == "interleaved1f1b" else 1
-    act_layer = activation_bytes_per_layer(work.seq_len, work.micro_batch, sh.dim, sh.n_heads, t,
-                                           work.sequence_parallel, work.recompute,
-                                           pc.activation_bytes)
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (dp, dp, dp)}
-    w_div, g_div, o_div = shard[layout.dp_mode]
-    best: MemoryEstimate | None = None
-    for st in sorted({0, pp - 1}):
-        params = layers * sh.layer_params + sh.embedding_params * ((st == 0) + (st == pp - 1)) \
-            + sh.dim * (st == pp - 1)  # final norm
-        params = params * scale / t
-        if pp == 1 or work.pp_schedule == "gpipe":
-            in_flight = 1.0 if pp == 1 else m
-        else:
-            in_flight = min(m, pp - st) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
-        est = MemoryEstimate(
-            weights=params * pc.weight_bytes / w_div,
-            grads=params * pc.grad_bytes / g_div,
-            optimizer=params * (pc.master_bytes + n_states * pc.state_bytes) / o_div,
-            # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
-            fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
-                          if layout.dp_mode == "fsdp" and dp > 1 else 0.0),
-            activations=layers * act_layer * in_flight,
-            # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
-            logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size
-                    if st == pp - 1 else 0.0),
-            stage=st, num_microbatches=m, bubble=pipeline_bubble(pp, m, v))
-        if best is None or est.total > best.total:
-            best = est
-    assert best is not None
-    return best
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
-                      modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Layout]:
+                      modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Candidate]:
     """Every layout of ``num_gpus`` with TP inside a node and dividing the heads, pp at most
     n_layers, in preference order. Sharded modes need dp > 1; TP composes only with FSDP
     (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1."""
@@ -255,9 +67,9 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
             if pp > shape.n_layers:
                 continue
             dp = num_gpus // (tp * pp)
-            out += [Layout(pp, dp, tp, mode) for mode in modes
+            out += [Candidate.of(pp, dp, tp, mode) for mode in modes
                     if (mode == "ddp" or dp > 1) and (mode == "fsdp" or tp == 1)]
-    return sorted(out, key=Layout.preference)
+    return sorted(out, key=Candidate.preference)
 
 
 @dataclass
@@ -268,9 +80,9 @@ class Plan:
     num_gpus: int
     gpus_per_node: int
     usable_bytes: float
-    rows: list[tuple[Layout, MemoryEstimate]]
-    recommended: tuple[Layout, MemoryEstimate] | None
-    requested: tuple[Layout, MemoryEstimate] | None
+    rows: list[tuple[Candidate, MemoryEstimate]]
+    recommended: tuple[Candidate, MemoryEstimate] | None
+    requested: tuple[Candidate, MemoryEstimate] | None
     warnings: list[tuple[str, str]]
 
     def fits(self, est: MemoryEstimate) -> bool:
@@ -281,7 +93,7 @@ class Plan:
             if pair is None:
                 return None
             lay, est = pair
-            return {"layout": asdict(lay), "name": lay.name, "fits": self.fits(est),
+            return {"layout": lay.to_dict(), "name": lay.name, "fits": self.fits(est),
                     "overrides": lay.overrides(self.work.sequence_parallel),
                     "memory_bytes": est.to_dict()}
         return {"workload": asdict(self.work), "num_gpus": self.num_gpus,
@@ -303,7 +115,7 @@ def _count(n: float) -> str:
 
 
 def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes: float,
-                requested: Layout | None = None) -> Plan:
+                requested: Candidate | None = None) -> Plan:
     """Estimate every candidate layout, recommend the first (by preference) that fits in
     ``usable_bytes`` per GPU with a trainer dp_mode (ddp/fsdp), evaluate ``requested`` and
     collect warnings. Raises ValueError if ``requested`` does not use ``num_gpus`` GPUs."""
@@ -314,9 +126,9 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
     sh = work.shape
     rows = [(lay, estimate_memory(work, lay)) for lay in
             candidate_layouts(num_gpus, gpus_per_node, sh, ("ddp", "zero1", "zero2", "fsdp"))
-            if lay.dp_mode in ("ddp", "fsdp") or (lay.pp == 1 and lay.tp == 1)]
+            if lay.sharding in ("ddp", "fsdp") or (lay.pp == 1 and lay.tp == 1)]
     fits = lambda e: e.total <= usable_bytes  # noqa: E731
-    rec = next(((lay, e) for lay, e in rows if lay.dp_mode in ("ddp", "fsdp") and fits(e)), None)
+    rec = next(((lay, e) for lay, e in rows if lay.sharding in ("ddp", "fsdp") and fits(e)), None)
     req = (requested, estimate_memory(work, requested)) if requested else None
     warns: list[tuple[str, str]] = []
     if requested is not None:
@@ -327,24 +139,24 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
                           f"{gpus_per_node} and dividing it"))
         if sh.n_heads % requested.tp:
             warns.append(("tp-heads", f"TP{requested.tp} does not divide n_heads={sh.n_heads}"))
-        if requested.tp > 1 and requested.dp_mode != "fsdp":
+        if requested.tp > 1 and requested.sharding != "fsdp":
             warns.append(("tp-needs-fsdp", f"the trainer composes TP only with FSDP; use "
-                          f"--parallel.dp_mode=fsdp instead of {requested.dp_mode}"))
+                          f"--parallel.dp_mode=fsdp instead of {requested.sharding}"))
         if rec and rec[0].preference() < requested.preference() and fits(req[1]):
             what = "3D parallelism" if requested.pp > 1 and requested.tp > 1 and \
                 requested.dp > 1 else requested.name
-            costs = [c for c, on in (("per-layer FSDP all-gathers", requested.dp_mode == "fsdp"
-                                      and rec[0].dp_mode == "ddp"),
+            costs = [c for c, on in (("per-layer FSDP all-gathers", requested.sharding == "fsdp"
+                                      and rec[0].sharding == "ddp"),
                                      ("per-layer TP all-reduces", requested.tp > rec[0].tp),
                                      ("pipeline bubbles", requested.pp > rec[0].pp)) if on]
             warns.append(("needless-parallelism", f"{what} is not needed: the simpler "
                           f"{rec[0].name} fits ({_gib(rec[1].total)} per GPU) and avoids "
                           f"{' and '.join(costs) or 'extra communication'}"))
-    ddp = estimate_memory(work, Layout(1, num_gpus, 1, "ddp"))
+    ddp = estimate_memory(work, Candidate.of(1, num_gpus, 1, "ddp"))
     if not fits(ddp) and fits(replace(ddp, optimizer=0.0)):
         warns.append(("optimizer-state", f"plain DDP would fit without the optimizer: "
                       f"{work.optimizer} state adds {_gib(ddp.optimizer)} per GPU "
-                      f"({_opt_bytes(work):g} bytes/param); shard it (ZeRO-1/FSDP)"))
+                      f"({optimizer_bytes_per_param(work):g} bytes/param); shard it (ZeRO-1/FSDP)"))
     chosen = req or rec or min(rows, key=lambda r: r[1].total)
     lay, est = chosen
     if est.activations + est.logits > 0.5 * est.total and work.recompute != "full":
@@ -357,8 +169,8 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
         warns.append(("pipeline-bubble", f"pipeline bubble is {est.bubble:.0%} of each step "
                       f"(pp={lay.pp}, {est.num_microbatches} micro-batches, (pp-1)/(m+pp-1)); "
                       f"use >= {4 * lay.pp} micro-batches or the interleaved1f1b schedule"))
-    if rec and rec[0].dp_mode == "fsdp" and num_gpus > gpus_per_node and rec[0].tp == 1 and \
-            rec[0].pp == 1 and fits(estimate_memory(work, Layout(1, gpus_per_node, 1, "fsdp"))):
+    if rec and rec[0].sharding == "fsdp" and num_gpus > gpus_per_node and rec[0].tp == 1 and \
+            rec[0].pp == 1 and fits(estimate_memory(work, Candidate.of(1, gpus_per_node, 1, "fsdp"))):
         warns.append(("fsdp-across-nodes", f"FSDP all-gathers cross nodes every layer; sharding "
                       f"within a node ({gpus_per_node} GPUs) also fits, so HSDP (shard in-node, "
                       "replicate across nodes) would keep them on NVLink"))
@@ -374,11 +186,6 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
                       f"{_gib(chosen[1].total)}); add GPUs, lower the micro-batch or "
                       f"sequence length{hint}"))
     return Plan(work, num_gpus, gpus_per_node, usable_bytes, rows, rec, req, warns)
-
-
-def _opt_bytes(work: Workload) -> float:
-    pc = PRECISIONS[work.precision]
-    return pc.master_bytes + OPTIMIZER_STATES[work.optimizer] * pc.state_bytes
 
 
 # ------------------------------------------------------------------------------------ CLI
@@ -420,12 +227,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--pp", type=int)
     r.add_argument("--dp", type=int)
     r.add_argument("--tp", type=int)
-    r.add_argument("--dp-mode", choices=("ddp", "zero1", "zero2", "fsdp"))
+    r.add_argument("--dp-mode", choices=SHARDINGS)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--all", action="store_true", help="list every candidate layout")
 
 
-def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Layout | None, str]:
+def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Candidate | None,
+                                                  str]:
     num_gpus = args.nodes * args.gpus_per_node
     cfg = None
     if args.config:
@@ -453,7 +261,7 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Lay
         pp, tp = pp or 1, tp or 1
         dp = args.dp or (p.dp if p and p.dp != -1 else num_gpus // (pp * tp))
         mode = args.dp_mode or (p.dp_mode if p else ("fsdp" if tp > 1 else "ddp"))
-        requested = Layout(pp, dp, tp, mode)
+        requested = Candidate.of(pp, dp, tp, mode)
     micro, m_count, gbatch = args.micro_batch, args.microbatches, args.global_batch
     if cfg and requested and requested.num_gpus == num_gpus and micro is None:
         m_count = m_count or (p.num_microbatches if requested.pp > 1 else None)
@@ -488,10 +296,10 @@ def _report(plan: Plan, gpu_name: str, nodes: int, show_all: bool) -> str:
         f"{_gib(plan.usable_bytes)} usable per GPU",
         f"Training  {w.precision} ({pc.description}), {w.optimizer}, seq {w.seq_len}, "
         f"micro-batch {w.micro_batch}, recompute {w.recompute}",
-        f"Per param {pc.weight_bytes} weights + {pc.grad_bytes} grads + {_opt_bytes(w):g} "
-        f"optimizer = {pc.weight_bytes + pc.grad_bytes + _opt_bytes(w):g} bytes; unsharded "
-        f"model state {_gib((pc.weight_bytes + pc.grad_bytes + _opt_bytes(w)) * sh.num_params)}"
-        f", of which optimizer state {_gib(_opt_bytes(w) * sh.num_params)}",
+        f"Per param {pc.weight_bytes} weights + {pc.grad_bytes} grads + {optimizer_bytes_per_param(w):g} "
+        f"optimizer = {pc.weight_bytes + pc.grad_bytes + optimizer_bytes_per_param(w):g} bytes; unsharded "
+        f"model state {_gib((pc.weight_bytes + pc.grad_bytes + optimizer_bytes_per_param(w)) * sh.num_params)}"
+        f", of which optimizer state {_gib(optimizer_bytes_per_param(w) * sh.num_params)}",
         "",
     ]
     for label, pair in (("Requested", plan.requested), ("Recommended", plan.recommended)):
@@ -510,7 +318,7 @@ def _report(plan: Plan, gpu_name: str, nodes: int, show_all: bool) -> str:
     for lay, e in rows:
         vals = (e.weights, e.grads, e.optimizer, e.fsdp_buffers, e.activations, e.logits, e.total)
         mark = "yes" if plan.fits(e) else "no"
-        note = " (no trainer mode)" if lay.dp_mode in ("zero1", "zero2") else ""
+        note = " (no trainer mode)" if lay.sharding in ("zero1", "zero2") else ""
         lines.append(f"{lay.name:30} " + " ".join(f"{v / div:8.1f}" for v in vals) +
                      f"  {mark}{note}")
     if len(plan.rows) > len(rows):

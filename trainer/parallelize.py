@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.mesh import ParallelConfig, validate_layout
+from trainer.config_schema import ParallelConfig
 from trainer.model import ModelConfig, Transformer, cross_entropy_loss
 from trainer.pipeline import (
     build_pipeline_stages,
@@ -122,9 +122,11 @@ class ParallelModel:
         mesh: the (pp, dp, tp) DeviceMesh, or None for a plain single process.
     """
 
-    def __init__(self, model_cfg, par, mesh, parts, runners, stages, schedule, device):
+    def __init__(self, model_cfg, par, mesh, parts, runners, stages, schedule, device,
+                 param_dtype: torch.dtype = torch.float32):
         self.model_cfg: ModelConfig = model_cfg
         self.par: ParallelConfig = par
+        self.param_dtype = param_dtype
         self.mesh = mesh
         self.model_parts: list[nn.Module] = parts
         self._runners = runners  # what forward calls (DDP wrappers or the parts)
@@ -147,7 +149,7 @@ class ParallelModel:
 
     def _autocast(self):
         # FSDP2 casts params itself (MixedPrecisionPolicy); elsewhere use autocast.
-        if self.par.param_dtype == "bfloat16" and not self._fsdp:
+        if self.param_dtype == torch.bfloat16 and not self._fsdp:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -171,19 +173,17 @@ class ParallelModel:
 
     def _allreduce_grads(self) -> None:
         """Average plain-tensor gradients over the dp group, one flat buffer per dtype."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         group = self.mesh["dp"].get_group()
         by_dtype: dict = {}
         for p in self.parameters():
             if p.grad is not None:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
-            flat = _flatten_dense_tensors(grads)
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             flat /= self.par.dp
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced.view_as(g))
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return cross_entropy_loss(logits, targets) / self._loss_divisor
@@ -209,7 +209,7 @@ class ParallelModel:
         Returns the mean token cross-entropy of this call's global batch (all dp ranks),
         identical on every rank. Every rank of the mesh must call it.
         """
-        n_mb = self.par.n_microbatches
+        n_mb = self.par.num_microbatches
         self._loss_divisor = float(n_mb * num_accum_steps)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self._autocast():
@@ -368,28 +368,32 @@ def build_parallel_model(
     mesh,
     seed: int,
     device: Optional[torch.device | str] = None,
-    global_batch_size: Optional[int] = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> ParallelModel:
     """Build, parallelize and initialise this rank's part of the model.
 
     Contract: every rank of ``mesh`` calls it with identical arguments (it issues collectives
-    on the dp/tp/pp groups). ``mesh=None`` builds a plain single-process model (par must be
-    all-ones). Parameter values depend only on ``seed`` and the parameter name, never on
-    the layout. ``device`` defaults to the current CUDA device for a cuda mesh, else CPU.
+    on the dp/tp/pp groups). ``par`` is resolved and checked against ``model_cfg`` (by
+    ``Config.resolved``, or ``par.check`` for library callers); ``mesh`` is
+    ``build_mesh(par)``, or None for a plain single-process model (par all-ones). Parameter
+    values depend only on ``seed`` and the parameter name, never on the layout. ``device``
+    defaults to the current CUDA device for a cuda mesh, else CPU. ``param_dtype``
+    ``torch.bfloat16`` computes in bf16 (gradients reduced in fp32).
     """
     world = 1 if mesh is None else mesh.size()
-    validate_layout(model_cfg, par, world, global_batch_size or par.dp * par.n_microbatches)
+    if par.world_size != world:
+        raise ValueError(f"parallel: pp * dp * tp = {par.world_size} but the mesh has {world} "
+                         "ranks; build the mesh with build_mesh(par)")
     if device is None:
         is_cuda = mesh is not None and mesh.device_type == "cuda"
         device = torch.device("cuda", torch.cuda.current_device()) if is_cuda else torch.device("cpu")
     device = torch.device(device)
-    param_dtype = torch.bfloat16 if par.param_dtype == "bfloat16" else torch.float32
-
     if mesh is None:
         with torch.device(device):
             model = Transformer(model_cfg)
         model.init_weights(seed)
-        return ParallelModel(model_cfg, par, None, [model], [model], None, None, device)
+        return ParallelModel(model_cfg, par, None, [model], [model], None, None, device,
+                             param_dtype)
 
     pp_rank = mesh["pp"].get_local_rank()
     modules = build_stage_modules(model_cfg, pp_rank, par.pp, par.stages_per_rank, "meta")
@@ -414,13 +418,14 @@ def build_parallel_model(
             # once per step (``_allreduce_grads``): same math, no backward overlap.
             runners.append(module)
 
-    stages = schedule = None
+    stages = None
     if par.pp > 1:
         stage_modules = [(sid, r) for (sid, _), r in zip(modules, runners)]
         stages = build_pipeline_stages(
             stage_modules, par.num_stages, device, mesh["pp"].get_group()
         )
-        pm = ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device)
-        pm._schedule = build_schedule(stages, par.schedule, par.n_microbatches, pm._pipeline_loss)
+        pm = ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device, param_dtype)
+        pm._schedule = build_schedule(stages, par.pp_schedule, par.num_microbatches,
+                                      pm._pipeline_loss)
         return pm
-    return ParallelModel(model_cfg, par, mesh, parts, runners, stages, schedule, device)
+    return ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device, param_dtype)

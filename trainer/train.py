@@ -106,11 +106,7 @@ class Trainer:
         self.fingerprint = config_fingerprint(cfg)
         self.loaded_fingerprint: str | None = None
         p, t = cfg.parallel, cfg.training
-        self.par = mesh_mod.ParallelConfig(
-            pp=p.pp, dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, schedule=p.pp_schedule,
-            n_microbatches=p.n_microbatches, stages_per_rank=p.stages_per_rank,
-            sequence_parallel=p.sequence_parallel,
-            param_dtype="bfloat16" if t.mixed_precision == "bf16" else "float32")
+        self.par = p  # resolved and checked against the model and batch by cfg.resolved
         from trainer.model import ModelConfig as _MC
 
         self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
@@ -121,10 +117,10 @@ class Trainer:
         random.seed(t.seed)
         self.mesh = None
         if env.distributed:
-            self.mesh = mesh_mod.build_mesh(self.par, env.device.type, self.model_cfg,
-                                            t.global_batch_size // t.grad_accum_steps, t.seq_len)
-        self.model = build_parallel_model(self.model_cfg, self.par, self.mesh, t.seed,
-                                          env.device, t.global_batch_size // t.grad_accum_steps)
+            self.mesh = mesh_mod.build_mesh(self.par, env.device.type)
+        self.model = build_parallel_model(
+            self.model_cfg, self.par, self.mesh, t.seed, env.device,
+            param_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
         self.optimizers = [torch.optim.AdamW(part.parameters(), lr=t.lr, betas=tuple(t.betas),
                                              eps=t.eps, weight_decay=t.weight_decay)
                            for part in self.model.model_parts]
@@ -155,20 +151,15 @@ class Trainer:
 
     # -- checkpointing -----------------------------------------------------------------------
     def _build_manager(self):
-        from ckpt.cadence import Auto, EverySeconds, EverySteps
+        from ckpt.cadence import parse_interval
         from ckpt.manager import CheckpointManager
         from ckpt.retention import KeepEvery, KeepLast, KeepPinned
         from ckpt.store import CheckpointStore
 
         c = self.cfg.checkpoint
-        kind, value = c.interval_kind()
-        if kind == "steps":
-            cadence = EverySteps(int(value))
-        elif kind == "seconds":
-            cadence = EverySeconds(float(value))
-        else:
-            cadence = Auto(mtbf_seconds=c.mtbf_hours * 3600.0, overhead_budget=c.overhead_budget,
-                           initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        cadence = parse_interval(c.interval, mtbf_seconds=c.mtbf_hours * 3600.0,
+                                 overhead_budget=c.overhead_budget,
+                                 initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
         retention = []
         if c.keep_last > 0:
             retention.append(KeepLast(c.keep_last))

@@ -8,11 +8,14 @@ import math
 import pytest
 
 from ckpt.cadence import (
+    INTERVAL_FORMS,
     Auto,
+    CadenceBase,
     CadencePolicy,
     EverySeconds,
     EverySteps,
     FailureHistory,
+    Interval,
     optimal_interval,
     parse_duration,
     parse_interval,
@@ -42,7 +45,8 @@ def run(policy: CadencePolicy, num_steps: int, step_seconds: float = 1.0, save_i
 
 
 @pytest.mark.parametrize("text,seconds", [("300", 300), ("300s", 300), ("5m", 300), ("1.5h", 5400),
-                                          ("250ms", 0.25), ("2d", 172800), (" 10 min ", 600), ("0", 0)])
+                                          ("250ms", 0.25), ("2d", 172800), (" 10 min ", 600), ("0", 0),
+                                          ("30sec", 30), ("30 SEC", 30), ("1e3ms", 1)])
 def test_parse_duration(text, seconds):
     assert parse_duration(text) == pytest.approx(seconds)
 
@@ -70,12 +74,48 @@ def test_parse_interval_passes_options_to_auto_only():
     assert isinstance(parse_interval("50", mtbf_seconds=3600.0), EverySteps)
 
 
-@pytest.mark.parametrize("text", ["", "0", "0s", "-5", "1.5", "5x", "auto2", "every 5m", "5 steps"])
+@pytest.mark.parametrize("text", ["", "0", "0s", "-5", "1.5", "5x", "auto2", "every 5m", "5 steps", "1w"])
 def test_parse_interval_errors_name_value_and_forms(text):
     with pytest.raises(ValueError) as err:
         parse_interval(text)
     message = str(err.value)
     assert repr(text) in message and "'auto'" in message and "'50'" in message and "'5m'" in message
+    assert INTERVAL_FORMS in message and "\n" not in message
+
+
+# The union of every spelling any part of the project accepted: the config, the library and the
+# CLI all parse through Interval.parse / parse_duration.
+SPELLINGS = [
+    ("auto", Interval("auto")), (" Auto ", Interval("auto")), ("50", Interval("steps", steps=50)),
+    (50, Interval("steps", steps=50)), ("500ms", Interval("seconds", seconds=0.5)),
+    ("300s", Interval("seconds", seconds=300.0)), ("30sec", Interval("seconds", seconds=30.0)),
+    ("5m", Interval("seconds", seconds=300.0)), ("5min", Interval("seconds", seconds=300.0)),
+    ("1.5h", Interval("seconds", seconds=5400.0)), ("1H", Interval("seconds", seconds=3600.0)),
+    ("1d", Interval("seconds", seconds=86400.0)), ("2.5 s", Interval("seconds", seconds=2.5)),
+]
+
+
+@pytest.mark.parametrize("text,expected", SPELLINGS)
+def test_every_interval_spelling_parses_to_its_policy(text, expected):
+    assert Interval.parse(text) == expected
+    policy = parse_interval(text)
+    kind = {"auto": Auto, "steps": EverySteps, "seconds": EverySeconds}[expected.kind]
+    assert type(policy) is kind
+    if expected.kind == "steps":
+        assert policy.num_steps == expected.steps
+    if expected.kind == "seconds":
+        assert policy.seconds == pytest.approx(expected.seconds)
+        assert parse_duration(str(text)) == pytest.approx(expected.seconds)
+
+
+@pytest.mark.parametrize("text,expected", [(t, e) for t, e in SPELLINGS if isinstance(t, str)])
+def test_checkpoint_manager_accepts_every_interval_spelling(tmp_path, text, expected):
+    from ckpt.manager import CheckpointManager
+
+    with CheckpointManager(str(tmp_path / "root"), cadence=text, retention=[]) as mgr:
+        assert isinstance(mgr.cadence, CadencePolicy)
+        assert getattr(mgr.cadence, "seconds", None) == expected.seconds
+        assert getattr(mgr.cadence, "num_steps", None) == expected.steps
 
 
 # ---------------------------------------------------------------- fixed policies
@@ -126,6 +166,62 @@ def test_policies_satisfy_protocol():
         assert isinstance(policy, CadencePolicy)
     # Only a step-count decision is the same on every rank without communication.
     assert EverySteps(1).deterministic and not EverySeconds(1).deterministic and not Auto().deterministic
+
+
+SHIPPED = [lambda: EverySteps(3), lambda: EverySeconds(30.0), lambda: Auto(initial_steps=2),
+           lambda: parse_interval("30sec"), lambda: parse_interval("auto")]
+
+
+@pytest.mark.parametrize("make", SHIPPED)
+def test_every_shipped_policy_implements_the_whole_protocol(make):
+    policy = make()
+    assert isinstance(policy, CadencePolicy) and isinstance(policy, CadenceBase)
+    # Every member is called directly: a caller never needs hasattr.
+    assert isinstance(policy.deterministic, bool) and isinstance(policy.history, FailureHistory)
+    assert policy.should_save(0, 100.0) is False
+    policy.record_step(1.5)
+    policy.record_saved(1, 101.5)
+    policy.record_save(0.25, 2.0, 1000, slowdown_seconds=0.0)
+    policy.record_failure(1.7e9)
+    described = policy.describe()
+    assert described["policy"] == policy.name and json.loads(json.dumps(described)) == described
+    # Uptime is the step time plus the stall, counted once, in the policy's history.
+    assert policy.history.uptime_seconds == pytest.approx(1.75)
+    assert policy.history.failure_times == [1.7e9]
+
+
+def test_history_is_replaceable_by_the_jobs_shared_one():
+    shared = FailureHistory(uptime_seconds=10.0)
+    for policy in (EverySteps(3), EverySeconds(30.0), Auto()):
+        policy.history = shared
+        policy.record_step(2.0)
+    assert shared.uptime_seconds == pytest.approx(16.0)
+
+
+def test_a_policy_must_decide_and_describe():
+    class NoDecision(CadenceBase):
+        def describe(self):
+            return {}
+
+    with pytest.raises(TypeError, match="should_save"):
+        NoDecision()
+
+
+def test_manager_shares_its_history_with_every_policy_and_counts_uptime_once(tmp_path):
+    import time
+
+    import torch
+
+    from ckpt.manager import CheckpointManager
+
+    for i, policy in enumerate((EverySteps(100), EverySeconds(3600.0), Auto(initial_steps=100))):
+        with CheckpointManager(str(tmp_path / str(i)), cadence=policy, retention=[]) as mgr:
+            assert mgr.cadence.history is mgr.history
+            for step in range(1, 4):
+                assert not mgr.maybe_save(step, {"w": torch.ones(1)})
+                time.sleep(0.1)
+            # Two gaps of ~0.1 s between the three calls; counted twice would be ~0.4 s.
+            assert 0.19 <= mgr.history.uptime_seconds < 0.35, mgr.history.uptime_seconds
 
 
 # ---------------------------------------------------------------- formulas

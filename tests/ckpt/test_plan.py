@@ -190,3 +190,21 @@ def test_measure_s3_with_endpoint_url(s3_server, s3_root, capsys):
     assert out["bandwidth_source"] == "measured" and out["measured_read_bytes_per_second"] > 0
     listed = s3_server.client().list_objects_v2(Bucket=s3_root.bucket, Prefix=s3_root.prefix + "/")
     assert listed.get("KeyCount", 0) == 0
+
+
+@pytest.mark.parametrize("text,seconds", [("500ms", 0.5), ("30", 30.0), ("30s", 30.0), ("30sec", 30.0),
+                                          ("5m", 300.0), ("5min", 300.0), ("1.5h", 5400.0), ("1d", 86400.0),
+                                          (" 2 MIN ", 120.0)])
+def test_plan_accepts_every_duration_spelling(capsys, text, seconds):
+    # The same grammar as checkpoint.interval and CheckpointManager(cadence=...): parse_duration.
+    out = plan_json(capsys, "--size", "1GB", "--bandwidth", "1GB/s", "--mtbf", text,
+                    "--stall", text, "--restart", text, "--step-time", text)
+    assert out["mtbf_seconds"] == out["stall_seconds"] == out["restart_seconds"] == pytest.approx(seconds)
+    assert out["step_seconds"] == pytest.approx(seconds)
+
+
+def test_plan_duration_error_names_value_and_forms(capsys):
+    with pytest.raises(SystemExit):
+        main(["--size", "1GB", "--bandwidth", "1GB/s", "--restart", "1w"])
+    err = capsys.readouterr().err
+    assert "invalid duration '1w'" in err and "'30sec'" in err and "'1d'" in err

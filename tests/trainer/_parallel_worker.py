@@ -12,7 +12,8 @@ from trainer.mesh import ParallelConfig, build_mesh
 from trainer.model import ModelConfig
 from trainer.parallelize import build_parallel_model
 
-__all__ = ["MODEL", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "make_batches", "train", "rank_train"]
+__all__ = ["MODEL", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "layout", "make_batches", "train",
+           "rank_train"]
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
 GLOBAL_BATCH = 8
@@ -20,6 +21,15 @@ SEQ_LEN = 16
 STEPS = 20
 SEED = 1234
 MAX_NORM = 1.0
+
+
+def layout(**kwargs) -> ParallelConfig:
+    """The layout for ``kwargs`` (dp defaults to 1, not the config's -1), checked against
+    MODEL and the test batch the way ``Config.resolved`` checks a job's."""
+    par = ParallelConfig(**{"dp": 1, **kwargs})
+    par = par.resolved(par.world_size)
+    par.check(MODEL, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN)
+    return par
 
 
 def make_batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -82,7 +92,7 @@ def _local(value):
 def check_state_dict_roundtrip(pm, optims, par, mesh) -> None:
     """Load ``pm``'s model and optimizer state into a freshly built model (another seed) and
     check every local shard is equal afterwards."""
-    fresh = build_parallel_model(MODEL, par, mesh, SEED + 1, global_batch_size=GLOBAL_BATCH)
+    fresh = build_parallel_model(MODEL, par, mesh, SEED + 1)
     fresh_optims = [torch.optim.AdamW(p.parameters(), lr=1e-2, foreach=False) for p in fresh.model_parts]
     # AdamW state is created lazily: one zero-gradient step creates it so it can be loaded into.
     for p in fresh.parameters():
@@ -126,9 +136,9 @@ def _flush_result_queue_at_exit() -> None:
 def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1, check_keys: bool = False):
     """Body run on each rank by ``tests.dist.run_ranks``: build the layout, train, report."""
     _flush_result_queue_at_exit()
-    par = ParallelConfig(**par_kwargs)
-    mesh = build_mesh(par, "cpu", MODEL, GLOBAL_BATCH, SEQ_LEN)
-    pm = build_parallel_model(MODEL, par, mesh, SEED, global_batch_size=GLOBAL_BATCH)
+    par = layout(**par_kwargs)
+    mesh = build_mesh(par, "cpu")
+    pm = build_parallel_model(MODEL, par, mesh, SEED)
     result = train(pm, mesh["dp"].get_local_rank(), par.dp, accum, check_keys)
     if check_keys:
         check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt.cadence import Interval
 from trainer.config import (
     Config,
     ConfigError,
@@ -19,7 +20,6 @@ from trainer.config import (
     config_to_toml,
     field_docs,
     load_config,
-    parse_interval,
 )
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -54,7 +54,7 @@ def test_stable_override_keys_both_forms():
     assert cfg.training.steps == 50
     assert (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp) == (2, 1, 2)
     assert cfg.checkpoint.root == "/tmp/ck"
-    assert cfg.checkpoint.interval_kind() == ("seconds", 300.0)
+    assert Interval.parse(cfg.checkpoint.interval) == Interval("seconds", seconds=300.0)
     assert cfg.checkpoint.load_step == 40
 
 
@@ -91,7 +91,7 @@ def test_config_from_argv():
     (["--training.steps=2.5"], "training.steps: expected an integer"),
     (["--training.lr=-1"], "training.lr: must be > 0"),
     (["--parallel.tp=3"], "parallel.tp: 3 does not divide model.n_heads=4"),
-    (["--checkpoint.interval=5x"], "checkpoint.interval: cannot parse '5x'"),
+    (["--checkpoint.interval=5x"], "checkpoint.interval: invalid checkpoint interval '5x'"),
     (["--checkpoint.verify=ful"], "did you mean 'full'?"),
     (["--parallel.dp_mode=ddp", "--parallel.tp=2"], "parallel.dp_mode: 'ddp' does not compose"),
     (["--training.seq_len=4096"], "training.seq_len: 4096 exceeds model.max_seq_len=2048"),
@@ -137,23 +137,36 @@ def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
+# Every spelling of the one interval grammar (ckpt.cadence.Interval.parse), through the config.
 @pytest.mark.parametrize("text,expected", [
-    ("auto", ("auto", None)), ("50", ("steps", 50)), ("300s", ("seconds", 300.0)),
-    ("5m", ("seconds", 300.0)), ("1h", ("seconds", 3600.0)), ("2.5s", ("seconds", 2.5)),
+    ("auto", Interval("auto")), ("AUTO", Interval("auto")), ("50", Interval("steps", steps=50)),
+    ("300s", Interval("seconds", seconds=300.0)), ("30sec", Interval("seconds", seconds=30.0)),
+    ("5m", Interval("seconds", seconds=300.0)), ("5min", Interval("seconds", seconds=300.0)),
+    ("1h", Interval("seconds", seconds=3600.0)), ("2.5s", Interval("seconds", seconds=2.5)),
+    ("1d", Interval("seconds", seconds=86400.0)), ("500ms", Interval("seconds", seconds=0.5)),
+    (" 10 MIN ", Interval("seconds", seconds=600.0)),
 ])
-def test_parse_interval(text, expected):
-    assert parse_interval(text) == expected
+def test_interval_spellings_load_from_cli_and_toml(tmp_path, text, expected):
+    cfg = load_config(None, [f"--checkpoint.interval={text}"])
+    assert Interval.parse(cfg.checkpoint.interval) == expected
+    cfg = load_config(_write(tmp_path, f'[checkpoint]\ninterval = "{text}"\n'), [])
+    assert Interval.parse(cfg.checkpoint.interval) == expected
 
 
-@pytest.mark.parametrize("bad", ["0", "-5", "s", "10 steps", "0s", ""])
-def test_parse_interval_rejects(bad):
-    with pytest.raises(ConfigError, match="checkpoint.interval"):
-        parse_interval(bad)
+@pytest.mark.parametrize("bad", ["0", "-5", "s", "10 steps", "0s", "", "1.5", "5x", "1w"])
+def test_interval_rejects_with_key_value_and_forms(bad):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--checkpoint.interval={bad}"])
+    message = str(e.value)
+    assert message.startswith("checkpoint.interval: ") and repr(bad) in message
+    assert "'auto'" in message and "'30sec'" in message and "\n" not in message
+    assert e.value.key == "checkpoint.interval"
 
 
 def test_interval_as_toml_integer(tmp_path):
     cfg = load_config(_write(tmp_path, "[checkpoint]\ninterval = 50\n"), [])
-    assert cfg.checkpoint.interval == "50" and cfg.checkpoint.interval_kind() == ("steps", 50)
+    assert cfg.checkpoint.interval == "50"
+    assert Interval.parse(cfg.checkpoint.interval) == Interval("steps", steps=50)
 
 
 def test_resolved_fills_dp_and_checks_world():

@@ -9,17 +9,20 @@ from pathlib import Path
 import pytest
 
 from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
+from trainer.config_schema import ParallelConfig
 from trainer.layout_plan import (
-    Layout,
-    Workload,
-    activation_bytes_per_layer,
     add_plan_arguments,
     candidate_layouts,
-    estimate_memory,
     parse_count,
-    pipeline_bubble,
     plan_layout,
     run_plan,
+)
+from trainer.memory_model import (
+    Candidate,
+    Workload,
+    activation_bytes_per_layer,
+    estimate_memory,
+    pipeline_bubble,
     shape_from_dims,
     shape_from_params,
 )
@@ -54,25 +57,25 @@ def test_7b_adamw_mixed_is_16_bytes_per_param():
     pc = PRECISIONS["bf16-mixed"]
     assert pc.weight_bytes + pc.grad_bytes + pc.master_bytes + 2 * pc.state_bytes == 16
     work = Workload(shape_from_params(7_000_000_000), recompute="full")
-    ddp = estimate_memory(work, Layout(1, 1, 1, "ddp"))
+    ddp = estimate_memory(work, Candidate.of(1, 1, 1, "ddp"))
     assert ddp.weights + ddp.grads + ddp.optimizer == pytest.approx(112e9, rel=1e-9)
     assert ddp.optimizer == pytest.approx(84e9, rel=1e-9)
-    fsdp = estimate_memory(work, Layout(1, 8, 1, "fsdp"))
+    fsdp = estimate_memory(work, Candidate.of(1, 8, 1, "fsdp"))
     assert fsdp.weights + fsdp.grads + fsdp.optimizer == pytest.approx(14e9, rel=1e-9)
 
 
 def test_7b_on_8_h100_needs_fsdp():
     plan = plan_layout(Workload(shape_from_params(7_000_000_000)), 8, 8, H100)
-    rows = {lay: est for lay, est in plan.rows}
-    assert not plan.fits(rows[Layout(1, 8, 1, "ddp")])
-    assert plan.recommended[0] == Layout(1, 8, 1, "fsdp")
+    (ddp,) = [est for lay, est in plan.rows if lay == Candidate.of(1, 8, 1, "ddp")]
+    assert not plan.fits(ddp)
+    assert plan.recommended[0] == Candidate.of(1, 8, 1, "fsdp")
     assert "optimizer-state" in _codes(plan)
     assert "activations-dominate" in _codes(plan)
 
 
 def test_zero_stages_shard_progressively():
     work = Workload(shape_from_params(7_000_000_000))
-    e = {m: estimate_memory(work, Layout(1, 8, 1, m)) for m in ("ddp", "zero1", "zero2", "fsdp")}
+    e = {m: estimate_memory(work, Candidate.of(1, 8, 1, m)) for m in ("ddp", "zero1", "zero2", "fsdp")}
     assert e["zero1"].optimizer == pytest.approx(e["ddp"].optimizer / 8)
     assert e["zero2"].grads == pytest.approx(e["ddp"].grads / 8)
     assert e["fsdp"].weights == pytest.approx(e["ddp"].weights / 8)
@@ -82,7 +85,7 @@ def test_zero_stages_shard_progressively():
 
 def test_small_model_gets_plain_ddp():
     plan = plan_layout(Workload(shape_from_dims(768, 12, 12, 50257)), 8, 8, H100)
-    assert plan.recommended[0] == Layout(1, 8, 1, "ddp")
+    assert plan.recommended[0] == Candidate.of(1, 8, 1, "ddp")
     assert plan.warnings == [] or "needless-parallelism" not in _codes(plan)
 
 
@@ -108,8 +111,8 @@ def test_pipeline_bubble():
 
 def test_1f1b_first_stage_holds_pp_microbatches_gpipe_holds_all():
     shape = shape_from_dims(1024, 8, 16, 32000)
-    one = estimate_memory(Workload(shape, num_microbatches=16), Layout(4, 1, 1))
-    gp = estimate_memory(Workload(shape, num_microbatches=16, pp_schedule="gpipe"), Layout(4, 1, 1))
+    one = estimate_memory(Workload(shape, num_microbatches=16), Candidate.of(4, 1, 1))
+    gp = estimate_memory(Workload(shape, num_microbatches=16, pp_schedule="gpipe"), Candidate.of(4, 1, 1))
     per_layer = activation_bytes_per_layer(2048, 1, 1024, 16)
     assert one.stage == 0 and one.activations == pytest.approx(2 * per_layer * 4)
     assert gp.activations == pytest.approx(2 * per_layer * 16)
@@ -118,10 +121,11 @@ def test_1f1b_first_stage_holds_pp_microbatches_gpipe_holds_all():
 def test_candidates_keep_tp_in_node_and_cover_the_cluster():
     shape = shape_from_params(70_000_000_000)
     layouts = candidate_layouts(32, 8, shape)
-    assert layouts[0] == Layout(1, 32, 1, "ddp")
+    assert layouts[0] == Candidate.of(1, 32, 1, "ddp")
     for lay in layouts:
         assert lay.num_gpus == 32 and lay.tp <= 8 and shape.n_heads % lay.tp == 0
-        assert lay.dp_mode == "fsdp" or lay.tp == 1
+        assert lay.sharding == "fsdp" or lay.tp == 1
+        assert lay.layout.dp_mode == ("ddp" if lay.sharding == "ddp" else "fsdp")
     keys = [lay.preference() for lay in layouts]
     assert keys == sorted(keys)
 
@@ -131,27 +135,27 @@ def test_big_model_needs_tp_or_pp_and_warns_on_bubble():
     plan = plan_layout(work, 32, 8, H100)
     assert plan.recommended is not None
     lay = plan.recommended[0]
-    assert lay.dp_mode == "fsdp"
+    assert lay.sharding == "fsdp"
     nothing = plan_layout(Workload(shape_from_params(70_000_000_000)), 8, 8,
                           GPU_PRESETS["a100-40gb"].memory_bytes * 0.9)
     assert nothing.recommended is None and "nothing-fits" in _codes(nothing)
     piped = plan_layout(Workload(shape_from_params(1_000_000_000)), 8, 8, H100,
-                        requested=Layout(4, 2, 1, "fsdp"))
+                        requested=Candidate.of(4, 2, 1, "fsdp"))
     assert "pipeline-bubble" in _codes(piped)
 
 
 def test_requested_layout_warnings():
     work = Workload(shape_from_params(1_000_000_000))
-    plan = plan_layout(work, 8, 8, H100, requested=Layout(2, 2, 2, "fsdp"))
+    plan = plan_layout(work, 8, 8, H100, requested=Candidate.of(2, 2, 2, "fsdp"))
     assert "needless-parallelism" in _codes(plan)
     assert any("3D parallelism is not needed" in m for _, m in plan.warnings)
     across = plan_layout(Workload(shape_from_params(7_000_000_000)), 16, 8, H100,
-                         requested=Layout(1, 1, 16, "fsdp"))
+                         requested=Candidate.of(1, 1, 16, "fsdp"))
     assert "tp-across-nodes" in _codes(across)
-    mixed = plan_layout(work, 8, 8, H100, requested=Layout(1, 4, 2, "ddp"))
+    mixed = plan_layout(work, 8, 8, H100, requested=Candidate.of(1, 4, 2, "ddp"))
     assert "tp-needs-fsdp" in _codes(mixed)
     with pytest.raises(ValueError, match="make them multiply to 8"):
-        plan_layout(work, 8, 8, H100, requested=Layout(1, 2, 2))
+        plan_layout(work, 8, 8, H100, requested=Candidate.of(1, 2, 2))
 
 
 def test_hardware_presets():
@@ -201,3 +205,26 @@ def test_cli_bad_input_exits_2(capsys):
 def test_cli_nothing_fits_exits_1(capsys):
     rc, out = _run(capsys, "--params", "70B", "--gpu", "a100-40gb")
     assert rc == 1 and "[nothing-fits]" in out
+
+
+def test_candidates_are_trainer_layouts():
+    # The planner evaluates the trainer's own layout type; its flags load back to that layout.
+    from trainer.config import load_config
+
+    sh = shape_from_dims(1024, 8, 16, 32000)
+    plan = plan_layout(Workload(sh), 8, 8, H100, requested=Candidate.of(2, 2, 2, "fsdp"))
+    model = [f"--model.dim={sh.dim}", f"--model.n_layers={sh.n_layers}",
+             f"--model.n_heads={sh.n_heads}", f"--model.ffn_dim={sh.ffn_dim}",
+             "--training.global_batch_size=256"]
+    assert len(plan.rows) > 10
+    for cand, _ in plan.rows + [plan.requested]:
+        assert isinstance(cand.layout, ParallelConfig)
+        flags = cand.overrides(sequence_parallel=False).split()
+        assert load_config(None, model + flags).parallel == cand.layout
+
+
+def test_cli_bad_layout_names_the_field(capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--params", "7B", "--dp", "-3"])) == 2
+    assert "plan: error: parallel.dp: must be >= 1 or -1, got -3" in capsys.readouterr().err

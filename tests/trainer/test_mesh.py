@@ -1,78 +1,153 @@
-"""Layout validation (pure: no process group) and the stage split."""
+"""The layout type (trainer.config_schema.ParallelConfig): its rules, where they run, and the
+stage split."""
 
 from __future__ import annotations
 
-import pytest
+import dataclasses
 
-from trainer.mesh import ParallelConfig, validate_layout
+import pytest
+import torch
+
+from trainer.config import Config, ConfigError, ModelConfig as ModelSection, load_config
+from trainer.mesh import ParallelConfig, build_mesh
 from trainer.model import ModelConfig
+from trainer.parallelize import build_parallel_model
 from trainer.pipeline import split_layers, stage_ids_for_rank
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
 
 
 def check(par: ParallelConfig, world_size=None, batch=8, seq_len=16, model=MODEL):
-    validate_layout(model, par, par.world_size if world_size is None else world_size, batch, seq_len)
+    if world_size is not None:
+        par = par.resolved(world_size)
+    par.check(model, global_batch_size=batch, seq_len=seq_len)
 
 
 @pytest.mark.parametrize(
-    "par",
+    "kwargs",
     [
-        ParallelConfig(),
-        ParallelConfig(pp=2, dp=2, tp=2, n_microbatches=2),
-        ParallelConfig(pp=2, stages_per_rank=2, schedule="interleaved1f1b", n_microbatches=4),
-        ParallelConfig(dp=4, dp_mode="ddp", n_microbatches=2),
-        ParallelConfig(tp=4, sequence_parallel=True),
-        ParallelConfig(pp=4, schedule="gpipe", n_microbatches=2),
+        dict(dp=1),
+        dict(pp=2, dp=2, tp=2, n_microbatches=2),
+        dict(pp=2, dp=1, stages_per_rank=2, pp_schedule="interleaved1f1b", n_microbatches=4),
+        dict(dp=4, dp_mode="ddp", n_microbatches=2),
+        dict(dp=1, tp=4, sequence_parallel=True),
+        dict(pp=4, dp=1, pp_schedule="gpipe", n_microbatches=2),
+        dict(pp=2, tp=2),  # dp = -1: the rest of the world
     ],
 )
-def test_valid_layouts_pass(par):
-    check(par)
+def test_valid_layouts_pass(kwargs):
+    par = ParallelConfig(**kwargs)
+    check(par, world_size=None if par.dp == -1 else par.world_size)
+    check(par, world_size=8 if par.dp == -1 else par.world_size)
 
 
-@pytest.mark.parametrize(
-    "par,kwargs,fragments",
-    [
-        (ParallelConfig(dp=2, tp=2), dict(world_size=8), ["world size 8", "parallel.pp * parallel.dp * parallel.tp", "= 4"]),
-        (ParallelConfig(tp=3), dict(world_size=3), ["parallel.tp = 3", "model.n_heads = 4"]),
-        (ParallelConfig(tp=8), {}, ["parallel.tp = 8", "model.n_heads"]),
-        (ParallelConfig(tp=2), dict(model=ModelConfig(dim=32, n_heads=2, ffn_dim=33)), ["parallel.tp = 2", "ffn_dim", "33"]),
-        (ParallelConfig(pp=8, n_microbatches=8), dict(batch=8), ["8 pipeline stages", "model.n_layers = 4", "lower parallel.pp"]),
-        (ParallelConfig(pp=2, stages_per_rank=4, schedule="interleaved1f1b", n_microbatches=2), {}, ["parallel.pp * parallel.stages_per_rank = 8", "model.n_layers = 4"]),
-        (ParallelConfig(pp=2, stages_per_rank=2, schedule="1f1b", n_microbatches=2), {}, ["parallel.stages_per_rank = 2", "interleaved1f1b"]),
-        (ParallelConfig(dp=3), dict(world_size=3), ["global batch size 8", "parallel.dp = 3"]),
-        (ParallelConfig(dp=2, n_microbatches=3), {}, ["parallel.n_microbatches = 3", "8 / 2 = 4"]),
-        (ParallelConfig(pp=4, schedule="1f1b", n_microbatches=2), {}, ["parallel.n_microbatches = 2", "4 pipeline stages", "raise n_microbatches"]),
-        (ParallelConfig(pp=2, schedule="interleaved1f1b", n_microbatches=5), dict(batch=10), ["parallel.n_microbatches = 5", "multiple"]),
-        (ParallelConfig(dp=2, tp=2, dp_mode="ddp"), {}, ["parallel.dp_mode = 'ddp'", "parallel.tp = 2", "fsdp"]),
-        (ParallelConfig(), dict(seq_len=32), ["sequence length 32", "model.max_seq_len = 16"]),
-        (ParallelConfig(tp=4, sequence_parallel=True), dict(seq_len=14), ["parallel.sequence_parallel", "14"]),
-    ],
-)
-def test_invalid_layouts_name_the_field(par, kwargs, fragments):
-    with pytest.raises(ValueError) as err:
-        check(par, **kwargs)
+# (layout kwargs, check kwargs, the key at fault, fragments of the message)
+INVALID = [
+    (dict(dp=2, tp=2), dict(world_size=8), "parallel.dp", ["pp * dp * tp = 1 * 2 * 2 != world size 8"]),
+    (dict(tp=3), dict(world_size=4), "parallel.tp", ["world size 4 is not divisible by pp * tp = 1 * 3"]),
+    (dict(dp=1, tp=3), {}, "parallel.tp", ["3 does not divide model.n_heads=4"]),
+    (dict(dp=1, tp=8), {}, "parallel.tp", ["8 does not divide model.n_heads=4"]),
+    (dict(dp=1, tp=2), dict(model=ModelConfig(dim=32, n_heads=2, ffn_dim=33)), "parallel.tp",
+     ["model.ffn_dim", "33"]),
+    (dict(pp=8, dp=1, n_microbatches=8), {}, "parallel.pp", ["8 pipeline stages", "model.n_layers=4"]),
+    (dict(pp=2, dp=1, stages_per_rank=4, pp_schedule="interleaved1f1b", n_microbatches=2), {},
+     "parallel.pp", ["8 pipeline stages (pp * stages_per_rank)", "model.n_layers=4"]),
+    (dict(dp=3), {}, "training.global_batch_size", ["8 is not divisible by dp * grad_accum_steps = 3 * 1"]),
+    (dict(dp=2, n_microbatches=3), {}, "parallel.n_microbatches", ["micro-batch of 4 sequences", "3 micro-batches"]),
+    (dict(dp=2, tp=2, dp_mode="ddp"), {}, "parallel.dp_mode", ["'ddp' does not compose", "parallel.tp=2"]),
+    (dict(dp=1, tp=4, sequence_parallel=True), dict(seq_len=14), "parallel.sequence_parallel",
+     ["training.seq_len=14"]),
+    (dict(dp=1, sequence_parallel=True), {}, "parallel.sequence_parallel", ["needs parallel.tp > 1"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,check_kwargs,key,fragments", INVALID)
+def test_invalid_layouts_name_the_field(kwargs, check_kwargs, key, fragments):
+    with pytest.raises(ConfigError) as err:
+        check(ParallelConfig(**kwargs), **check_kwargs)
+    message = str(err.value)
+    assert err.value.key == key and message.startswith(f"{key}: "), message
+    assert "\n" not in message and "; " in message  # one line, with the fix after the problem
     for fragment in fragments:
-        assert fragment in str(err.value), (fragment, str(err.value))
+        assert fragment in message, (fragment, message)
 
 
 @pytest.mark.parametrize(
-    "kwargs,fragment",
+    "kwargs,key,fragment",
     [
-        (dict(tp=0), "parallel.tp must be an integer >= 1"),
-        (dict(n_microbatches=0), "parallel.n_microbatches"),
-        (dict(schedule="zb"), "parallel.schedule must be one of"),
-        (dict(dp_mode="zero3"), "parallel.dp_mode must be one of"),
-        (dict(param_dtype="fp8"), "parallel.param_dtype"),
+        (dict(tp=0), "parallel.tp", "must be >= 1"),
+        (dict(dp=0), "parallel.dp", "must be >= 1 or -1"),
+        (dict(pp="2"), "parallel.pp", "expected an integer"),
+        (dict(n_microbatches=-1), "parallel.n_microbatches", "must be >= 0"),
+        (dict(pp_schedule="zb"), "parallel.pp_schedule", "must be one of"),
+        (dict(dp_mode="zero3"), "parallel.dp_mode", "must be one of"),
+        (dict(pp=2, stages_per_rank=2, pp_schedule="1f1b"), "parallel.stages_per_rank", "interleaved1f1b"),
+        (dict(pp=4, pp_schedule="1f1b", n_microbatches=2), "parallel.n_microbatches", "1f1b needs >= parallel.pp=4"),
+        (dict(pp=2, stages_per_rank=2, pp_schedule="interleaved1f1b", n_microbatches=5),
+         "parallel.n_microbatches", "multiple"),
     ],
 )
-def test_parallel_config_fields(kwargs, fragment):
-    with pytest.raises(ValueError, match=fragment):
+def test_single_field_rules_run_on_construction(kwargs, key, fragment):
+    with pytest.raises(ConfigError) as err:
         ParallelConfig(**kwargs)
+    assert err.value.key == key and str(err.value).startswith(f"{key}: ") and fragment in str(err.value)
 
 
 def test_schedule_name_is_case_insensitive():
-    assert ParallelConfig(schedule="Interleaved1F1B").schedule == "interleaved1f1b"
+    assert ParallelConfig(pp_schedule="Interleaved1F1B", pp=2, stages_per_rank=2).pp_schedule == \
+        "interleaved1f1b"
+
+
+def test_unresolved_layout_has_no_world_size():
+    with pytest.raises(ConfigError, match=r"parallel\.dp: is -1 \(unresolved\)"):
+        ParallelConfig().world_size
+    par = ParallelConfig(pp=2, tp=2).resolved(8)
+    assert (par.dp, par.n_microbatches, par.world_size) == (2, 4, 8)
+
+
+def test_config_section_and_library_share_one_rule_and_one_message():
+    # The [parallel] section is the layout type: the same check, the same words.
+    with pytest.raises(ConfigError) as from_config:
+        load_config(None, ["--parallel.tp=3"])
+    with pytest.raises(ConfigError) as from_library:
+        ParallelConfig(tp=3).check(ModelSection())
+    assert type(load_config(None, []).parallel) is ParallelConfig
+    assert str(from_config.value).startswith(str(from_library.value))
+    assert from_config.value.key == from_library.value.key == "parallel.tp"
+
+
+def test_layout_rules_run_once_on_the_trainer_path(monkeypatch):
+    calls = []
+    original = ParallelConfig.check
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.dp)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ParallelConfig, "check", counting)
+    cfg = Config(model=ModelSection(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
+    calls.clear()
+    resolved = cfg.resolved(1)
+    assert calls == [1]  # once, on the concrete layout
+    model_cfg = ModelConfig(**{f.name: getattr(resolved.model, f.name)
+                               for f in dataclasses.fields(ModelConfig)})
+    build_parallel_model(model_cfg, resolved.parallel, None, seed=0)
+    assert calls == [1]  # building the model trusts the checked layout
+
+
+def test_mesh_and_model_builders_reject_a_layout_for_another_world():
+    with pytest.raises(ValueError, match=r"parallel\.dp: world size 1 != parallel\.pp \* parallel\.dp"):
+        build_mesh(ParallelConfig(dp=2))
+    with pytest.raises(ValueError, match=r"pp \* dp \* tp = 2 but the mesh has 1"):
+        build_parallel_model(MODEL, ParallelConfig(dp=2), None, seed=0)
+    with pytest.raises(ConfigError, match="unresolved"):
+        build_parallel_model(MODEL, ParallelConfig(), None, seed=0)
+
+
+def test_bf16_is_a_model_option_not_a_layout_field():
+    pm = build_parallel_model(MODEL, ParallelConfig(dp=1), None, seed=0, param_dtype=torch.bfloat16)
+    assert pm.param_dtype == torch.bfloat16
+    assert "param_dtype" not in {f.name for f in dataclasses.fields(ParallelConfig)}
 
 
 @pytest.mark.parametrize(

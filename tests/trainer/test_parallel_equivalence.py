@@ -29,7 +29,6 @@ import torch
 
 from tests.dist import run_ranks
 from tests.trainer import _parallel_worker as w
-from trainer.mesh import ParallelConfig
 from trainer.model import Transformer
 from trainer.parallelize import build_parallel_model
 from trainer.pipeline import build_stage_modules
@@ -41,18 +40,18 @@ LAYOUTS = [
     ("dp2-fsdp-accum2", dict(dp=2, n_microbatches=2), 2, False),
     ("dp2-ddp", dict(dp=2, dp_mode="ddp", n_microbatches=2), 1, False),
     ("tp2-seqpar", dict(tp=2, sequence_parallel=True), 1, False),
-    ("pp2-interleaved", dict(pp=2, stages_per_rank=2, schedule="interleaved1f1b", n_microbatches=4), 1, True),
+    ("pp2-interleaved", dict(pp=2, stages_per_rank=2, pp_schedule="interleaved1f1b", n_microbatches=4), 1, True),
     ("dp2xtp2", dict(dp=2, tp=2), 1, False),
-    ("pp2xtp2-gpipe", dict(pp=2, tp=2, schedule="gpipe", n_microbatches=2), 1, False),
-    ("pp2xdp2-ddp-gpipe-accum2", dict(pp=2, dp=2, dp_mode="ddp", schedule="gpipe", n_microbatches=2), 2, False),
-    ("pp2xdp2xtp2-1f1b", dict(pp=2, dp=2, tp=2, schedule="1f1b", n_microbatches=2), 1, True),
+    ("pp2xtp2-gpipe", dict(pp=2, tp=2, pp_schedule="gpipe", n_microbatches=2), 1, False),
+    ("pp2xdp2-ddp-gpipe-accum2", dict(pp=2, dp=2, dp_mode="ddp", pp_schedule="gpipe", n_microbatches=2), 2, False),
+    ("pp2xdp2xtp2-1f1b", dict(pp=2, dp=2, tp=2, pp_schedule="1f1b", n_microbatches=2), 1, True),
 ]
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """Single process, no process group, whole batch in one micro-batch."""
-    pm = build_parallel_model(w.MODEL, ParallelConfig(), None, w.SEED, global_batch_size=w.GLOBAL_BATCH)
+    pm = build_parallel_model(w.MODEL, w.layout(), None, w.SEED)
     return w.train(pm, dp_rank=0, dp=1, check_state_keys=True)
 
 
@@ -64,7 +63,7 @@ def test_reference_learns(reference):
 
 @pytest.mark.parametrize("name,par_kwargs,accum,check_keys", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_single_process(reference, name, par_kwargs, accum, check_keys):
-    par = ParallelConfig(**par_kwargs)
+    par = w.layout(**par_kwargs)
     results = run_ranks(
         w.rank_train, par.world_size, par_kwargs, accum, check_keys, timeout=240
     )
@@ -91,8 +90,7 @@ def test_layout_matches_single_process(reference, name, par_kwargs, accum, check
 def test_bf16_autocast_tracks_fp32(reference):
     # CPU smoke test of the mixed-precision path (autocast on one process; FSDP2's
     # MixedPrecisionPolicy is used when dp > 1). bf16 has an 8-bit mantissa: ~1 % agreement.
-    par = ParallelConfig(param_dtype="bfloat16")
-    pm = build_parallel_model(w.MODEL, par, None, w.SEED, global_batch_size=w.GLOBAL_BATCH)
+    pm = build_parallel_model(w.MODEL, w.layout(), None, w.SEED, param_dtype=torch.bfloat16)
     got = w.train(pm, dp_rank=0, dp=1, steps=5)
     torch.testing.assert_close(
         torch.tensor(got["losses"]), torch.tensor(reference["losses"][:5]), rtol=2e-2, atol=0

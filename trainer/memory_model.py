@@ -1,0 +1,248 @@
+"""Per-GPU memory of a transformer training step under a parallel layout: the planner's model.
+
+Pure arithmetic, no process group: weights, gradients, optimizer state, FSDP buffers,
+activations and logits of a :class:`Workload` on a :class:`Candidate` (a trainer layout,
+:class:`trainer.config_schema.ParallelConfig`, plus how the dp axis shards state). The
+formulas and their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks
+candidates with it and prints the report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from trainer.config_schema import ParallelConfig
+from trainer.hardware import OPTIMIZER_STATES, PRECISIONS
+
+__all__ = [
+    "SHARDINGS", "ModelShape", "Workload", "Candidate", "MemoryEstimate", "shape_from_dims",
+    "shape_from_params", "activation_bytes_per_layer", "pipeline_bubble", "estimate_memory",
+    "optimizer_bytes_per_param",
+]
+
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
+"""How the dp axis holds model state, least to most sharded: 'ddp' replicates everything,
+ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, 'fsdp' (ZeRO-3) also the
+weights. Only 'ddp' and 'fsdp' are trainer modes (``parallel.dp_mode``)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer: attention 4*d^2, MLP 2*d*f (3*d*f when gated), untied
+    input/output embeddings V*d each. ``num_params`` is authoritative; when the dims were
+    guessed from it (``inferred``) they only shape the activation estimate."""
+
+    num_params: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    vocab_size: int
+    ffn_dim: int
+    gated_mlp: bool = False
+    inferred: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        return 4 * self.dim * self.dim + (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim \
+            + 2 * self.dim
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def shape_params(self) -> int:
+        return self.n_layers * self.layer_params + 2 * self.embedding_params + self.dim
+
+
+def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
+                    ffn_dim: int = 0, gated_mlp: bool = False) -> ModelShape:
+    """Exact shape; ``ffn_dim = 0`` means 4 * dim."""
+    s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp)
+    return replace(s, num_params=s.shape_params)
+
+
+def shape_from_params(num_params: int, vocab_size: int = 32000) -> ModelShape:
+    """Guess a Llama-like shape for a parameter count: head_dim 128, n_layers ~ dim/128,
+    SwiGLU MLP of 8/3 * dim (so ~12 * L * d^2 non-embedding params), dim a multiple of 256."""
+    dim = max(256, int(round((num_params / 0.09375) ** (1 / 3) / 256)) * 256)
+    body = num_params - 2 * vocab_size * dim
+    n_layers = max(1, int(round(body / (12 * dim * dim))))
+    return ModelShape(num_params, dim, n_layers, max(1, dim // 128), vocab_size,
+                      dim * 8 // 3, gated_mlp=True, inferred=True)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout the planner evaluates: the trainer layout and the sharding (one of
+    :data:`SHARDINGS`) its memory is estimated with. ZeRO-1/2 have no trainer mode; their
+    ``layout.dp_mode`` is 'fsdp', the mode that would run them."""
+
+    layout: ParallelConfig
+    sharding: str
+
+    @classmethod
+    def of(cls, pp: int, dp: int, tp: int, sharding: str = "ddp") -> Candidate:
+        if sharding not in SHARDINGS:
+            raise ValueError(f"--dp-mode: {sharding!r} is not one of {', '.join(SHARDINGS)}")
+        mode = "ddp" if sharding == "ddp" else "fsdp"
+        return cls(ParallelConfig(pp=pp, dp=dp, tp=tp, dp_mode=mode), sharding)
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def num_gpus(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def name(self) -> str:
+        parts = [f"{self.sharding.upper()} dp={self.dp}"] * (self.dp > 1)
+        parts += [f"TP{self.tp}"] * (self.tp > 1) + [f"PP{self.pp}"] * (self.pp > 1)
+        return " + ".join(parts) or "single GPU"
+
+    def preference(self) -> tuple:
+        """Sort key of the documented preference order (simplest first)."""
+        return (self.pp > 1, self.tp > 1, self.pp, self.tp, SHARDINGS.index(self.sharding))
+
+    def overrides(self, sequence_parallel: bool = True) -> str:
+        """The trainer flags that run this layout."""
+        lay = self.layout
+        out = " ".join(f"--parallel.{k}={getattr(lay, k)}" for k in ("pp", "dp", "tp", "dp_mode"))
+        return out + (" --parallel.sequence_parallel=true" if lay.tp > 1 and sequence_parallel
+                      else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_mode": self.sharding}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step does. ``micro_batch`` sequences per forward per GPU;
+    ``num_microbatches`` pipeline micro-batches per step (None: from ``global_batch`` if
+    given, else 2 * pp, the trainer's default)."""
+
+    shape: ModelShape
+    precision: str = "bf16-mixed"
+    optimizer: str = "adamw"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    num_microbatches: int | None = None
+    global_batch: int | None = None
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+    def microbatches_for(self, layout: ParallelConfig) -> int:
+        if self.num_microbatches:
+            return self.num_microbatches
+        if self.global_batch:
+            return max(1, self.global_batch // (layout.dp * self.micro_batch))
+        return 2 * layout.pp if layout.pp > 1 else 1
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, dim: int, n_heads: int,
+                               tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", bytes_per_element: int = 2) -> float:
+    """Activation memory of one transformer layer for one micro-batch (Korthikanti et al.
+    2022, Table 2): ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; with TP only
+    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; with TP + sequence parallelism everything / t.
+    'selective' recomputation (or flash attention) drops the ``5*a*s/h`` attention term;
+    'full' keeps only the layer input, ``2*s*b*h`` (/ t with SP). Scaled by
+    ``bytes_per_element / 2`` for fp32 activations."""
+    s, b, h, a, t = seq_len, micro_batch, dim, n_heads, tp
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        per = 2 * s * b * h / (t if sp else 1)
+    else:
+        attn = 0.0 if recompute == "selective" else 5 * a * s / h
+        per = s * b * h * (34 + attn) / t if sp or t == 1 else s * b * h * (10 + 24 / t + attn / t)
+    return per * bytes_per_element / 2
+
+
+def pipeline_bubble(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of a pipelined step: (pp-1) / (v*m + pp-1) (Narayanan et al. 2021)."""
+    return 0.0 if pp <= 1 else (pp - 1) / (stages_per_rank * num_microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes on the busiest pipeline stage (``stage``)."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+    logits: float
+    stage: int
+    num_microbatches: int
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.fsdp_buffers \
+            + self.activations + self.logits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total}
+
+
+def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
+    """Per-GPU memory of ``cand`` running ``work``; the max over the first and last pipeline
+    stage (the first holds the most in-flight micro-batches, the last the output layer)."""
+    pc, sh, layout = PRECISIONS[work.precision], work.shape, cand.layout
+    n_states = OPTIMIZER_STATES[work.optimizer]
+    pp, dp, t = layout.pp, layout.dp, layout.tp
+    scale = sh.num_params / sh.shape_params
+    layers = math.ceil(sh.n_layers / pp)
+    m = work.microbatches_for(layout)
+    v = work.stages_per_rank if work.pp_schedule == "interleaved1f1b" else 1
+    act_layer = activation_bytes_per_layer(work.seq_len, work.micro_batch, sh.dim, sh.n_heads, t,
+                                           work.sequence_parallel, work.recompute,
+                                           pc.activation_bytes)
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (dp, dp, dp)}
+    w_div, g_div, o_div = shard[cand.sharding]
+    best: MemoryEstimate | None = None
+    for st in sorted({0, pp - 1}):
+        params = layers * sh.layer_params + sh.embedding_params * ((st == 0) + (st == pp - 1)) \
+            + sh.dim * (st == pp - 1)  # final norm
+        params = params * scale / t
+        if pp == 1 or work.pp_schedule == "gpipe":
+            in_flight = 1.0 if pp == 1 else m
+        else:
+            in_flight = min(m, pp - st) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        est = MemoryEstimate(
+            weights=params * pc.weight_bytes / w_div,
+            grads=params * pc.grad_bytes / g_div,
+            optimizer=params * (pc.master_bytes + n_states * pc.state_bytes) / o_div,
+            # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
+            fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
+                          if cand.sharding == "fsdp" and dp > 1 else 0.0),
+            activations=layers * act_layer * in_flight,
+            # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
+            logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size
+                    if st == pp - 1 else 0.0),
+            stage=st, num_microbatches=m, bubble=pipeline_bubble(pp, m, v))
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def optimizer_bytes_per_param(work: Workload) -> float:
+    """Optimizer bytes per parameter: fp32 master weights (mixed precision) plus states."""
+    pc = PRECISIONS[work.precision]
+    return pc.master_bytes + OPTIMIZER_STATES[work.optimizer] * pc.state_bytes

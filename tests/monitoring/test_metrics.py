@@ -183,3 +183,47 @@ def test_docs_own_loop_recipe_serves_every_rank():
     pages = run_ranks(_docs_recipe, 2, base, timeout=120)
     for rank, page in enumerate(pages):
         assert f'train_step{{rank="{rank}"}} {5 + rank}.0' in page, page[:2000]
+
+
+_HANG_CHILD = """
+import sys, time
+from ckpt.events import EventBus
+from monitoring import Metrics
+from trainer.faults import HangWatchdog
+bus = EventBus()
+m = Metrics(bus)
+port = m.serve(0, "127.0.0.1")
+print(port, flush=True)
+HangWatchdog(0.5, on_hang=lambda idle: bus.emit("failure", 7, failure="hang"),
+             exit_code=124, linger_seconds=LINGER).start()
+time.sleep(60)
+"""
+
+
+def test_hang_count_is_scrapable_before_the_watchdog_exits():
+    """The watchdog keeps the process up ``linger_seconds`` after counting the hang."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_CHILD.replace("LINGER", "3.0")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        deadline = time.monotonic() + 30
+        seen = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as f:
+                    page = f.read().decode()
+            except OSError:
+                break
+            if 'train_failures_total{kind="hang",rank="0"} 1.0' in page:
+                seen = True
+                break
+            time.sleep(0.1)
+        assert seen, "the hang count was never served"
+        assert proc.wait(timeout=30) == 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -20,7 +20,8 @@ rules in ``monitoring/prometheus/alerts.yml`` need no per-job constants:
   ``stall_factor`` x the typical step time (an EWMA of this rank's step times), at least
   ``stall_min_seconds`` and at most ``stall_max_seconds`` (the trainer sets it below the hang
   watchdog, so the alert pages before the watchdog ends the process). Before the first step:
-  ``startup_seconds``.
+  ``startup_seconds``. Plus the hang watchdog's grace for the current step (warm-up, a
+  blocking save), see :meth:`allow_grace`.
 - ``ckpt_interval_seconds``: the interval the cadence aims for, from the cadence's own
   description, else its interval in steps x the typical step time.
 - ``ckpt_age_limit_seconds``: ``3 x ckpt_interval_seconds + age_slack_seconds``; +Inf while
@@ -141,6 +142,7 @@ class Metrics:
                                   "Step this process resumed from; -1 = started fresh", -1)
         # State behind the derived gauges and the de-duplication of skipped saves.
         self._typical: float | None = None
+        self._grace = 0.0
         self._cadence_seconds: float | None = None
         self._cadence_steps: float | None = None
         self._save_retries: dict[int | None, float] = {}
@@ -165,13 +167,22 @@ class Metrics:
             self.last_step.labels(self.rank).set(manifest.step)
             self.last_time.labels(self.rank).set(manifest.created_unix)
 
+    def allow_grace(self, extra_seconds: float) -> None:
+        """Raise the stall threshold by ``extra_seconds`` until the next step (the hang
+        watchdog's grace for warm-up or a blocking save; see ``HangWatchdog.on_grace``)."""
+        self._grace = max(0.0, extra_seconds)
+        self._update_derived()
+
     # -- derived gauges ----------------------------------------------------------------------
     def _update_derived(self) -> None:
         rk = self.rank
-        if self._typical is not None:
+        if self._typical is None:
+            self.stall_threshold.labels(rk).set(self.startup_seconds + self._grace)
+        else:
             self.typical_step.labels(rk).set(self._typical)
             threshold = max(self.stall_factor * self._typical, self.stall_min_seconds)
-            self.stall_threshold.labels(rk).set(min(threshold, self.stall_max_seconds))
+            threshold = min(threshold, self.stall_max_seconds)
+            self.stall_threshold.labels(rk).set(threshold + self._grace)
         interval = self._cadence_seconds
         if not interval and self._cadence_steps and self._typical:
             interval = self._cadence_steps * self._typical
@@ -253,12 +264,13 @@ class Metrics:
                                ("tokens_per_second", self.train_tps)):
                 if f.get(key) is not None:
                     gauge.labels(rk).set(f[key])
+            self._grace = 0.0  # the watchdog's grace ends with the step
             dt = f.get("step_seconds")
             if dt is not None and math.isfinite(dt):
                 self.train_step_seconds.labels(rk).observe(dt)
                 self._typical = dt if self._typical is None else (
                     (1 - _EWMA) * self._typical + _EWMA * dt)
-                self._update_derived()
+            self._update_derived()
             self.train_last.labels(rk).set(ev.time)
         elif k == "failure":
             self.failures.labels(rk, str(f.get("failure", "unknown"))).inc()

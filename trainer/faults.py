@@ -33,19 +33,38 @@ class HangWatchdog:
 
     ``on_hang(idle_seconds)`` runs first (the trainer counts the hang in its metrics); then
     the process stays up ``linger_seconds`` more, so that a metrics scrape can still see
-    that count before the process is gone.
+    that count before the process is gone. ``on_grace(extra_seconds)`` is called whenever
+    the extra time allowed for the current step changes (a blocking save, warm-up; 0 again
+    at the next step), so the metrics' stall threshold can allow the same.
     """
 
     def __init__(self, timeout_seconds: float, on_hang: Callable[[float], None] | None = None,
-                 exit_code: int = 124, linger_seconds: float = 0.0):
+                 exit_code: int = 124, linger_seconds: float = 0.0,
+                 on_grace: Callable[[float], None] | None = None):
         self.timeout_seconds = timeout_seconds
         self.on_hang = on_hang
         self.exit_code = exit_code
         self.linger_seconds = linger_seconds
+        self.on_grace = on_grace
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.grace_seconds = 0.0  # extra time allowed for the current step (e.g. first step)
+        self._grace = 0.0
+
+    @property
+    def grace_seconds(self) -> float:
+        """Extra time allowed for the current step (e.g. first step, a blocking save)."""
+        return self._grace
+
+    @grace_seconds.setter
+    def grace_seconds(self, value: float) -> None:
+        changed = value != self._grace
+        self._grace = value
+        if changed and self.on_grace is not None:
+            try:
+                self.on_grace(value)
+            except Exception:  # noqa: BLE001 - monitoring must never break training
+                log.exception("on_grace hook failed")
 
     def start(self) -> "HangWatchdog":
         if self.timeout_seconds > 0:

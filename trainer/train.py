@@ -304,6 +304,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         watchdog = HangWatchdog(cfg.fault.hang_timeout_seconds, exit_code=EXIT_HANG,
                                 linger_seconds=cfg.metrics.linger_seconds if self.metrics else 0,
+                                on_grace=self.metrics.allow_grace if self.metrics else None,
                                 on_hang=lambda idle: self.events.emit("failure", self.step,
                                                                       failure="hang"))
         if cfg.fault.handle_preemption:

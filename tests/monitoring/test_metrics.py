@@ -75,6 +75,21 @@ def test_stall_threshold_follows_the_typical_step_and_stays_below_the_watchdog()
     for step in range(80, 200):
         bus.emit("train_step", step, loss=1.0, step_seconds=30.0)
     assert _value(m, "train_stall_threshold_seconds") == 60.0  # the watchdog's cap
+    m.allow_grace(3600)  # a blocking save: the watchdog allows it, so does the alert
+    assert _value(m, "train_stall_threshold_seconds") == 3660.0
+    bus.emit("train_step", 200, loss=1.0, step_seconds=30.0)
+    assert _value(m, "train_stall_threshold_seconds") == 60.0
+
+
+def test_watchdog_grace_reaches_the_stall_threshold():
+    from trainer.faults import HangWatchdog
+
+    m = Metrics(startup_seconds=100)
+    wd = HangWatchdog(0, on_grace=m.allow_grace)
+    wd.grace_seconds = 120.0  # warm-up, as the trainer sets it
+    assert _value(m, "train_stall_threshold_seconds") == 220.0
+    wd.progress()
+    assert _value(m, "train_stall_threshold_seconds") == 100.0
 
 
 def test_expected_interval_and_age_limit_from_the_cadence_or_the_step_time():

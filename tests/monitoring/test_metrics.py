@@ -242,3 +242,23 @@ def test_hang_count_is_scrapable_before_the_watchdog_exits():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_event_log_is_strict_json_with_non_finite_numbers_as_strings(tmp_path):
+    from ckpt.events import JsonlEventLog
+
+    path = tmp_path / "events.jsonl"
+    bus = EventBus()
+    bus.subscribe(JsonlEventLog(str(path)))
+    bus.emit("train_step", 1, loss=math.nan, grad_norm=math.inf, extra={"x": [-math.inf, 1.5]})
+
+    def reject(token):
+        raise ValueError(f"non-strict JSON token {token}")
+
+    import json
+
+    (line,) = path.read_text().splitlines()
+    ev = json.loads(line, parse_constant=reject)
+    assert (ev["loss"], ev["grad_norm"], ev["extra"]) == ("NaN", "Infinity",
+                                                          {"x": ["-Infinity", 1.5]})
+    assert math.isnan(float(ev["loss"])) and float(ev["extra"]["x"][0]) == -math.inf

@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 #   retention_deleted (step)     retention_failed (step, error)
 #   lease_acquired  (holder, took_over)     lease_lost (reason)
 #   cleanup_aborted (step)
-#   cadence         (interval_steps, interval_seconds, active_bound, ...)
+#   cadence         (interval_steps, interval_seconds, active_bound, ...); the trainer also
+#                   emits one at start-up (step None) so the interval is known before a save
+# Kinds emitted by the trainer: train_step (loss, grad_norm, step_seconds, tokens_per_second,
+# lr), failure (failure: nan|spike|hang|straggler|preempted), resumed, checkpoint_uncommitted.
 
 
 @dataclass

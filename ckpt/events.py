@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,10 @@ log = logging.getLogger(__name__)
 #   retention_deleted (step)     retention_failed (step, error)
 #   lease_acquired  (holder, took_over)     lease_lost (reason)
 #   cleanup_aborted (step)
-#   cadence         (interval_steps, interval_seconds, active_bound, ...)
+#   cadence         (interval_steps, interval_seconds, active_bound, ...); the trainer also
+#                   emits one at start-up (step None) so the interval is known before a save
+# Kinds emitted by the trainer: train_step (loss, grad_norm, step_seconds, tokens_per_second,
+# lr), failure (failure: nan|spike|hang|straggler|preempted), resumed, checkpoint_uncommitted.
 
 
 @dataclass
@@ -81,14 +85,38 @@ class EventBus:
             return [e for e in self.recent if e.kind == kind]
 
 
+# Strict JSON has no NaN or Infinity. A non-finite float is written as the string "NaN",
+# "Infinity" or "-Infinity" (the spelling of Python's float() and JavaScript), so every line
+# parses with any JSON parser and ``float(value)`` reads it back.
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else _NON_FINITE[value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _strict_dumps(doc: Any) -> str:
+    return json.dumps(_finite(doc), default=str, allow_nan=False)
+
+
 class JsonlEventLog:
-    """Subscriber that appends each event as one JSON line to a local file."""
+    """Subscriber that appends each event as one strict JSON line to a local file.
+
+    Non-finite numbers (a NaN loss) are written as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"``; ``float()`` reads them back.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self._lock = threading.Lock()
 
     def __call__(self, ev: Event) -> None:
-        line = json.dumps(ev.to_json(), default=str)
+        line = _strict_dumps(ev.to_json())
         with self._lock, open(self.path, "a") as f:
             f.write(line + "\n")

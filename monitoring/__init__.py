@@ -1,5 +1,5 @@
 """Monitoring: Prometheus metrics from ckpt/trainer events, a Grafana dashboard, alert rules."""
 
-from monitoring.metrics import Metrics
+from monitoring.metrics import Metrics, local_port
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "local_port"]

@@ -4,78 +4,219 @@
 ``CollectorRegistry``; ``serve(port)`` exposes it over HTTP for Prometheus to scrape. Only
 this package imports prometheus_client, so the store stays embeddable without it.
 
-Checkpoint age is ``time() - ckpt_last_commit_timestamp_seconds`` in PromQL; a stalled job
-shows as ``time() - train_last_step_timestamp_seconds`` growing.
+Every rank runs its own ``Metrics`` and serves it on its own port (``base + LOCAL_RANK``,
+see :func:`local_port`); every series carries a ``rank`` label.
+
+Every series an alert or a dashboard panel reads exists from construction: counters at 0 for
+each label value (so ``increase()`` sees the first event), histograms empty, gauges at a
+documented start value. Prometheus cannot tell a series born at 1 from one that was always
+1, so an event counted before the first scrape is only visible as the counter's value; the
+alert rules read it that way for events that happen at start-up (load fallbacks).
+
+Alert thresholds that depend on the job are computed here and exported as gauges, so the
+rules in ``monitoring/prometheus/alerts.yml`` need no per-job constants:
+
+- ``train_stall_threshold_seconds``: time without a step after which the job is stalled,
+  ``stall_factor`` x the typical step time (an EWMA of this rank's step times), at least
+  ``stall_min_seconds`` and at most ``stall_max_seconds`` (the trainer sets it below the hang
+  watchdog, so the alert pages before the watchdog ends the process). Before the first step:
+  ``startup_seconds``. Plus the hang watchdog's grace for the current step (warm-up, a
+  blocking save), see :meth:`allow_grace`.
+- ``ckpt_interval_seconds``: the interval the cadence aims for, from the cadence's own
+  description, else its interval in steps x the typical step time.
+- ``ckpt_age_limit_seconds``: ``3 x ckpt_interval_seconds + age_slack_seconds``; +Inf while
+  the interval is unknown.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ckpt.events import Event, EventBus
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS"]
 
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+DEFAULT_HOST = "0.0.0.0"  # the same default as trainer.config_schema.MetricsConfig.host
+SAVE_OUTCOMES = ("committed", "failed", "skipped")
+FAILURE_KINDS = ("nan", "spike", "hang", "straggler", "preempted")
+AGE_INTERVALS = 3  # checkpoint age limit: this many intervals (+ slack)
+_EWMA = 0.2
+
+
+def local_port(base: int) -> int:
+    """The metrics port of this process: ``base + LOCAL_RANK`` (0 when not under torchrun).
+
+    One port per local rank lets every rank of a node serve at once; Prometheus scrapes
+    ``host:base`` .. ``host:base + nproc_per_node - 1`` on each node. ``base`` 0 stays 0
+    (pick a free port).
+    """
+    return base + int(os.environ.get("LOCAL_RANK", "0")) if base else 0
 
 
 class Metrics:
     """Prometheus metrics fed by events. One per process; label ``rank`` tells them apart."""
 
     def __init__(self, bus: EventBus | None = None, *, rank: int = 0,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, stall_factor: float = 20.0,
+                 stall_min_seconds: float = 60.0, stall_max_seconds: float = math.inf,
+                 startup_seconds: float = 900.0, age_slack_seconds: float = 300.0):
         self.registry = registry or CollectorRegistry()
-        self.rank = str(rank)
+        self.rank = rk = str(rank)
+        self.stall_factor, self.stall_min_seconds = stall_factor, stall_min_seconds
+        self.stall_max_seconds, self.startup_seconds = stall_max_seconds, startup_seconds
+        self.age_slack_seconds = age_slack_seconds
         r, L = self.registry, ["rank"]
-        self.saves = Counter("ckpt_saves_total", "Checkpoint saves by outcome", L + ["outcome"],
-                             registry=r)
-        self.stall = Histogram("ckpt_save_stall_seconds", "Training stall per save (staging copy)",
-                               L, buckets=_SECONDS, registry=r)
-        self.persist = Histogram("ckpt_save_persist_seconds", "Background persist + commit time",
-                                 L, buckets=_SECONDS, registry=r)
-        self.save_bytes = Gauge("ckpt_save_bytes", "Bytes staged by this rank in the last save",
-                                L, registry=r)
-        self.throughput = Gauge("ckpt_save_bytes_per_second", "Persist throughput of last save",
-                                L, registry=r)
-        self.retries = Counter("ckpt_storage_retries_total", "Storage retries during saves", L,
-                               registry=r)
-        self.last_step = Gauge("ckpt_last_committed_step", "Step of the newest committed checkpoint",
-                               L, registry=r)
-        self.last_time = Gauge("ckpt_last_commit_timestamp_seconds",
-                               "Unix time of the newest commit", L, registry=r)
-        self.loads = Counter("ckpt_loads_total", "Checkpoint loads", L, registry=r)
-        self.fallbacks = Counter("ckpt_load_fallbacks_total",
-                                 "Checkpoints skipped on load because they failed verification",
-                                 L, registry=r)
-        self.retention_deleted = Counter("ckpt_retention_deleted_total",
-                                         "Checkpoints deleted by retention", L, registry=r)
-        self.retention_failed = Counter("ckpt_retention_failures_total",
-                                        "Retention deletes that failed", L, registry=r)
-        self.lease_lost = Counter("ckpt_lease_lost_total", "Times the write lease was lost", L,
-                                  registry=r)
-        self.interval_steps = Gauge("ckpt_interval_steps", "Current checkpoint interval (steps)",
-                                    L, registry=r)
-        self.interval_seconds = Gauge("ckpt_interval_seconds",
-                                      "Current checkpoint interval (seconds)", L, registry=r)
-        self.train_step = Gauge("train_step", "Last completed training step", L, registry=r)
-        self.train_loss = Gauge("train_loss", "Loss of the last step", L, registry=r)
-        self.train_grad_norm = Gauge("train_grad_norm", "Gradient norm of the last step", L,
-                                     registry=r)
-        self.train_tps = Gauge("train_tokens_per_second", "Training throughput", L, registry=r)
-        self.train_step_seconds = Histogram("train_step_seconds", "Step time", L,
-                                            buckets=_SECONDS, registry=r)
-        self.train_last = Gauge("train_last_step_timestamp_seconds", "Unix time of the last step",
-                                L, registry=r)
-        self.failures = Counter("train_failures_total", "Detected failures by kind",
-                                L + ["kind"], registry=r)
-        self.resumes = Counter("train_resumes_total", "Resumes from a checkpoint", L, registry=r)
+
+        def counter(name, doc, extra=(), values=((),)):
+            c = Counter(name, doc, L + list(extra), registry=r)
+            for v in values:
+                c.labels(rk, *v)  # the series exists at 0 before the first event
+            return c
+
+        def gauge(name, doc, value=0.0):
+            g = Gauge(name, doc, L, registry=r)
+            g.labels(rk).set(value)
+            return g
+
+        def histogram(name, doc):
+            h = Histogram(name, doc, L, buckets=_SECONDS, registry=r)
+            h.labels(rk)
+            return h
+
+        self.saves = counter("ckpt_saves_total", "Checkpoint saves by outcome", ["outcome"],
+                             [(o,) for o in SAVE_OUTCOMES])
+        self.stall = histogram("ckpt_save_stall_seconds", "Training stall per save (staging copy)")
+        self.persist = histogram("ckpt_save_persist_seconds", "Background persist + commit time")
+        self.save_bytes = gauge("ckpt_save_bytes", "Bytes staged by this rank in the last save")
+        self.throughput = gauge("ckpt_save_bytes_per_second", "Persist throughput of last save")
+        self.retries = counter("ckpt_storage_retries_total",
+                               "Storage retries and save re-attempts, failed saves included")
+        self.last_step = gauge("ckpt_last_committed_step",
+                               "Step of the newest committed checkpoint; -1 = none", -1)
+        self.start_time = time.time()
+        self.last_time = gauge("ckpt_last_commit_timestamp_seconds",
+                               "Unix time of the newest commit (process start when none)",
+                               self.start_time)
+        self.loads = counter("ckpt_loads_total", "Checkpoint loads")
+        self.fallbacks = counter("ckpt_load_fallbacks_total",
+                                 "Checkpoints skipped on load because they failed verification")
+        self.retention_deleted = counter("ckpt_retention_deleted_total",
+                                         "Checkpoints deleted by retention")
+        self.retention_failed = counter("ckpt_retention_failures_total",
+                                        "Retention deletes that failed")
+        self.lease_lost = counter("ckpt_lease_lost_total", "Times the write lease was lost")
+        self.interval_steps = gauge("ckpt_interval_steps",
+                                    "Current checkpoint interval (steps); 0 = unknown")
+        self.interval_seconds = gauge("ckpt_interval_seconds",
+                                      "Expected checkpoint interval (seconds); 0 = unknown")
+        self.age_limit = gauge("ckpt_age_limit_seconds",
+                               "Checkpoint age beyond which CheckpointTooOld fires", math.inf)
+        self.train_step = gauge("train_step", "Last completed training step")
+        self.train_loss = gauge("train_loss", "Loss of the last step (0 before the first)")
+        self.train_grad_norm = gauge("train_grad_norm", "Gradient norm of the last step")
+        self.train_tps = gauge("train_tokens_per_second", "Training throughput")
+        self.train_step_seconds = histogram("train_step_seconds", "Step time")
+        self.typical_step = gauge("train_step_seconds_typical",
+                                  "Typical step time (EWMA of this rank's steps); 0 = unknown")
+        self.train_last = gauge("train_last_step_timestamp_seconds",
+                                "Unix time of the last step (process start before the first)",
+                                self.start_time)
+        self.stall_threshold = gauge("train_stall_threshold_seconds",
+                                     "Time without a step after which TrainingStalled fires",
+                                     startup_seconds)
+        self.process_start = gauge("train_process_start_timestamp_seconds",
+                                   "Unix time this process started exporting", self.start_time)
+        self.failures = counter("train_failures_total", "Detected failures by kind", ["kind"],
+                                [(k,) for k in FAILURE_KINDS])
+        self.resumes = counter("train_resumes_total", "Resumes from a checkpoint")
+        self.resumed_step = gauge("train_resumed_step",
+                                  "Step this process resumed from; -1 = started fresh", -1)
+        # State behind the derived gauges and the de-duplication of skipped saves.
+        self._typical: float | None = None
+        self._grace = 0.0
+        self._cadence_seconds: float | None = None
+        self._cadence_steps: float | None = None
+        self._save_retries: dict[int | None, float] = {}
+        self._last_skip: tuple[Any, int] | None = None  # (what was in flight, step counted)
         if bus is not None:
             bus.subscribe(self.on_event)
 
+    # -- start-up state --------------------------------------------------------------------
+    def observe_store(self, store: Any) -> None:
+        """Set the newest commit from ``store`` (a ``ckpt.store.CheckpointStore``), read-only.
+
+        Call once at start-up on every rank: checkpoint age and the last committed step then
+        survive restarts instead of being unknown until this process saves. Errors are
+        logged, never raised (monitoring must not stop a job).
+        """
+        try:
+            manifest = store.latest(check="none")
+        except Exception as exc:  # noqa: BLE001
+            log.warning("metrics: could not read the newest checkpoint: %s", exc)
+            return
+        if manifest is not None:
+            self.last_step.labels(self.rank).set(manifest.step)
+            self.last_time.labels(self.rank).set(manifest.created_unix)
+
+    def allow_grace(self, extra_seconds: float) -> None:
+        """Raise the stall threshold by ``extra_seconds`` until the next step (the hang
+        watchdog's grace for warm-up or a blocking save; see ``HangWatchdog.on_grace``)."""
+        self._grace = max(0.0, extra_seconds)
+        self._update_derived()
+
+    # -- derived gauges ----------------------------------------------------------------------
+    def _update_derived(self) -> None:
+        rk = self.rank
+        if self._typical is None:
+            self.stall_threshold.labels(rk).set(self.startup_seconds + self._grace)
+        else:
+            self.typical_step.labels(rk).set(self._typical)
+            threshold = max(self.stall_factor * self._typical, self.stall_min_seconds)
+            threshold = min(threshold, self.stall_max_seconds)
+            self.stall_threshold.labels(rk).set(threshold + self._grace)
+        interval = self._cadence_seconds
+        if not interval and self._cadence_steps and self._typical:
+            interval = self._cadence_steps * self._typical
+        if interval:
+            self.interval_seconds.labels(rk).set(interval)
+            self.age_limit.labels(rk).set(AGE_INTERVALS * interval + self.age_slack_seconds)
+
+    def _count_retries(self, step: int | None, cumulative: Any) -> None:
+        """Save events carry the save's retries so far; count each retry once."""
+        total = float(cumulative or 0)
+        seen = self._save_retries.get(step, 0.0)
+        if total > seen:
+            self.retries.labels(self.rank).inc(total - seen)
+            self._save_retries[step] = total
+
+    def _count_skip(self, ev: Event) -> None:
+        """One skipped save per skipped save, not one per step while a save is busy.
+
+        The manager reports a skip on every due step while the previous save persists; with
+        a time cadence every step after the interval is due until a save starts. A skip
+        counts when what blocks it changed, or when a whole interval (in steps) has passed
+        since the last skip counted: that is a further save that could not be made.
+        """
+        f = ev.fields
+        cause = (f.get("reason"), f.get("in_flight_step"))
+        step = ev.step or 0
+        if self._last_skip is not None and self._last_skip[0] == cause:
+            every = self._cadence_steps
+            if not every or step - self._last_skip[1] < every:
+                return
+        self._last_skip = (cause, step)
+        self.saves.labels(self.rank, "skipped").inc()
+
+    # -- events ------------------------------------------------------------------------------
     def on_event(self, ev: Event) -> None:
         f: dict[str, Any] = ev.fields
         rk = self.rank
@@ -83,18 +224,23 @@ class Metrics:
         if k == "save_staged":
             self.stall.labels(rk).observe(f.get("stall_seconds", 0.0))
             self.save_bytes.labels(rk).set(f.get("bytes", 0))
+            self._last_skip = None
         elif k == "save_committed":
             self.saves.labels(rk, "committed").inc()
             self.persist.labels(rk).observe(f.get("persist_seconds", 0.0))
             self.throughput.labels(rk).set(f.get("bytes_per_second", 0.0))
-            self.retries.labels(rk).inc(f.get("retries", 0) or 0)
+            self._count_retries(ev.step, f.get("retries"))
+            self._save_retries.pop(ev.step, None)
             self.last_step.labels(rk).set(ev.step or 0)
             self.last_time.labels(rk).set(ev.time)
         elif k == "save_failed":
+            self._count_retries(ev.step, f.get("retries"))
             if f.get("final"):
-                self.saves.labels(rk, "failed").inc()
+                self._save_retries.pop(ev.step, None)
+                if f.get("outcome", "failed") == "failed":
+                    self.saves.labels(rk, "failed").inc()
         elif k == "save_skipped":
-            self.saves.labels(rk, "skipped").inc()
+            self._count_skip(ev)
         elif k == "load_done":
             self.loads.labels(rk).inc()
         elif k == "load_fallback":
@@ -106,26 +252,38 @@ class Metrics:
         elif k == "lease_lost":
             self.lease_lost.labels(rk).inc()
         elif k == "cadence":
-            if f.get("interval_steps") is not None:
+            if f.get("interval_steps"):
+                self._cadence_steps = float(f["interval_steps"])
                 self.interval_steps.labels(rk).set(f["interval_steps"])
-            if f.get("interval_seconds") is not None:
-                self.interval_seconds.labels(rk).set(f["interval_seconds"])
+            if f.get("interval_seconds"):
+                self._cadence_seconds = float(f["interval_seconds"])
+            self._update_derived()
         elif k == "train_step":
             self.train_step.labels(rk).set(ev.step or 0)
             for key, gauge in (("loss", self.train_loss), ("grad_norm", self.train_grad_norm),
                                ("tokens_per_second", self.train_tps)):
                 if f.get(key) is not None:
                     gauge.labels(rk).set(f[key])
-            if f.get("step_seconds") is not None:
-                self.train_step_seconds.labels(rk).observe(f["step_seconds"])
+            self._grace = 0.0  # the watchdog's grace ends with the step
+            dt = f.get("step_seconds")
+            if dt is not None and math.isfinite(dt):
+                self.train_step_seconds.labels(rk).observe(dt)
+                self._typical = dt if self._typical is None else (
+                    (1 - _EWMA) * self._typical + _EWMA * dt)
+            self._update_derived()
             self.train_last.labels(rk).set(ev.time)
         elif k == "failure":
             self.failures.labels(rk, str(f.get("failure", "unknown"))).inc()
         elif k == "resumed":
             self.resumes.labels(rk).inc()
+            self.resumed_step.labels(rk).set(ev.step if ev.step is not None else -1)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port); returns the port."""
+    # -- serving -------------------------------------------------------------------------------
+    def serve(self, port: int, addr: str = DEFAULT_HOST) -> int:
+        """Serve ``/metrics`` on ``addr:port`` (0 picks a free port); returns the port.
+
+        Under torchrun give each rank its own port: ``serve(local_port(base))``.
+        """
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         return server.server_port
@@ -135,3 +293,4 @@ class Metrics:
         if server is not None:
             server.shutdown()
             server.server_close()
+            self._server = None

@@ -386,13 +386,23 @@ class MetricsConfig(_Section):
     """Prometheus endpoint and a JSONL log of step metrics."""
 
     _section: ClassVar[str] = "metrics"
-    port: int = _f(0, "Prometheus /metrics port on rank 0; 0 = off.")
-    host: str = _f("0.0.0.0", "Address the metrics server binds.")
-    jsonl_path: str = _f("", "Append one JSON line per logged step here; empty = off.")
+    port: int = _f(0, "Base Prometheus /metrics port: each rank serves port + LOCAL_RANK; 0 = off.")
+    host: str = _f("0.0.0.0", "Address the metrics servers bind.")
+    jsonl_path: str = _f("", "Append one JSON line per event (rank 0) here; empty = off.")
+    stall_factor: float = _f(20.0, "TrainingStalled after this many typical step times without a step.")
+    stall_min_seconds: float = _f(60.0, "TrainingStalled never before this long without a step.")
+    startup_seconds: float = _f(900.0, "TrainingStalled allowance before the first step (build, resume).")
+    age_slack_seconds: float = _f(300.0, "CheckpointTooOld after 3 intervals plus this long.")
+    linger_seconds: float = _f(15.0, "On a hang, keep serving this long before exiting (one scrape).")
 
     def _validate(self) -> None:
         if not 0 <= self.port <= 65535:
             self._fail("port", f"must be in [0, 65535], got {self.port}", "use 0 to disable")
+        if not self.stall_factor > 1:
+            self._fail("stall_factor", f"must be > 1, got {self.stall_factor}", "e.g. 20")
+        for name in ("stall_min_seconds", "startup_seconds", "age_slack_seconds",
+                     "linger_seconds"):
+            self._at_least(name, 0)
 
 
 @dataclass
@@ -407,6 +417,7 @@ class FaultConfig(_Section):
     max_skips: int = _f(10, "Consecutive skipped steps before the job stops.")
     straggler_factor: float = _f(2.0, "Report ranks slower than factor * median step; 0 = off.")
     handle_preemption: bool = _f(True, "On SIGTERM/SIGUSR1, save a checkpoint, then exit.")
+    inject_nan_step: int = _f(0, "Testing: make the loss of this step NaN (1-based); 0 = off.")
 
     def _validate(self) -> None:
         self._at_least("hang_timeout_seconds", 0, "use 0 to disable")
@@ -417,6 +428,7 @@ class FaultConfig(_Section):
         self._at_least("max_skips", 1)
         if self.straggler_factor != 0 and self.straggler_factor <= 1:
             self._fail("straggler_factor", f"must be > 1 or 0 (off), got {self.straggler_factor}")
+        self._at_least("inject_nan_step", 0, "use 0 to disable")
 
 
 _SECTIONS: dict[str, type] = {

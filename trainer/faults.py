@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import Callable
 
-__all__ = ["HangWatchdog", "LossGuard", "Preemption", "StragglerDetector"]
+__all__ = ["HangWatchdog", "LossGuard", "NanInjector", "Preemption", "StragglerDetector"]
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +30,41 @@ class HangWatchdog:
     A hung collective (a dead peer, a deadlock) never returns; the only way forward is to
     leave, so that torchrun restarts the group and the job resumes from its checkpoint. All
     threads' stacks are dumped to stderr first, to show where it hung.
+
+    ``on_hang(idle_seconds)`` runs first (the trainer counts the hang in its metrics); then
+    the process stays up ``linger_seconds`` more, so that a metrics scrape can still see
+    that count before the process is gone. ``on_grace(extra_seconds)`` is called whenever
+    the extra time allowed for the current step changes (a blocking save, warm-up; 0 again
+    at the next step), so the metrics' stall threshold can allow the same.
     """
 
     def __init__(self, timeout_seconds: float, on_hang: Callable[[float], None] | None = None,
-                 exit_code: int = 124):
+                 exit_code: int = 124, linger_seconds: float = 0.0,
+                 on_grace: Callable[[float], None] | None = None):
         self.timeout_seconds = timeout_seconds
         self.on_hang = on_hang
         self.exit_code = exit_code
+        self.linger_seconds = linger_seconds
+        self.on_grace = on_grace
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.grace_seconds = 0.0  # extra time allowed for the current step (e.g. first step)
+        self._grace = 0.0
+
+    @property
+    def grace_seconds(self) -> float:
+        """Extra time allowed for the current step (e.g. first step, a blocking save)."""
+        return self._grace
+
+    @grace_seconds.setter
+    def grace_seconds(self, value: float) -> None:
+        changed = value != self._grace
+        self._grace = value
+        if changed and self.on_grace is not None:
+            try:
+                self.on_grace(value)
+            except Exception:  # noqa: BLE001 - monitoring must never break training
+                log.exception("on_grace hook failed")
 
     def start(self) -> "HangWatchdog":
         if self.timeout_seconds > 0:
@@ -65,6 +89,8 @@ class HangWatchdog:
                     except Exception:  # noqa: BLE001
                         pass
                 sys.stderr.flush()
+                if self.linger_seconds > 0:
+                    time.sleep(self.linger_seconds)
                 os._exit(self.exit_code)
 
     def stop(self) -> None:
@@ -95,6 +121,21 @@ class LossGuard:
     def load_state_dict(self, state: dict) -> None:
         self.window.clear()
         self.window.extend(float(x) for x in state.get("window", []))
+
+
+class NanInjector:
+    """Fault injection for tests of the alerting: the loss of step ``step`` (1-based, the
+    step being computed) becomes NaN, as if the forward pass had overflowed. 0 = off.
+
+    Applied after the backward pass and before the loss guard, so the guard, the
+    ``failure`` event and the metrics see exactly what a real NaN produces.
+    """
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def apply(self, step: int, loss: float) -> float:
+        return math.nan if self.step and step == self.step else loss
 
 
 class Preemption:

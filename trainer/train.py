@@ -35,7 +35,7 @@ from trainer.distributed import (
     EXIT_PREEMPTED,
     DistEnv,
 )
-from trainer.faults import HangWatchdog, LossGuard, Preemption, StragglerDetector
+from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 
 __all__ = ["Trainer", "TrainingStopped"]
 
@@ -134,20 +134,30 @@ class Trainer:
         self.num_skipped_steps = 0
         self.guard = LossGuard(cfg.fault.spike_factor, cfg.fault.spike_window)
         self.stragglers = StragglerDetector(cfg.fault.straggler_factor)
+        self.nan_injector = NanInjector(cfg.fault.inject_nan_step)
         self.preemption = Preemption()
         self.events = events or EventBus(rank=env.rank)
         self.ctl_group = dist.new_group(backend="gloo") if env.distributed else None
         self.losses: list[tuple[int, float]] = []
         self.metrics = None
-        if cfg.metrics.port and env.rank == 0:
+        if cfg.metrics.port:  # every rank, on base port + LOCAL_RANK (docs/monitoring.md)
             from monitoring import Metrics
 
-            self.metrics = Metrics(self.events, rank=env.rank)
-            port = self.metrics.serve(cfg.metrics.port, cfg.metrics.host)
-            log.info("metrics on http://%s:%d/metrics", cfg.metrics.host, port)
+            m, hang = cfg.metrics, cfg.fault.hang_timeout_seconds
+            self.metrics = Metrics(self.events, rank=env.rank, stall_factor=m.stall_factor,
+                                   stall_min_seconds=m.stall_min_seconds,
+                                   stall_max_seconds=hang / 2 if hang > 0 else math.inf,
+                                   startup_seconds=m.startup_seconds,
+                                   age_slack_seconds=m.age_slack_seconds)
+            port = self.metrics.serve(m.port + env.local_rank, m.host)
+            log.info("rank %d metrics on http://%s:%d/metrics", env.rank, m.host, port)
         if cfg.metrics.jsonl_path and env.rank == 0:
             self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
         self.manager = self._build_manager() if cfg.checkpoint.enabled else None
+        if self.metrics is not None and self.manager is not None:
+            self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
+            if hasattr(self.manager.cadence, "describe"):
+                self.events.emit("cadence", None, **self.manager.cadence.describe())
 
     # -- checkpointing -----------------------------------------------------------------------
     def _build_manager(self):
@@ -288,6 +298,8 @@ class Trainer:
     def fit(self) -> int:
         cfg, t = self.cfg, self.cfg.training
         watchdog = HangWatchdog(cfg.fault.hang_timeout_seconds, exit_code=EXIT_HANG,
+                                linger_seconds=cfg.metrics.linger_seconds if self.metrics else 0,
+                                on_grace=self.metrics.allow_grace if self.metrics else None,
                                 on_hang=lambda idle: self.events.emit("failure", self.step,
                                                                       failure="hang"))
         if cfg.fault.handle_preemption:
@@ -307,6 +319,7 @@ class Trainer:
             while self.step < t.steps:
                 t0 = time.perf_counter()
                 loss, grad_norm = self.train_step()
+                loss = self.nan_injector.apply(self.step + 1, loss)
                 verdict = self.guard.check(loss, grad_norm)
                 if verdict is None:
                     for o in self.optimizers:

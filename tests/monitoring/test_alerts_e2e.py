@@ -1,0 +1,245 @@
+"""The shipped alert rules in a real Prometheus (1 s scrape) against real 2-rank trainer
+runs with induced faults; every dashboard query returns data.
+
+Two jobs run at once under one Prometheus, each its own scrape job with one target per
+rank (``metrics.port + LOCAL_RANK``):
+
+- ``nanhang``: the loss of one step is made NaN (``fault.inject_nan_step``) ->
+  ``TrainingLossNotFinite``; then rank 1 is frozen with SIGSTOP (the hang watchdog
+  lengthened to 600 s) -> ``TrainingStalled`` on rank 0 within its stall threshold and
+  ``TrainingJobDown`` (pending) for rank 1.
+- ``storage``: a finished run's newest checkpoint is corrupted, then the job resumes ->
+  ``CheckpointLoadFellBack``; its checkpoint root is made unwritable (a symlink re-pointed at
+  a file, as when a mount goes away) -> ``CheckpointSaveFailures`` and, 3 intervals plus the
+  slack after the last commit, ``CheckpointTooOld``; then the job is killed ->
+  ``TrainingJobDown`` (pending).
+
+Rules are the shipped file unchanged: thresholds come from the exporter's gauges, set small
+through the metrics config keys; ``for:`` durations are met by "pending".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.dist import free_port
+from tests.e2e._jobs import Job, trainer_argv
+from tests.monitoring.test_rules import dashboard_exprs
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "monitoring" / "prometheus" / "alerts.yml"
+SCRAPE = 1.0
+# Small, job-derived thresholds through the config (docs/monitoring.md, "Tuning").
+STALL_MIN = 5.0
+AGE_SLACK = 3.0
+INTERVAL = 2.0  # checkpoint.interval of the storage job, seconds
+ALERT_SLACK = 10.0  # scrape + evaluation + query latency on a loaded 2-core machine
+
+
+def _port_pair() -> int:
+    while True:
+        base = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+
+
+def _get(port: int, path: str, **params: str) -> dict:
+    url = f"http://127.0.0.1:{port}{path}"
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+class Prom:
+    def __init__(self, tmp: Path, jobs: dict[str, int]):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            if os.environ.get("CI"):
+                pytest.fail("prometheus is not installed; .ci/run installs it")
+            pytest.skip("prometheus not installed (apt-get install prometheus)")
+        self.port = free_port()
+        scrape = "".join(
+            f"  - job_name: {name}\n    static_configs:\n"
+            f"      - targets: ['127.0.0.1:{base}', '127.0.0.1:{base + 1}']\n"
+            for name, base in jobs.items())
+        (tmp / "prometheus.yml").write_text(
+            f"global:\n  scrape_interval: {SCRAPE:g}s\n  evaluation_interval: {SCRAPE:g}s\n"
+            f"rule_files: ['{ALERTS}']\nscrape_configs:\n{scrape}")
+        self.log = open(tmp / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={tmp / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1)
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("prometheus did not start: "
+                                       + (tmp / "prometheus.log").read_text()[-2000:])
+                time.sleep(0.2)
+
+    def query(self, expr: str) -> list[dict]:
+        out = _get(self.port, "/api/v1/query", query=expr)
+        assert out["status"] == "success", (expr, out)
+        return out["data"]["result"]
+
+    def alerts(self) -> list[dict]:
+        return _get(self.port, "/api/v1/alerts")["data"]["alerts"]
+
+    def wait_alert(self, name: str, within: float, **labels: str) -> float:
+        """Seconds until alert ``name`` with ``labels`` is pending or firing."""
+        t0 = time.monotonic()
+        seen: list = []
+        while time.monotonic() - t0 < within:
+            seen = self.alerts()
+            for a in seen:
+                if a["labels"]["alertname"] == name and a["state"] in ("pending", "firing") \
+                        and all(a["labels"].get(k) == v for k, v in labels.items()):
+                    return time.monotonic() - t0
+            time.sleep(0.25)
+        raise AssertionError(f"{name} {labels} not pending/firing within {within:.0f}s; "
+                             f"alerts: {[(a['labels'], a['state']) for a in seen]}")
+
+    def wait_query(self, expr: str, within: float = 30.0) -> list[dict]:
+        deadline = time.monotonic() + within
+        while True:
+            result = self.query(expr)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _metrics_args(base: int) -> list[str]:
+    return [f"--metrics.port={base}", "--metrics.host=127.0.0.1",
+            f"--metrics.stall_min_seconds={STALL_MIN}", f"--metrics.age_slack_seconds={AGE_SLACK}"]
+
+
+def _committed_since(job: Job, since: int) -> dict:
+    return job.wait_event(lambda e: e["kind"] == "save_committed", 120, "a commit", since=since)
+
+
+def test_every_fault_brings_its_alert(tmp_path):
+    nan_base, storage_base = _port_pair(), _port_pair()
+    prom = Prom(tmp_path, {"nanhang": nan_base, "storage": storage_base})
+    jobs: list[Job] = []
+    try:
+        # Job 1 trains on, metrics on; its loss at step 60 becomes NaN.
+        a_jsonl = tmp_path / "a.jsonl"
+        a = Job(trainer_argv("--training.steps=1000000", "--fault.inject_nan_step=60",
+                             "--fault.hang_timeout_seconds=600", *_metrics_args(nan_base),
+                             f"--metrics.jsonl_path={a_jsonl}", nproc=2),
+                tmp_path, "nanhang", a_jsonl)
+        jobs.append(a)
+        # Job 2, first run: checkpoints 5, 10 and the final 12, under a root reached
+        # through a symlink (re-pointed later to make it unwritable).
+        real, link = tmp_path / "ckpt-real", tmp_path / "ckpt"
+        real.mkdir()
+        link.symlink_to(real)
+        first = Job(trainer_argv("--training.steps=12", "--checkpoint.interval=5",
+                                 "--checkpoint.keep_last=0", f"--checkpoint.root={link}",
+                                 nproc=2), tmp_path, "storage-first")
+        jobs.append(first)
+        first.wait_ok(timeout=180)
+        newest = sorted((real / "step_000000012").glob("*.bin"),
+                        key=lambda p: -p.stat().st_size)[0]
+        raw = bytearray(newest.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        newest.write_bytes(bytes(raw))
+
+        # Job 2 resumes past the corrupt checkpoint, saving every 2 s.
+        b_jsonl = tmp_path / "b.jsonl"
+        b = Job(trainer_argv("--training.steps=1000000", f"--checkpoint.interval={INTERVAL:g}s",
+                             f"--checkpoint.root={link}", *_metrics_args(storage_base),
+                             f"--metrics.jsonl_path={b_jsonl}", nproc=2),
+                tmp_path, "storage", b_jsonl)
+        jobs.append(b)
+
+        # NaN loss: the alert follows the bad step within a few scrapes.
+        a.wait_event(lambda e: e["kind"] == "failure" and e["failure"] == "nan", 180, "NaN")
+        prom.wait_alert("TrainingLossNotFinite", ALERT_SLACK, job="nanhang")
+
+        # Corrupt newest checkpoint: the resume falls back, the alert fires.
+        b.wait_event(lambda e: e["kind"] == "load_fallback", 180, "a load fallback")
+        b.wait_event(lambda e: e["kind"] == "resumed" and e["step"] == 10, 60, "resume at 10")
+        prom.wait_alert("CheckpointLoadFellBack", ALERT_SLACK + 5, job="storage")
+        _committed_since(b, b.last_index + 1)
+
+        # Every dashboard query returns data, per-rank panels for both ranks.
+        time.sleep(3 * SCRAPE)
+        for expr in dashboard_exprs():
+            expr = expr.replace("$__rate_interval", "1m").replace("$job", ".*")
+            assert prom.wait_query(expr, 10), f"no data: {expr}"
+        for job in ("nanhang", "storage"):
+            ranks = {r["metric"]["rank"] for r in prom.query(f'train_step{{job="{job}"}}')}
+            assert ranks == {"0", "1"}, (job, ranks)
+        ranks = {r["metric"]["rank"] for r in prom.query(
+            'ckpt_save_bytes_per_second{job="storage"} > 0')}
+        assert ranks == {"0", "1"}, "persist throughput of every rank"
+
+        # Hang: freeze rank 1; rank 0 waits in its next collective.
+        threshold = float(prom.query('train_stall_threshold_seconds{job="nanhang",rank="0"}')
+                          [0]["value"][1])
+        assert threshold == STALL_MIN  # 20 typical tiny steps are well under the floor
+        a.signal_rank(1, signal.SIGSTOP)
+        waited = prom.wait_alert("TrainingStalled", threshold + ALERT_SLACK, job="nanhang",
+                                 rank="0")
+        assert waited >= threshold - 2 * SCRAPE, f"stalled alert after {waited:.1f}s only"
+        prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="nanhang",
+                        instance=f"127.0.0.1:{nan_base + 1}")
+
+        # Unwritable root: the link now points at a file; saves fail, the checkpoint ages.
+        last = _committed_since(b, b.last_index + 1)
+        blocker = tmp_path / "not-a-directory"
+        blocker.write_text("")
+        tmp_link = tmp_path / "ckpt.new"
+        tmp_link.symlink_to(blocker)
+        os.replace(tmp_link, link)
+        prom.wait_alert("CheckpointSaveFailures", 60, job="storage")
+        limit = float(prom.query('max(ckpt_age_limit_seconds{job="storage"})')[0]["value"][1])
+        assert limit == 3 * INTERVAL + AGE_SLACK
+        newest = float(prom.query('max(ckpt_last_commit_timestamp_seconds{job="storage"})')
+                       [0]["value"][1])
+        assert newest >= last["time"] - 1e-3
+        age_now = time.time() - newest
+        prom.wait_alert("CheckpointTooOld", max(0.0, limit - age_now) + ALERT_SLACK,
+                        job="storage")
+
+        # A killed job: both targets stop answering.
+        b.kill_all()
+        for r in (0, 1):
+            prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="storage",
+                            instance=f"127.0.0.1:{storage_base + r}")
+    finally:
+        for job in jobs:
+            job.kill_all()
+        prom.stop()

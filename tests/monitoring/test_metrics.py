@@ -1,0 +1,264 @@
+"""The exporter alone: series from start-up, counting that means what it says, start-up state
+from the store, one port per local rank, and the docs' own-loop recipe on two real ranks."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckpt import api
+from ckpt.events import EventBus
+from ckpt.store import CheckpointStore
+from monitoring import Metrics, local_port
+from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, SAVE_OUTCOMES
+from tests.dist import free_port, run_ranks
+from trainer.config_schema import MetricsConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+    from prometheus_client import generate_latest
+
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    labels.setdefault("rank", metrics.rank)
+    return _samples(metrics)[(name, tuple(sorted(labels.items())))]
+
+
+def test_every_series_exists_before_the_first_event():
+    m = Metrics(rank=3)
+    s = _samples(m)
+    for outcome in SAVE_OUTCOMES:
+        assert s[("ckpt_saves_total", (("outcome", outcome), ("rank", "3")))] == 0
+    for kind in FAILURE_KINDS:
+        assert s[("train_failures_total", (("kind", kind), ("rank", "3")))] == 0
+    for name in ("ckpt_storage_retries_total", "ckpt_load_fallbacks_total",
+                 "ckpt_lease_lost_total", "ckpt_retention_failures_total",
+                 "ckpt_retention_deleted_total", "ckpt_loads_total", "train_resumes_total"):
+        assert s[(name, (("rank", "3"),))] == 0, name
+    for name in ("ckpt_save_stall_seconds_count", "ckpt_save_persist_seconds_count",
+                 "train_step_seconds_count"):
+        assert s[(name, (("rank", "3"),))] == 0, name
+    r = (("rank", "3"),)
+    assert s[("ckpt_last_committed_step", r)] == -1
+    assert abs(s[("ckpt_last_commit_timestamp_seconds", r)] - time.time()) < 60
+    assert s[("train_last_step_timestamp_seconds", r)] == s[
+        ("train_process_start_timestamp_seconds", r)]
+    assert s[("ckpt_age_limit_seconds", r)] == math.inf  # interval unknown: never pages
+    assert s[("train_stall_threshold_seconds", r)] == 900.0  # startup allowance
+
+
+def test_stall_threshold_follows_the_typical_step_and_stays_below_the_watchdog():
+    bus = EventBus()
+    m = Metrics(bus, stall_factor=10, stall_min_seconds=2, stall_max_seconds=60,
+                startup_seconds=300)
+    for step in range(1, 30):
+        bus.emit("train_step", step, loss=1.0, step_seconds=1.0)
+    assert _value(m, "train_step_seconds_typical") == 1.0
+    assert _value(m, "train_stall_threshold_seconds") == 10.0
+    for step in range(30, 80):
+        bus.emit("train_step", step, loss=1.0, step_seconds=0.01)
+    assert _value(m, "train_stall_threshold_seconds") == 2.0  # the floor
+    for step in range(80, 200):
+        bus.emit("train_step", step, loss=1.0, step_seconds=30.0)
+    assert _value(m, "train_stall_threshold_seconds") == 60.0  # the watchdog's cap
+    m.allow_grace(3600)  # a blocking save: the watchdog allows it, so does the alert
+    assert _value(m, "train_stall_threshold_seconds") == 3660.0
+    bus.emit("train_step", 200, loss=1.0, step_seconds=30.0)
+    assert _value(m, "train_stall_threshold_seconds") == 60.0
+
+
+def test_watchdog_grace_reaches_the_stall_threshold():
+    from trainer.faults import HangWatchdog
+
+    m = Metrics(startup_seconds=100)
+    wd = HangWatchdog(0, on_grace=m.allow_grace)
+    wd.grace_seconds = 120.0  # warm-up, as the trainer sets it
+    assert _value(m, "train_stall_threshold_seconds") == 220.0
+    wd.progress()
+    assert _value(m, "train_stall_threshold_seconds") == 100.0
+
+
+def test_expected_interval_and_age_limit_from_the_cadence_or_the_step_time():
+    bus = EventBus()
+    m = Metrics(bus, age_slack_seconds=5)
+    bus.emit("cadence", None, interval_steps=50, interval_seconds=None, policy="fixed")
+    assert _value(m, "ckpt_age_limit_seconds") == math.inf  # steps known, step time not
+    bus.emit("train_step", 1, loss=1.0, step_seconds=0.2)
+    assert _value(m, "ckpt_interval_seconds") == 10.0
+    assert _value(m, "ckpt_age_limit_seconds") == 3 * 10.0 + 5
+    bus.emit("cadence", None, interval_steps=None, interval_seconds=7.0, policy="fixed")
+    assert _value(m, "ckpt_age_limit_seconds") == 3 * 7.0 + 5
+
+
+def test_one_skip_per_skipped_save_not_per_busy_step():
+    bus = EventBus()
+    m = Metrics(bus)
+    bus.emit("cadence", None, interval_steps=10, interval_seconds=5.0)
+    # A time cadence: every step after the interval is due while step 10's save persists.
+    for step in range(20, 29):
+        bus.emit("save_skipped", step, reason="previous save in flight", in_flight_step=10)
+    assert _value(m, "ckpt_saves_total", outcome="skipped") == 1
+    # Still busy one interval later: a second save could not be made.
+    for step in range(30, 33):
+        bus.emit("save_skipped", step, reason="previous save in flight", in_flight_step=10)
+    assert _value(m, "ckpt_saves_total", outcome="skipped") == 2
+    bus.emit("save_staged", 33, stall_seconds=0.1, bytes=1)
+    bus.emit("save_skipped", 34, reason="previous save in flight", in_flight_step=33)
+    bus.emit("save_skipped", 35, reason="lease lost")
+    assert _value(m, "ckpt_saves_total", outcome="skipped") == 4
+
+
+def test_retries_counted_from_failed_and_committed_saves_once_each():
+    bus = EventBus(rank=1)
+    m = Metrics(bus, rank=1)
+    # The events carry the save's retries so far (cumulative).
+    bus.emit("save_failed", 10, outcome="retrying", final=False, retries=2)
+    bus.emit("save_failed", 10, outcome="retrying", final=False, retries=5)
+    bus.emit("save_failed", 10, outcome="failed", final=True, retries=6)
+    assert _value(m, "ckpt_storage_retries_total") == 6
+    assert _value(m, "ckpt_saves_total", outcome="failed") == 1
+    bus.emit("save_failed", 20, outcome="retrying", final=False, retries=1)
+    bus.emit("save_committed", 20, retries=3, persist_seconds=1.0, bytes_per_second=1.0)
+    assert _value(m, "ckpt_storage_retries_total") == 9
+    bus.emit("save_failed", 30, outcome="abandoned", final=True, retries=0)
+    assert _value(m, "ckpt_saves_total", outcome="failed") == 1  # shutdown, not a failure
+
+
+def test_checkpoint_age_comes_from_the_store_at_start_up(tmp_path):
+    root = str(tmp_path / "ckpt")
+    api.save({"w": torch.ones(2)}, root, 7)
+    api.save({"w": torch.ones(2)}, root, 9)
+    created = CheckpointStore(root).latest(check="none").created_unix
+    time.sleep(0.05)
+    m = Metrics()
+    m.observe_store(CheckpointStore(root))
+    assert _value(m, "ckpt_last_committed_step") == 9
+    assert _value(m, "ckpt_last_commit_timestamp_seconds") == created
+    empty = Metrics()
+    empty.observe_store(CheckpointStore(str(tmp_path / "none")))  # no checkpoint: unchanged
+    assert _value(empty, "ckpt_last_committed_step") == -1
+
+
+def test_serve_binds_the_config_default_and_local_rank_ports(monkeypatch):
+    assert DEFAULT_HOST == MetricsConfig().host
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_port(9109) == 9112
+    assert local_port(0) == 0
+
+
+def _docs_recipe(rank: int, world_size: int, base: int) -> str:
+    """Runs the docs' own-loop snippet as written (only the port number replaced)."""
+    import torch.distributed as dist
+
+    text = (ROOT / "docs" / "monitoring.md").read_text()
+    snippet = re.search(r"In your own loop.*?```python\n(.*?)```", text, re.S).group(1)
+    snippet = snippet.replace("9109", str(base))
+
+    class Manager:
+        events = EventBus(rank=rank)
+
+    scope = {"mgr": Manager(), "dist": dist}
+    exec(snippet, scope)  # noqa: S102 - the documented recipe, from our own docs
+    Manager.events.emit("train_step", 5 + rank, loss=1.0, step_seconds=0.1)
+    dist.barrier()  # both ranks serve now
+    pages = []
+    for r in range(world_size):
+        with urllib.request.urlopen(f"http://127.0.0.1:{base + r}/metrics", timeout=5) as f:
+            pages.append(f.read().decode())
+    dist.barrier()
+    scope["metrics"].shutdown()
+    return pages[rank]
+
+
+def test_docs_own_loop_recipe_serves_every_rank():
+    base = free_port()
+    while True:  # two consecutive free ports
+        try:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", base + 1))
+            break
+        except OSError:
+            base = free_port()
+    pages = run_ranks(_docs_recipe, 2, base, timeout=120)
+    for rank, page in enumerate(pages):
+        assert f'train_step{{rank="{rank}"}} {5 + rank}.0' in page, page[:2000]
+
+
+_HANG_CHILD = """
+import sys, time
+from ckpt.events import EventBus
+from monitoring import Metrics
+from trainer.faults import HangWatchdog
+bus = EventBus()
+m = Metrics(bus)
+port = m.serve(0, "127.0.0.1")
+print(port, flush=True)
+HangWatchdog(0.5, on_hang=lambda idle: bus.emit("failure", 7, failure="hang"),
+             exit_code=124, linger_seconds=LINGER).start()
+time.sleep(60)
+"""
+
+
+def test_hang_count_is_scrapable_before_the_watchdog_exits():
+    """The watchdog keeps the process up ``linger_seconds`` after counting the hang."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _HANG_CHILD.replace("LINGER", "3.0")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        deadline = time.monotonic() + 30
+        seen = False
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as f:
+                    page = f.read().decode()
+            except OSError:
+                break
+            if 'train_failures_total{kind="hang",rank="0"} 1.0' in page:
+                seen = True
+                break
+            time.sleep(0.1)
+        assert seen, "the hang count was never served"
+        assert proc.wait(timeout=30) == 124
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_event_log_is_strict_json_with_non_finite_numbers_as_strings(tmp_path):
+    from ckpt.events import JsonlEventLog
+
+    path = tmp_path / "events.jsonl"
+    bus = EventBus()
+    bus.subscribe(JsonlEventLog(str(path)))
+    bus.emit("train_step", 1, loss=math.nan, grad_norm=math.inf, extra={"x": [-math.inf, 1.5]})
+
+    def reject(token):
+        raise ValueError(f"non-strict JSON token {token}")
+
+    import json
+
+    (line,) = path.read_text().splitlines()
+    ev = json.loads(line, parse_constant=reject)
+    assert (ev["loss"], ev["grad_norm"], ev["extra"]) == ("NaN", "Infinity",
+                                                          {"x": ["-Infinity", 1.5]})
+    assert math.isnan(float(ev["loss"])) and float(ev["extra"]["x"][0]) == -math.inf

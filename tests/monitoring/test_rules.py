@@ -1,0 +1,119 @@
+"""The shipped alert rules and dashboard, checked without a running server: promtool's rule
+check and unit tests, a runbook entry per alert, and every dashboard query reading only
+metrics the exporter defines (and every exporter metric on a panel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from monitoring import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "monitoring" / "prometheus"
+ALERTS = PROM / "alerts.yml"
+RULE_TESTS = PROM / "alerts_test.yml"
+DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboard.json"
+DOCS = ROOT / "docs" / "monitoring.md"
+_NAME = re.compile(r"\b((?:ckpt|train)_[a-z0-9_]+)\b")
+
+
+def _promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is not installed; .ci/run installs Debian's 'prometheus'")
+        pytest.skip("promtool not installed (apt-get install prometheus)")
+    return path
+
+
+# The rule files are read with regular expressions (no YAML library among the project's
+# dependencies); promtool, which parses them for real, checks them first.
+def alert_names() -> list[str]:
+    return re.findall(r"^\s*- alert: (\w+)$", ALERTS.read_text(), re.M)
+
+
+def alert_rules() -> dict[str, str]:
+    """{alert name: its rule text (expr, labels, annotations)}."""
+    parts = re.split(r"^\s*- alert: (\w+)$", ALERTS.read_text(), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def exporter_series() -> dict[str, str]:
+    """{sample name: family name} of everything the exporter serves."""
+    out = {}
+    for fam in Metrics().registry.collect():
+        for s in fam.samples:
+            out[s.name] = fam.name
+    return out
+
+
+def test_promtool_accepts_alert_rules():
+    out = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_promtool_unit_tests_pass_and_cover_every_alert():
+    out = subprocess.run([_promtool(), "test", "rules", RULE_TESTS.name], cwd=PROM,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    fired = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels",
+                           RULE_TESTS.read_text()))
+    assert set(alert_names()) <= fired, f"alerts without a firing test: " \
+        f"{sorted(set(alert_names()) - fired)}"
+
+
+def test_every_alert_has_a_runbook_entry():
+    text = DOCS.read_text()
+    for name in alert_names():
+        section = re.search(rf"^### {name}\n(.*?)(?=^##)", text, re.S | re.M)
+        assert section, f"docs/monitoring.md: no '### {name}' runbook section"
+        body = section.group(1)
+        assert "**First:**" in body and "`ckpt " in body, f"{name}: runbook needs a first " \
+            f"action and a ckpt command"
+    for name, rule in alert_rules().items():
+        assert f'runbook: "docs/monitoring.md#{name.lower()}"' in rule, name
+
+
+def test_dashboard_queries_read_only_exporter_metrics_and_cover_them_all():
+    series = exporter_series()
+    used_families = set()
+    exprs = dashboard_exprs()
+    assert exprs and all(e.strip() for e in exprs), "empty panel query"
+    for expr in exprs:
+        names = _NAME.findall(expr)
+        assert names, f"panel query reads no exporter metric: {expr}"
+        for name in names:
+            assert name in series, f"panel query reads unknown metric {name!r}: {expr}"
+            used_families.add(series[name])
+    families = set(series.values())
+    assert families <= used_families, f"metrics on no panel: {sorted(families - used_families)}"
+    # Alert expressions, likewise, read only what the exporter defines.
+    for alert, rule in alert_rules().items():
+        for name in _NAME.findall(rule):
+            assert name in series, f"{alert} reads unknown metric {name!r}"
+
+
+def test_structural_check_rejects_unknown_and_empty_queries(tmp_path, monkeypatch):
+    """The check above fails on a typo'd metric and on a panel without a metric."""
+    good = json.loads(DASHBOARD.read_text())
+    for bad_expr in ('max(ckpt_last_comitted_step{job=~"$job"})', "  ", "time()"):
+        doc = json.loads(json.dumps(good))
+        doc["panels"][0]["targets"][0]["expr"] = bad_expr
+        path = tmp_path / "dashboard.json"
+        path.write_text(json.dumps(doc))
+        monkeypatch.setitem(globals(), "DASHBOARD", path)
+        with pytest.raises(AssertionError):
+            test_dashboard_queries_read_only_exporter_metrics_and_cover_them_all()

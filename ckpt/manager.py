@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ckpt import api
 from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
-from ckpt.cadence import FailureHistory
+from ckpt.cadence import CadencePolicy, FailureHistory
 from ckpt.events import EventBus
 from ckpt.history import HISTORY_NAME, read_history, write_history
 from ckpt.lease import Lease
@@ -61,7 +61,7 @@ class CheckpointManager:
 
     Args:
         root: local path or fsspec URL (``s3://bucket/prefix``), or a ``Storage``.
-        cadence: a policy with ``should_save(step, now)`` (see ``ckpt.cadence``) or a string
+        cadence: a ``CadencePolicy`` (see ``ckpt.cadence``) or an interval string
             (``"auto"``, ``"100"`` steps, ``"300s"``); None saves only when asked.
         retention: policies deciding which older checkpoints to delete (default: keep last 3
             plus pinned); an empty list keeps everything.
@@ -78,7 +78,7 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | Storage, *, storage_options: dict[str, Any] | None = None,
-                 cadence: Any = None, retention: Sequence[RetentionPolicy] | None = None,
+                 cadence: CadencePolicy | str | None = None, retention: Sequence[RetentionPolicy] | None = None,
                  async_save: bool = True, busy: str = "skip", verify: str = "full",
                  num_threads: int | None = None, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
                  raise_on_failure: bool = False, max_attempts: int = 3,
@@ -166,10 +166,9 @@ class CheckpointManager:
             dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
             data = holder[0]
         self.history = FailureHistory.from_dict(data)
-        if self.cadence is not None and hasattr(self.cadence, "history"):
+        if self.cadence is not None:
             # The cadence accumulates uptime in the same object; one history per job.
             self.cadence.history = self.history
-        self._history_uptime_owner = hasattr(self.cadence, "history")
         self._save_history()
 
     def _save_history(self) -> None:
@@ -257,8 +256,8 @@ class CheckpointManager:
             self._executor.submit(self.staging.prepare, api.resolve_state(state))
         want = False
         if self.cadence is not None:
-            want = bool(self.cadence.should_save(step, time.time()))
-            if not getattr(self.cadence, "deterministic", False):
+            want = bool(self.cadence.should_save(step, time.monotonic()))
+            if not self.cadence.deterministic:
                 # A time-based decision differs between ranks, so it is agreed; but only
                 # every ``_check_every`` steps (about 1/20 of the interval, agreed at each
                 # save), not at every step: a save is at most 5% of an interval late.
@@ -290,6 +289,7 @@ class CheckpointManager:
             self._raise_agreed_failure()
         if lost:
             self.lease_lost = True
+            self._used_slot(step)  # one skip per due save, not one per step after it
             self.events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
             log.error("not saving step %d: the write lease on %s was lost to another job",
                       step, self.storage.url)
@@ -301,6 +301,7 @@ class CheckpointManager:
             return False
         if busy:
             if self.busy == "skip" and not force:
+                self._used_slot(step)  # one skip per due save, not one per step after it
                 self.num_skipped += 1
                 self.events.emit("save_skipped", step, reason="previous save in flight",
                                  outcome="skipped", in_flight_step=self._inflight_step,
@@ -321,8 +322,7 @@ class CheckpointManager:
         stall = time.monotonic() - t0
         self.num_saves += 1
         self.events.emit("save_staged", step, stall_seconds=stall, bytes=nbytes, first=first)
-        if self.cadence is not None and hasattr(self.cadence, "record_saved"):
-            self.cadence.record_saved(step, time.time())
+        self._used_slot(step)
         self._steps_while_busy = 0
         self._failure = None  # wait() reports the outcome of the newest save only
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
@@ -333,11 +333,17 @@ class CheckpointManager:
             self._raise_pending_failure()
         return True
 
+    def _used_slot(self, step: int) -> None:
+        """The save due at ``step`` happened, or was skipped: either way its slot is used,
+        so the cadence counts the next interval from here (every rank alike)."""
+        if self.cadence is not None:
+            self.cadence.record_saved(step, time.monotonic())
+
     def _proposed_check_period(self) -> int:
         """Steps between agreements of a time-based cadence: ~1/20 of its interval."""
         try:
             steps = (self.cadence.describe() or {}).get("interval_steps") \
-                if hasattr(self.cadence, "describe") else None
+                if self.cadence is not None else None
         except Exception:  # noqa: BLE001 - advisory only
             steps = None
         return max(1, int(steps) // 20) if steps else 1
@@ -436,13 +442,13 @@ class CheckpointManager:
                          retries=self.storage.retry.num_retries - retries_before + attempt - 1,
                          attempts=attempt,
                          total_bytes=manifest.total_bytes if manifest else None)
-        if self.cadence is not None and hasattr(self.cadence, "record_save"):
+        if self.cadence is not None:
             try:
                 self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
                                          num_bytes=nbytes, slowdown_seconds=self._slowdown())
             except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
                 log.exception("cadence policy failed to record the save of step %d", step)
-        if self.cadence is not None and hasattr(self.cadence, "describe"):
+        if self.cadence is not None:
             try:
                 self.events.emit("cadence", step, **self.cadence.describe())
             except Exception:  # noqa: BLE001
@@ -484,7 +490,7 @@ class CheckpointManager:
     def _observe_step(self, now: float) -> None:
         if self._last_call is not None:
             dt = now - self._last_call
-            if not self._history_uptime_owner:
+            if self.cadence is None:  # else the cadence adds it (record_step)
                 self.history.add_uptime(dt)
             busy = self.in_flight()
             attr = "_step_time_busy" if busy else "_step_time_idle"
@@ -492,7 +498,7 @@ class CheckpointManager:
             setattr(self, attr, dt if prev is None else 0.8 * prev + 0.2 * dt)
             if busy:
                 self._steps_while_busy += 1
-            if self.cadence is not None and hasattr(self.cadence, "record_step"):
+            if self.cadence is not None:
                 self.cadence.record_step(dt)
         self._last_call = now
 
@@ -548,6 +554,9 @@ class CheckpointManager:
                                        num_threads=self.num_threads, ignore_keys=ignore_keys,
                                        on_fallback=fell_back)
         if manifest is not None:
+            # Resumed at manifest.step: the cadence counts the next interval from there
+            # (a resumed run saves at 40 and 50 after resuming at 30 with a cadence of 10).
+            self._used_slot(manifest.step)
             seconds = time.monotonic() - t0
             self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
                              bytes=manifest.total_bytes, verify=self.verify,

@@ -156,7 +156,7 @@ class Trainer:
         self.manager = self._build_manager() if cfg.checkpoint.enabled else None
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
-            if hasattr(self.manager.cadence, "describe"):
+            if self.manager.cadence is not None:
                 self.events.emit("cadence", None, **self.manager.cadence.describe())
 
     # -- checkpointing -----------------------------------------------------------------------
@@ -226,8 +226,6 @@ class Trainer:
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
             self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)
-        if hasattr(self.manager.cadence, "record_saved"):
-            self.manager.cadence.record_saved(self.step, time.time())
         return manifest.step
 
     def _uncommit_newer(self, step: int) -> None:
@@ -305,6 +303,8 @@ class Trainer:
         if cfg.fault.handle_preemption:
             self.preemption.install()
         start_step = self.resume()
+        if self.metrics is not None and self.manager is not None:
+            self.metrics.observe_store(self.manager.store)  # after a fallback's un-commits
         if self.env.rank == 0 and start_step is None:
             log.info("starting at step 0 (%d parameters, layout pp%d dp%d tp%d, %s)",
                      self.model_cfg.num_params(), self.par.pp, self.par.dp, self.par.tp,

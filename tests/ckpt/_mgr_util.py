@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Iterable
 
+from ckpt.cadence import CadenceBase
 from ckpt.storage import Storage
 
 __all__ = ["FaultyStorage", "EveryN", "OnlyRankWants", "wait_for"]
@@ -79,29 +80,38 @@ class FaultyStorage(Storage):
         return super().delete(rel, recursive=recursive)
 
 
-class EveryN:
+class EveryN(CadenceBase):
     """Deterministic cadence: save when ``step % n == 0`` (same answer on every rank)."""
 
     deterministic = True
 
     def __init__(self, n: int):
+        super().__init__()
         self.n = n
         self.saved: list[int] = []
+
+    def describe(self) -> dict:
+        return self._describe(self.n, None, "fixed")
 
     def should_save(self, step: int, now: float) -> bool:
         return step % self.n == 0
 
     def record_saved(self, step: int, now: float) -> None:
+        super().record_saved(step, now)
         self.saved.append(step)
 
 
-class OnlyRankWants:
+class OnlyRankWants(CadenceBase):
     """Non-deterministic cadence: only ``rank`` wants to save, at ``step`` (ranks disagree)."""
 
     deterministic = False
 
     def __init__(self, rank: int, my_rank: int, step: int):
+        super().__init__()
         self.rank, self.my_rank, self.step = rank, my_rank, step
+
+    def describe(self) -> dict:
+        return self._describe(None, None, "fixed")
 
     def should_save(self, step: int, now: float) -> bool:
         return self.my_rank == self.rank and step == self.step

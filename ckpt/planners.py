@@ -37,14 +37,13 @@ def _is_plain_tensor(obj) -> bool:
             and not hasattr(obj, "local_shards"))
 
 
-def _tensor_digest(t: torch.Tensor) -> int:
-    """CRC32C (the writer's checksum) of a tensor's dtype, shape and bytes."""
+def _tensor_crc(t: torch.Tensor) -> int:
+    """CRC32C of a tensor's bytes, exactly as the writer checksums them."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    header = f"{t.dtype}:{list(t.shape)}".encode()
-    return crc32c_of([header, t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""])
+    return crc32c_of([t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""])
 
 
 class SafeSavePlanner(DefaultSavePlanner):
@@ -60,8 +59,11 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     Cost: one CRC32C pass over this rank's plain tensors (a rank cannot tell which of them
     other ranks share before the plans meet), on the thread that saves; DTensor and
-    ShardedTensor shards are never read here.
+    ShardedTensor shards are never read here. ``tensor_crcs`` keeps the results by key: they
+    are the CRCs the writer computes for the same bytes.
     """
+
+    tensor_crcs: dict[str, int]
 
     @staticmethod
     def digest_key(fqn: str) -> str:
@@ -70,6 +72,7 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
+        self.tensor_crcs = {}
         hashes = {}
         for item in plan.items:
             fqn = item.index.fqn
@@ -77,7 +80,10 @@ class SafeSavePlanner(DefaultSavePlanner):
                 obj = self.lookup_object(item.index)
                 hashes[self.digest_key(fqn)] = [crc32c_of([encode_object(obj, fqn)])]
             elif _is_plain_tensor(self.state_dict.get(fqn)):
-                hashes[self.digest_key(fqn)] = [_tensor_digest(self.state_dict[fqn])]
+                t = self.state_dict[fqn]
+                self.tensor_crcs[fqn] = _tensor_crc(t)
+                hashes[self.digest_key(fqn)] = [self.tensor_crcs[fqn], str(t.dtype),
+                                                str(list(t.shape))]
         if hashes:
             plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
                                                            **hashes})

@@ -155,3 +155,22 @@ def test_divergence_message_groups_ranks_by_value():
     message = str(info.value)
     assert "'x'" in message and "'y'" not in message, message
     assert "ranks 0, 1" in message and "rank 2" in message and "rank 3" in message, message
+
+
+def _local_plan(state) -> SavePlan:
+    planner = SafeSavePlanner()
+    planner.set_up_planner(state, None, True)
+    return planner.create_local_plan()
+
+
+def test_replica_check_compares_bytes_dtype_and_shape_through_real_local_plans():
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    same = [_local_plan({"t": base.clone(), "n": 1}) for _ in range(2)]
+    SafeSavePlanner().create_global_plan(same)  # identical replicas: accepted
+    # Non-contiguous views are checksummed by value, like the writer does.
+    SafeSavePlanner().create_global_plan([_local_plan({"t": base}),
+                                          _local_plan({"t": base.t().contiguous().t()})])
+    for other in (base.reshape(3, 2), base.view(torch.int32), base + 1):
+        plans = [_local_plan({"t": base}), _local_plan({"t": other})]
+        with pytest.raises(ValueError, match=r"'t' \(rank 0 \| rank 1\)"):
+            SafeSavePlanner().create_global_plan(plans)

@@ -97,6 +97,12 @@ def _per_rank_body(rank: int, world: int, root: str) -> dict:
     with pytest.raises(ValueError) as info:
         ckpt.save(bad, root, 1)
     out["message"] = str(info.value)
+    # The data loader's state is replicated by contract; a rank that drifted is refused.
+    drifted = BatchLoader(SyntheticMarkovDataset(32, 8, seed=5), 8, rank, world)
+    for _ in range(rank):
+        drifted.next_batch()
+    with pytest.raises(ValueError, match=r"'data.next_batch' \(rank 0 \| rank 1\)"):
+        ckpt.save({"data": drifted}, root, 1)
     assert CheckpointStore(root).committed_steps() == []
     dist.barrier()
 

@@ -98,6 +98,10 @@ class RetryPolicy:
     (1-based) is uniform in ``[0, min(max_seconds, base_seconds * 2**(k-1))]``.
     ``num_retries`` is the total number of retries performed through this policy, across
     threads, for events and metrics.
+
+    The jitter comes from the policy's own generator (seeded from the OS), never from the
+    module-level ``random``: a job seeds that one and checkpoints it (``RNGState``), so a
+    storage retry must not move it.
     """
 
     def __init__(self, attempts: int = 5, base_seconds: float = 0.2, max_seconds: float = 10.0):
@@ -110,22 +114,26 @@ class RetryPolicy:
         self.max_seconds = max_seconds
         self.num_retries = 0
         self._lock = threading.Lock()
+        self._jitter = random.Random()
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        del state["_lock"]
+        del state["_lock"], state["_jitter"]
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        # A fresh seed per copy: ranks given one pickled policy must not back off in step.
+        self._jitter = random.Random()
 
     def _should_retry(self, what: str, exc: BaseException, attempt: int) -> float | None:
         """The delay before the next attempt, or None to give up (and count the retry)."""
         if attempt >= self.attempts or not is_transient_error(exc):
             return None
-        delay = random.uniform(0, min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1)))
+        cap = min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1))
         with self._lock:
+            delay = self._jitter.uniform(0, cap)
             self.num_retries += 1
         log.warning("%s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__,
                     exc, attempt, self.attempts - 1, delay)

@@ -45,21 +45,40 @@ def _rank(process_group=None) -> int:
     return dist.get_rank(process_group) if _is_dist(process_group) else 0
 
 
+def _in_rank_order(state: dict[str, Any]) -> list[str]:
+    """``state``'s keys in the one order every rank uses (sorted, whatever the dict's order).
+
+    ``Stateful`` objects may run collectives in ``state_dict``/``load_state_dict`` (on their
+    own groups, e.g. a model-parallel one); ranks that visited them in their dicts' orders
+    would wait for each other in different collectives forever.
+    """
+    return sorted(state, key=lambda k: (type(k).__name__, str(k)))
+
+
 def resolve_state(state: dict[str, Any]) -> dict[str, Any]:
-    """Replace each ``Stateful`` value by its ``state_dict()``; leave plain values alone."""
+    """Replace each ``Stateful`` value by its ``state_dict()``; leave plain values alone.
+
+    Collective when a ``Stateful`` runs collectives: every rank calls ``state_dict()`` of its
+    objects in sorted key order, so objects listed in different orders on different ranks
+    do not deadlock. The result keeps ``state``'s order.
+    """
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict of names to state dicts or Stateful objects, "
                         f"got {type(state).__name__}")
-    return {k: (v.state_dict() if _is_stateful(v) else v) for k, v in state.items()}
+    resolved = {k: (state[k].state_dict() if _is_stateful(state[k]) else state[k])
+                for k in _in_rank_order(state)}
+    return {k: resolved[k] for k in state}
 
 
 def apply_state(state: dict[str, Any], loaded: dict[str, Any]) -> None:
     """Hand each loaded value back to its ``Stateful`` owner (``load_state_dict``).
 
-    Plain top-level values are replaced in ``state`` too: tensors were loaded in place (the
-    same objects), but an int or a string can only come back by assignment.
+    Owners are visited in sorted key order on every rank (see :func:`resolve_state`). Plain
+    top-level values are replaced in ``state`` too: tensors were loaded in place (the same
+    objects), but an int or a string can only come back by assignment.
     """
-    for k, v in state.items():
+    for k in _in_rank_order(state):
+        v = state[k]
         if _is_stateful(v):
             v.load_state_dict(loaded[k])
         elif k in loaded and loaded[k] is not v:

@@ -3,8 +3,8 @@
 DCP's planners decide *what* each rank saves and loads; they understand DTensor, FSDP2 and
 tensor-parallel shards, which is what makes resharding work. Its default ones store every
 non-tensor value with ``torch.save`` and load it back with an unrestricted ``torch.load``;
-these store JSON (:mod:`ckpt.codec`) instead, check that a key shared by all ranks holds one
-value, and check the whole state against the checkpoint before reading anything.
+these store JSON (:mod:`ckpt.codec`) instead, check that a key shared by several ranks
+holds one value (objects and plain tensors alike), and check the whole state against the checkpoint before reading anything.
 """
 
 from __future__ import annotations
@@ -25,25 +25,65 @@ from ckpt.storage import crc32c_of
 __all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
 
 _HASH_KEY = "__ckpt_object_crc__:"
+_MAX_KEYS_NAMED = 10
+
+
+def _is_plain_tensor(obj) -> bool:
+    """A tensor each rank holds whole: not a DTensor or ShardedTensor (those are sharded, and
+    DCP tells their shards apart by offset)."""
+    from torch.distributed.tensor import DTensor
+
+    return (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)
+            and not hasattr(obj, "local_shards"))
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    """CRC32C of a tensor's bytes, exactly as the writer checksums them."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return crc32c_of([t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""])
 
 
 class SafeSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles.
 
-    DCP saves a key that every rank has from one rank only (it assumes replicas). For
-    non-tensor values that silently drops the others' values when they differ (a per-rank
-    counter saved under a shared key), so each rank sends a checksum of each object's
-    encoding with its plan and the coordinator refuses to save differing values.
+    DCP saves a key that several ranks have from one rank only: it assumes replicas. When the
+    ranks' values differ, the others' are silently lost (a per-rank counter or generator
+    state saved under a shared key comes back as rank 0's on every rank). So each rank sends,
+    with its local plan, a CRC32C of each object's encoding and of each plain (non-DTensor)
+    tensor's bytes, and the coordinator refuses the save, before anything is written, when a
+    key's checksums differ between ranks. Checksums travel in the plans DCP already gathers
+    on the save's process group: no collective of its own.
+
+    Cost: one CRC32C pass over this rank's plain tensors (a rank cannot tell which of them
+    other ranks share before the plans meet), on the thread that saves; DTensor and
+    ShardedTensor shards are never read here. ``tensor_crcs`` keeps the results by key: they
+    are the CRCs the writer computes for the same bytes.
     """
+
+    tensor_crcs: dict[str, int]
+
+    @staticmethod
+    def digest_key(fqn: str) -> str:
+        """The ``planner_data`` key under which a local plan carries ``fqn``'s checksum."""
+        return _HASH_KEY + fqn
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
+        self.tensor_crcs = {}
         hashes = {}
         for item in plan.items:
+            fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
                 obj = self.lookup_object(item.index)
-                hashes[_HASH_KEY + item.index.fqn] = [crc32c_of(
-                    [encode_object(obj, item.index.fqn)])]
+                hashes[self.digest_key(fqn)] = [crc32c_of([encode_object(obj, fqn)])]
+            elif _is_plain_tensor(self.state_dict.get(fqn)):
+                t = self.state_dict[fqn]
+                self.tensor_crcs[fqn] = _tensor_crc(t)
+                hashes[self.digest_key(fqn)] = [self.tensor_crcs[fqn], str(t.dtype),
+                                                str(list(t.shape))]
         if hashes:
             plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
                                                            **hashes})
@@ -51,21 +91,24 @@ class SafeSavePlanner(DefaultSavePlanner):
         return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]):
-        seen: dict[str, tuple[int, int]] = {}
-        conflicts = []
+        """On the coordinator: refuse keys whose replicas differ, then DCP's global plan."""
+        ranks_by_value: dict[str, dict[tuple, list[int]]] = {}
         for rank, plan in enumerate(all_plans):
             for key, value in (plan.planner_data or {}).items():
-                if not key.startswith(_HASH_KEY):
-                    continue
-                fqn = key[len(_HASH_KEY):]
-                if fqn in seen and seen[fqn][1] != value[0]:
-                    conflicts.append(f"{fqn!r} (rank {seen[fqn][0]} vs rank {rank})")
-                seen.setdefault(fqn, (rank, value[0]))
+                if key.startswith(_HASH_KEY):
+                    ranks_by_value.setdefault(key[len(_HASH_KEY):], {}).setdefault(
+                        tuple(value), []).append(rank)
+        conflicts = [f"{fqn!r} ({' | '.join(_ranks(r) for r in groups.values())})"
+                     for fqn, groups in sorted(ranks_by_value.items()) if len(groups) > 1]
         if conflicts:
+            named = ", ".join(conflicts[:_MAX_KEYS_NAMED])
+            more = len(conflicts) - _MAX_KEYS_NAMED
             raise ValueError(
-                f"state keys hold different values on different ranks: {', '.join(conflicts)}. "
-                f"A key present on every rank is saved once, as a replica; give per-rank "
-                f"values per-rank keys (e.g. f'rank{{rank}}').")
+                f"state keys hold different values on different ranks (ranks grouped by "
+                f"value): {named}{f' and {more} more' if more > 0 else ''}. A key present on "
+                f"several ranks is saved once, from one rank, as a replica; give per-rank "
+                f"values a per-rank key (wrap the object in ckpt.stateful.PerRankState, or "
+                f"nest it under f'rank{{rank}}'; docs/store.md, 'Per-rank state').")
         cleaned = [dataclasses.replace(p, planner_data={
             k: v for k, v in (p.planner_data or {}).items() if not k.startswith(_HASH_KEY)})
             for p in all_plans]
@@ -75,6 +118,10 @@ class SafeSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(encode_object(object, write_item.index.fqn))
         return object
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -4,6 +4,11 @@
 ``get_state_dict``/``set_state_dict``: keys are parameter names (FQNs), not optimizer
 integer ids, and DDP/FSDP2/tensor-parallel wrappers are seen through, so a checkpoint saved
 under one layout loads under another.
+
+Per-rank state (RNG streams, a rank's own counters) goes under a per-rank key,
+:func:`rank_key`: a key several ranks share is saved once, as a replica (see
+docs/store.md, "Per-rank state"). ``RNGState`` does this for the RNGs; ``PerRankState``
+does it for any object.
 """
 
 from __future__ import annotations
@@ -17,7 +22,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-__all__ = ["ModelState", "RNGState", "init_optimizer_state"]
+__all__ = ["ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state"]
+
+
+def _default_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank_key(rank: int | None = None) -> str:
+    """The sub-key that holds rank ``rank``'s own state: ``f"rank{rank}"`` (default: this
+    process's global rank, 0 without a process group)."""
+    return f"rank{_default_rank() if rank is None else int(rank)}"
 
 
 class ModelState:
@@ -53,15 +70,12 @@ class ModelState:
 class RNGState:
     """Per-rank random number generator state: torch (CPU and CUDA) and Python's ``random``.
 
-    Stored under the rank's own key so that every rank restores its own streams.
+    Stored under the rank's own key (:func:`rank_key`) so that every rank restores its own
+    streams; it loads only where the same global ranks exist (the same world size).
     """
 
     def __init__(self, rank: int | None = None):
-        if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = rank
+        self.rank = _default_rank() if rank is None else rank
 
     def state_dict(self) -> dict[str, Any]:
         import random
@@ -69,17 +83,44 @@ class RNGState:
         state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
-        return {f"rank{self.rank}": state}
+        return {rank_key(self.rank): state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         import random
 
-        state = state_dict[f"rank{self.rank}"]
+        state = state_dict[rank_key(self.rank)]
         torch.set_rng_state(state["cpu"])
         py = state["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
+
+
+class PerRankState:
+    """Any ``state_dict()``/``load_state_dict()`` object whose state differs by rank (a
+    generator, a rank's own sampler or counters), stored under :func:`rank_key` so that
+    every rank saves and gets back its own.
+
+    ``state["sampler"] = PerRankState(sampler)`` saves ``sampler.rank{r}.*`` on rank ``r``.
+    Like ``RNGState`` it loads only where the same ranks exist.
+    """
+
+    def __init__(self, obj: Any, rank: int | None = None):
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"PerRankState wraps an object with state_dict() and "
+                            f"load_state_dict(), got {type(obj).__name__}")
+        self.obj = obj
+        self.rank = _default_rank() if rank is None else rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {rank_key(self.rank): self.obj.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = rank_key(self.rank)
+        if key not in state_dict:
+            raise KeyError(f"no state for {key} (saved: {', '.join(sorted(state_dict))}); "
+                           f"per-rank state loads only on the ranks that saved it")
+        self.obj.load_state_dict(state_dict[key])
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

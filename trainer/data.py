@@ -11,7 +11,10 @@ Contract
 * Inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]`` (int64).
 * :meth:`BatchLoader.state_dict` is JSON-safe (ints and strings). Every dp rank calls
   ``next_batch`` once per optimizer step; the state is identical on every rank, so rank 0's
-  copy is enough to resume all of them.
+  copy is enough to resume all of them. It holds nothing per-rank (each rank's slice comes
+  from the ``(dp_rank, dp_size)`` it is constructed with), so it is checkpointed under one
+  shared key, and ckpt refuses a save in which ranks' copies differ (docs/store.md,
+  "Per-rank state").
 
 Randomness is counter-based (SplitMix64 over ``(seed, stream, i, t)`` in numpy uint64), so it
 is identical across machines and library versions.

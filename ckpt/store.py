@@ -75,7 +75,7 @@ class CheckpointStore:
                 f"no committed checkpoint at {self.storage.describe(step_dirname(step))} "
                 f"({MANIFEST_NAME} is absent). `ckpt list {self.storage.url}` shows what exists."
             ) from None
-        return Manifest.from_json_bytes(data, self.storage.describe(rel))
+        return Manifest.from_json_bytes(data, self.storage.describe(rel), expected_step=step)
 
     def info(self, step: int, *, check: str = "none") -> CheckpointInfo:
         """Status of one step. ``check``: 'none' (manifest only), 'size', or 'full'."""

@@ -276,6 +276,8 @@ class Storage:
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, p)
+            if durable:
+                _fsync_dir(os.path.dirname(p))  # the new name must survive a crash too
         except BaseException:
             try:
                 os.unlink(tmp)

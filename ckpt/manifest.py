@@ -169,7 +169,17 @@ class Manifest:
             "objects": {fqn: loc.to_json() for fqn, loc in self.objects.items()},
             "planner_data": self.planner_data,
         }
-        return manifest_bytes(doc)
+        data = manifest_bytes(doc)
+        # Never commit what readers refuse (e.g. user_metadata nested too deep or holding a
+        # 400-digit int): fail the save instead of losing the checkpoint.
+        try:
+            jsonio.loads(data, f"the manifest of step {self.step}")
+        except CorruptCheckpointError as exc:
+            raise ValueError(
+                f"cannot write the manifest of step {self.step}: {exc.args[0].split(';')[0]}; "
+                f"keep user_metadata and layout within the JSON rules of docs/format.md") \
+                from None
+        return data
 
     @classmethod
     def from_json_bytes(cls, data: bytes, source: str, *,

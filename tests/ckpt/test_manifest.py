@@ -230,3 +230,14 @@ def test_pending_marker():
                 b"\xff"):
         with pytest.raises(CorruptCheckpointError, match="^p: "):
             parse_pending(bad, "p")
+
+
+@pytest.mark.parametrize("meta, match", [
+    ({"big": 10 ** 400}, "integer of 401 digits"),
+    ({"deep": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]
+               ]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}, "nested deeper than 64"),
+])
+def test_a_save_whose_manifest_readers_would_refuse_fails_instead(tmp_path, meta, match):
+    with pytest.raises(ValueError, match=f"cannot write the manifest of step 1: .*{match}"):
+        ckpt.save({"w": torch.ones(2)}, str(tmp_path), 1, user_metadata=meta)
+    assert ckpt.CheckpointStore(str(tmp_path)).committed_steps() == []

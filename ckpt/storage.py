@@ -250,6 +250,14 @@ class Storage:
                 f"root (it could lead anywhere). Replace it with the file itself or delete it.",
                 path=where) from None
 
+    def open_local(self, rel: str):
+        """An unbuffered binary file object reading local file ``rel``, never through a
+        link (``CorruptCheckpointError`` naming it). For readers that fill tensors in place."""
+        if not self.is_local:
+            raise ValueError(f"{self.describe(rel)} is not on a local file system")
+        return os.fdopen(self._guard("open", rel, lambda: self._open_local_read(rel)), "rb",
+                         buffering=0)
+
     def _read_local(self, rel: str, start: int | None, end: int | None) -> bytes:
         fd = self._open_local_read(rel)
         with os.fdopen(fd, "rb") as f:

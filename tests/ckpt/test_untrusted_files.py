@@ -75,6 +75,19 @@ def test_a_linked_data_file_is_refused_and_loads_fall_back(tmp_path):
         assert torch.equal(state["w"], torch.full((2,), 1.0))
 
 
+def test_open_local_never_follows_a_link(tmp_path):
+    storage = Storage(str(tmp_path / "root"))
+    storage.makedirs("d")
+    storage.write_bytes("d/x.bin", b"abc")
+    with storage.open_local("d/x.bin") as f:
+        assert f.read() == b"abc"
+    os.symlink(tmp_path / "root" / "d" / "x.bin", tmp_path / "root" / "d" / "y.bin")
+    with pytest.raises(CorruptCheckpointError, match="y.bin is a symbolic link"):
+        storage.open_local("d/y.bin")
+    with pytest.raises(FileNotFoundError):
+        storage.open_local("d/absent.bin")
+
+
 def test_a_linked_manifest_or_folder_leading_outside_is_refused(tmp_path):
     root, other = tmp_path / "root", tmp_path / "other"
     _save_steps(str(root), [1])

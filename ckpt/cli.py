@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any, Sequence
 
+from ckpt import jsonio
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -81,7 +82,7 @@ def cmd_list(args) -> int:
     store = CheckpointStore(args.url, _storage_options(args))
     infos = store.list(check=args.check, all_versions=args.all)
     if args.json:
-        print(json.dumps([i.to_json() for i in infos], indent=1))
+        print(jsonio.dumps([i.to_json() for i in infos], indent=1).decode())
         return 0
     if not infos:
         print(f"no checkpoints under {args.url}")

@@ -42,7 +42,6 @@ record) came before it, so the manifest is in any later record.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -51,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ckpt import jsonio
 from ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -118,12 +118,7 @@ class _Folder:
 
 
 def _loads(data: bytes, source: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{source} is not valid JSON ({type(exc).__name__}); "
-                                     f"it was damaged or not written by ckpt",
-                                     path=source) from None
+    return jsonio.loads(data, source, max_bytes=16 << 20)
 
 
 class Lifecycle:
@@ -202,12 +197,7 @@ class Lifecycle:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint at {self.storage.describe(d)} ({MANIFEST_NAME} is "
                 f"absent). `ckpt list {self.storage.url} --all` shows what exists.") from None
-        manifest = Manifest.from_json_bytes(data, self.storage.describe(rel))
-        if manifest.step != step:
-            raise CorruptCheckpointError(
-                f"{self.storage.describe(rel)} describes step {manifest.step}, not {step}: a "
-                f"manifest copied into another folder is not a checkpoint. Load another step.",
-                path=self.storage.describe(rel))
+        manifest = Manifest.from_json_bytes(data, self.storage.describe(rel), expected_step=step)
         if self.is_fenced(manifest):
             raise FencedCheckpointError(
                 f"{self.storage.describe(rel)} was created by a writer (lease generation "
@@ -346,7 +336,7 @@ class Lifecycle:
         self.storage.makedirs(d)
         marker = {"save_id": save_id, "step": step, "started_unix": time.time(),
                   "host": socket.gethostname(), "pid": os.getpid(), **self._writer_record()}
-        self.storage.write_bytes(f"{d}/{marker_name(save_id)}", json.dumps(marker).encode(),
+        self.storage.write_bytes(f"{d}/{marker_name(save_id)}", jsonio.dumps(marker),
                                  durable=durable)
 
     def commit(self, manifest: Manifest) -> None:
@@ -617,8 +607,8 @@ class Lifecycle:
     def _mark_closing(self, generation: int) -> None:
         self.storage.makedirs(_FENCE_DIR)
         try:
-            self.storage.create_exclusive(self._fence_rel(generation, "closing"), json.dumps(
-                {"generation": generation, "closing_unix": time.time()}).encode())
+            self.storage.create_exclusive(self._fence_rel(generation, "closing"), jsonio.dumps(
+                {"generation": generation, "closing_unix": time.time()}))
         except FileExistsError:
             pass
 
@@ -628,7 +618,7 @@ class Lifecycle:
                "closed_by": self.lease.holder_id if self.lease is not None else None}
         self._mark_closing(generation)
         try:
-            self.storage.create_exclusive(self._fence_rel(generation), json.dumps(doc).encode())
+            self.storage.create_exclusive(self._fence_rel(generation), jsonio.dumps(doc))
         except FileExistsError:
             pass  # closed by someone else first; theirs stands
         self._fence_cache.pop(generation, None)

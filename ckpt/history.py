@@ -7,11 +7,12 @@ Advisory data: unreadable or unwritable history is logged and ignored, never fat
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import os
 import time
 
+from ckpt import jsonio
 from ckpt.cadence import FailureHistory
 from ckpt.events import EventBus
 from ckpt.storage import Storage
@@ -30,12 +31,17 @@ def read_history(storage: Storage, events: EventBus, *, took_over: bool,
     over from a dead holder, or when it found a dead writer's leftovers.
     """
     history = FailureHistory()
+    where = storage.describe(HISTORY_NAME)
     try:
-        history = FailureHistory.from_dict(json.loads(storage.read_bytes(HISTORY_NAME)))
+        loaded = FailureHistory.from_dict(jsonio.loads(storage.read_bytes(HISTORY_NAME), where,
+                                                       max_bytes=16 << 20))
+        if not all(math.isfinite(t) for t in [*loaded.failure_times, loaded.uptime_seconds]):
+            raise ValueError("failure times and uptime must be finite numbers")
+        history = loaded
     except FileNotFoundError:
         pass
-    except (ValueError, OSError) as exc:
-        log.warning("ignoring unreadable %s: %s", storage.describe(HISTORY_NAME), exc)
+    except (ValueError, TypeError, OverflowError, OSError) as exc:
+        log.warning("ignoring unreadable %s (delete it to start a new history): %s", where, exc)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if restarted or took_over or found_aborted:
         history.record_failure(time.time())
@@ -46,6 +52,6 @@ def read_history(storage: Storage, events: EventBus, *, took_over: bool,
 
 def write_history(storage: Storage, history: FailureHistory) -> None:
     try:
-        storage.write_bytes(HISTORY_NAME, json.dumps(history.to_dict()).encode())
+        storage.write_bytes(HISTORY_NAME, jsonio.dumps(history.to_dict()))
     except Exception as exc:  # noqa: BLE001 - advisory data only
         log.warning("could not write %s: %s", storage.describe(HISTORY_NAME), exc)

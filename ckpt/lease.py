@@ -17,7 +17,6 @@ involved must agree to well within ``ttl_seconds``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -26,7 +25,8 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ckpt.errors import LeaseHeldError
+from ckpt import jsonio
+from ckpt.errors import CorruptCheckpointError, LeaseHeldError
 from ckpt.storage import Storage
 
 __all__ = ["Lease", "LEASE_NAME", "read_lease"]
@@ -97,14 +97,14 @@ class Lease:
         self.lost = False
 
     def _record(self, *, released: bool = False) -> bytes:
-        return json.dumps({
+        return jsonio.dumps({
             "holder": self.holder_id, "job": self.job_name, "host": socket.gethostname(),
             "pid": os.getpid(), "acquired_unix": self._acquired, "heartbeat_unix": time.time(),
             "ttl_seconds": self.ttl_seconds, "run_id": _run_id(), "boot_id": _boot_id(),
             "attempt": _attempt(), "fingerprint": self.fingerprint,
             "generation": self.generation, "closed_through": self._closed_through,
             "released": released,
-        }).encode()
+        })
 
     def read(self) -> tuple[dict[str, Any] | None, bytes | None]:
         """The record at the root, or (None, None). A damaged one reads as stale."""
@@ -113,8 +113,8 @@ class Lease:
         except FileNotFoundError:
             return None, None
         try:
-            info = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError):
+            info = jsonio.loads(raw, self.storage.describe(LEASE_NAME), max_bytes=1 << 20)
+        except CorruptCheckpointError:
             info = None
         if not isinstance(info, dict):
             log.warning("the lease file %s is damaged; treating it as expired",

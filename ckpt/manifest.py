@@ -1,13 +1,18 @@
 """The checkpoint manifest: the JSON document whose existence commits a checkpoint.
 
-See docs/format.md for the normative description. This module parses and validates a
-manifest strictly (a manifest is untrusted input) and converts it to and from the metadata
-that ``torch.distributed.checkpoint``'s planners work with.
+See docs/format.md for the normative description. A manifest is untrusted input: this
+module checks its digest (``manifest_sha256``) before anything else, parses it with
+:mod:`ckpt.jsonio` and validates every MUST of the format (types, bounds, file names, chunk
+coverage without gaps or overlaps, item ranges inside their files, planner paths) before
+any caller allocates or reads a byte on its word. It also converts a manifest to and from
+the metadata that ``torch.distributed.checkpoint``'s planners work with.
 """
 
 from __future__ import annotations
 
-import json
+import bisect
+import hashlib
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckpt import jsonio
 from ckpt.errors import CorruptCheckpointError, FormatVersionError
 
 __all__ = [
@@ -30,6 +36,12 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "PENDING_NAME",
+    "DIGEST_KEY",
+    "MAX_DIMS",
+    "MAX_GRID_CELLS",
+    "MAX_PATH_COMPONENTS",
+    "manifest_bytes",
+    "parse_pending",
     "ItemLocation",
     "FileRecord",
     "Manifest",
@@ -43,6 +55,13 @@ FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PENDING_NAME = "pending.json"
+DIGEST_KEY = "manifest_sha256"
+MAX_INT = (1 << 63) - 1  # every size, offset, length and step fits an int64
+MAX_DIMS = 32
+MAX_GRID_CELLS = 1 << 24  # see _check_coverage
+MAX_PATH_COMPONENTS = 64
+# The digest line: the first line of every manifest written since the digest exists.
+_DIGEST_LINE = re.compile(rb'\{"manifest_sha256": "([0-9a-f]{64})",\n')
 
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -134,7 +153,7 @@ class Manifest:
             "step": self.step,
             "save_id": self.save_id,
             "created_unix": self.created_unix,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix)),
+            "created": _iso_time(self.created_unix),
             "world_size": self.world_size,
             "layout": self.layout,
             "versions": self.versions,
@@ -150,19 +169,44 @@ class Manifest:
             "objects": {fqn: loc.to_json() for fqn, loc in self.objects.items()},
             "planner_data": self.planner_data,
         }
-        return json.dumps(doc, indent=1, allow_nan=False).encode("utf-8")
+        data = manifest_bytes(doc)
+        # Never commit what readers refuse (e.g. user_metadata nested too deep or holding a
+        # 400-digit int): fail the save instead of losing the checkpoint.
+        try:
+            jsonio.loads(data, f"the manifest of step {self.step}")
+        except CorruptCheckpointError as exc:
+            raise ValueError(
+                f"cannot write the manifest of step {self.step}: {exc.args[0].split(';')[0]}; "
+                f"keep user_metadata and layout within the JSON rules of docs/format.md") \
+                from None
+        return data
 
     @classmethod
-    def from_json_bytes(cls, data: bytes, source: str) -> "Manifest":
-        """Parse and validate; every problem raises ``CorruptCheckpointError`` naming ``source``."""
+    def from_json_bytes(cls, data: bytes, source: str, *,
+                        expected_step: int | None = None) -> "Manifest":
+        """Check the digest, parse and validate ``data`` (the bytes of ``source``).
+
+        Every problem raises ``CorruptCheckpointError`` (``FormatVersionError`` for a newer
+        format) naming ``source``. ``expected_step`` is the step of the folder the manifest
+        was read from: a manifest of another step (copied there) is refused.
+        """
+        sealed = _check_digest(data, source)
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            doc = jsonio.loads(data, source)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"manifest is damaged: {exc}", path=source) from None
+        if not sealed and isinstance(doc, dict) and DIGEST_KEY in doc:
             raise CorruptCheckpointError(
-                f"{source}: manifest is not valid JSON ({exc}); the checkpoint is corrupt or "
-                f"was not written by ckpt. Load an earlier step or delete this folder.",
-                path=source) from None
-        return _parse(doc, source)
+                f"{source}: manifest is damaged: it has a {DIGEST_KEY!r} member that is not "
+                f"its first line (the file was edited or overwritten); load an earlier step",
+                path=source)
+        manifest = _parse(doc, source)
+        if expected_step is not None and manifest.step != expected_step:
+            raise CorruptCheckpointError(
+                f"{source}: manifest is of step {manifest.step}, but it lies in the folder of "
+                f"step {expected_step} (copied or moved from another checkpoint); load an "
+                f"earlier step or put it back in {step_dirname(manifest.step)}/", path=source)
+        return manifest
 
     # -- conversion for torch.distributed.checkpoint ----------------------------------------
     def to_dcp_metadata(self) -> Metadata:
@@ -186,13 +230,75 @@ class Manifest:
                         storage_data=storage)
 
 
+# -- the digest --------------------------------------------------------------------------------
+def manifest_bytes(doc: dict[str, Any]) -> bytes:
+    """The bytes of a manifest file holding ``doc`` (any existing digest is replaced).
+
+    The first line is ``{"manifest_sha256": "<hex>",``; the digest is the SHA-256 of every
+    byte after that line's newline, so a reader checks it before parsing anything.
+    """
+    body = {k: v for k, v in doc.items() if k != DIGEST_KEY}
+    if not body:
+        raise ValueError("a manifest document needs at least one member")
+    rest = jsonio.dumps(body, indent=1)
+    assert rest.startswith(b"{\n"), rest[:10]
+    rest = rest[2:]
+    digest = hashlib.sha256(rest).hexdigest()
+    return b'{"' + DIGEST_KEY.encode() + b'": "' + digest.encode() + b'",\n' + rest
+
+
+def _check_digest(data: bytes, source: str) -> bool:
+    """True when ``data`` carries a digest line and the digest matches; raise on mismatch;
+    False for a manifest without one (written before digests existed)."""
+    m = _DIGEST_LINE.match(data)
+    if m is None:
+        return False
+    actual = hashlib.sha256(memoryview(data)[m.end():]).hexdigest()
+    expected = m.group(1).decode("ascii")
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{source}: manifest is damaged: its content does not match its {DIGEST_KEY} "
+            f"(expected {expected}, got {actual}); load an earlier step", path=source,
+            expected=expected, actual=actual)
+    return True
+
+
+def _iso_time(unix: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
+    except (ValueError, OverflowError, OSError):
+        return ""
+
+
+def parse_pending(data: bytes, source: str) -> dict[str, Any]:
+    """The ``pending.json`` marker as a dict (``owner``, ``save_id``, ``step`` ...).
+
+    Raises ``CorruptCheckpointError`` (a ``ValueError``) naming ``source`` when it is not
+    a JSON object or ``owner``/``save_id`` have the wrong type.
+    """
+    doc = jsonio.loads(data, source, max_bytes=1 << 20)
+    if not isinstance(doc, dict) or not isinstance(doc.get("owner"), (str, type(None))) \
+            or not isinstance(doc.get("save_id", ""), str):
+        raise CorruptCheckpointError(
+            f"{source}: pending marker is damaged: expected an object with string 'owner' and "
+            f"'save_id'; delete the folder if no save is running", path=source)
+    return doc
+
+
+# -- validation ----------------------------------------------------------------------------------
 def _need(cond: bool, source: str, what: str) -> None:
     if not cond:
-        raise CorruptCheckpointError(f"{source}: invalid manifest: {what}", path=source)
+        raise CorruptCheckpointError(
+            f"{source}: invalid manifest: {what}; the checkpoint is damaged or was not written "
+            f"by ckpt. Load an earlier step.", path=source)
 
 
 def _is_int(v: Any, minimum: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+    return isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= MAX_INT
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _parse_crc(v: Any, source: str, where: str) -> int:
@@ -205,90 +311,185 @@ def _parse_location(d: Any, files: dict[str, FileRecord], source: str, where: st
     _need(isinstance(d, dict), source, f"{where} must be an object")
     name = d.get("file")
     _need(isinstance(name, str) and name in files, source,
-          f"{where}.file {name!r} is not listed in 'files'")
+          f"{where}.file {str(name)[:100]!r} is not listed in 'files'")
     off, length = d.get("offset"), d.get("length")
-    _need(_is_int(off) and _is_int(length), source, f"{where} offset/length must be ints >= 0")
+    _need(_is_int(off) and _is_int(length), source,
+          f"{where} offset/length must be ints in [0, 2**63)")
     _need(off + length <= files[name].size, source,
           f"{where} range [{off}, {off + length}) lies outside file {name!r} "
           f"of {files[name].size} bytes")
     return ItemLocation(name, off, length, _parse_crc(d.get("crc32c"), source, where))
 
 
-def _parse(doc: Any, source: str) -> Manifest:
-    _need(isinstance(doc, dict), source, "top level must be a JSON object")
+def _check_version(doc: dict, source: str) -> int:
     if doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(
-            f"{source}: not a ckpt manifest (format={doc.get('format')!r}); this folder was "
-            f"written by another tool", path=source)
+            f"{source}: not a ckpt manifest (format={str(doc.get('format'))[:100]!r}); this "
+            f"folder was written by another tool", path=source)
     version = doc.get("format_version")
     if not _is_int(version, 1):
-        raise FormatVersionError(f"{source}: format_version {version!r} is not a positive int",
-                                 path=source)
+        raise FormatVersionError(
+            f"{source}: format_version {str(version)[:40]!r} is not a positive int; the "
+            f"manifest is damaged, load an earlier step", path=source)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{source}: format_version {version} is newer than this ckpt reads "
             f"({FORMAT_VERSION}); upgrade ckpt to load it", path=source)
-    _need(_is_int(doc.get("step")), source, "step must be an int >= 0")
-    _need(isinstance(doc.get("save_id"), str), source, "save_id must be a string")
-    _need(isinstance(doc.get("created_unix"), (int, float)), source, "created_unix must be a number")
-    raw_files = doc.get("files")
-    _need(isinstance(raw_files, dict), source, "'files' must be an object")
+    return version
+
+
+def _parse_files(raw: Any, source: str) -> dict[str, FileRecord]:
+    _need(isinstance(raw, dict), source, "'files' must be an object")
     files: dict[str, FileRecord] = {}
-    for name, rec in raw_files.items():
+    for name, rec in raw.items():
         # File names are plain names inside the checkpoint folder: nothing may escape it.
-        _need(isinstance(name, str) and _FILE_RE.match(name) is not None and ".." not in name,
-              source, f"file name {name!r} is not a plain file name inside the checkpoint "
-                      f"folder (no '/', '..' or leading '.')")
+        _need(_FILE_RE.fullmatch(name) is not None and ".." not in name, source,
+              f"file name {name[:200]!r} is not a plain file name inside the checkpoint "
+              f"folder (no '/', '..' or leading '.')")
         _need(isinstance(rec, dict) and _is_int(rec.get("size")), source,
-              f"files[{name!r}].size must be an int >= 0")
+              f"files[{name!r}].size must be an int in [0, 2**63)")
+        rank = rec.get("rank", -1)
         files[name] = FileRecord(rec["size"], _parse_crc(rec.get("crc32c"), source,
                                                          f"files[{name!r}]"),
-                                 rec.get("rank", -1) if _is_int(rec.get("rank", -1), -1) else -1)
-    tensors: dict[str, dict[str, Any]] = {}
-    raw_tensors = doc.get("tensors")
-    _need(isinstance(raw_tensors, dict), source, "'tensors' must be an object")
-    for fqn, t in raw_tensors.items():
-        where = f"tensors[{fqn!r}]"
-        _need(isinstance(t, dict), source, f"{where} must be an object")
-        dtype = dtype_from_name(t.get("dtype"), f"{source}: {where}")
-        shape = t.get("shape")
-        _need(isinstance(shape, list) and all(_is_int(s) for s in shape), source,
-              f"{where}.shape must be a list of ints >= 0")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        chunks = []
-        _need(isinstance(t.get("chunks"), list), source, f"{where}.chunks must be a list")
-        for i, c in enumerate(t["chunks"]):
-            cw = f"{where}.chunks[{i}]"
-            _need(isinstance(c, dict), source, f"{cw} must be an object")
-            offs, sizes = c.get("offsets"), c.get("sizes")
-            _need(isinstance(offs, list) and isinstance(sizes, list)
-                  and len(offs) == len(shape) == len(sizes)
-                  and all(_is_int(x) for x in offs + sizes), source,
-                  f"{cw} offsets/sizes must be int lists of the tensor's rank")
-            _need(all(o + s <= d for o, s, d in zip(offs, sizes, shape)), source,
-                  f"{cw} lies outside the tensor's shape {shape}")
-            loc = _parse_location(c, files, source, cw)
-            numel = 1
-            for s in sizes:
-                numel *= s
-            _need(loc.length == numel * itemsize, source,
-                  f"{cw} length {loc.length} != {numel} elements x {itemsize} bytes")
-            chunks.append({"offsets": offs, "sizes": sizes, "location": loc})
-        tensors[fqn] = {"dtype": t["dtype"], "shape": shape, "chunks": chunks}
-    raw_objects = doc.get("objects", {})
-    _need(isinstance(raw_objects, dict), source, "'objects' must be an object")
-    objects = {fqn: _parse_location(o, files, source, f"objects[{fqn!r}]")
-               for fqn, o in raw_objects.items()}
-    planner_data = doc.get("planner_data") or {}
-    _need(isinstance(planner_data, dict) and all(
-        isinstance(v, list) and all(isinstance(p, (str, int)) for p in v)
-        for v in planner_data.values()), source, "planner_data must map keys to paths")
+                                 rank if _is_int(rank, -1) else -1)
+    return files
+
+
+def _parse_tensor(fqn: str, t: Any, files: dict[str, FileRecord], source: str) -> dict:
+    where = f"tensors[{fqn[:200]!r}]"
+    _need(isinstance(t, dict), source, f"{where} must be an object")
+    dtype = dtype_from_name(t.get("dtype"), f"{source}: {where}")
+    shape = t.get("shape")
+    _need(isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(s) for s in shape),
+          source, f"{where}.shape must be a list of at most {MAX_DIMS} ints >= 0")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    _need(numel * itemsize <= MAX_INT, source, f"{where}.shape {shape} is too large")
+    raw_chunks = t.get("chunks")
+    _need(isinstance(raw_chunks, list), source, f"{where}.chunks must be a list")
+    chunks = []
+    for i, c in enumerate(raw_chunks):
+        cw = f"{where}.chunks[{i}]"
+        _need(isinstance(c, dict), source, f"{cw} must be an object")
+        offs, sizes = c.get("offsets"), c.get("sizes")
+        _need(isinstance(offs, list) and isinstance(sizes, list)
+              and len(offs) == len(shape) == len(sizes)
+              and all(_is_int(x) for x in offs + sizes), source,
+              f"{cw} offsets/sizes must be int lists of the tensor's rank ({len(shape)})")
+        _need(all(o + s <= d for o, s, d in zip(offs, sizes, shape)), source,
+              f"{cw} (offsets {offs}, sizes {sizes}) lies outside the tensor's shape {shape}")
+        loc = _parse_location(c, files, source, cw)
+        chunk_numel = math.prod(sizes)
+        _need(loc.length == chunk_numel * itemsize, source,
+              f"{cw} length {loc.length} != {chunk_numel} elements x {itemsize} bytes")
+        chunks.append({"offsets": offs, "sizes": sizes, "location": loc})
+    _check_coverage(shape, chunks, source, where)
+    return {"dtype": t["dtype"], "shape": shape, "chunks": chunks}
+
+
+def _check_coverage(shape: list[int], chunks: list[dict], source: str, where: str) -> None:
+    """The chunks MUST cover the tensor exactly once: no gap, no overlap.
+
+    The distinct chunk boundaries of each dimension cut the tensor into a grid of cells;
+    every chunk is a box of whole cells. One flag per cell (not per element) finds overlaps
+    and gaps in time linear in the cells, so the grid is bounded by ``MAX_GRID_CELLS``
+    (a layout of DTensor shards has one cell per chunk).
+    """
+    numel = math.prod(shape)
+    if not shape:  # a scalar: exactly one chunk
+        _need(len(chunks) == 1, source, f"{where} is a scalar and needs exactly one chunk, "
+                                        f"has {len(chunks)}")
+        return
+    if numel == 0:
+        return
+    boxes = [(c["offsets"], c["sizes"], i) for i, c in enumerate(chunks)
+             if math.prod(c["sizes"]) > 0]
+    covered = sum(math.prod(sizes) for _, sizes, _ in boxes)
+    _need(covered == numel, source,
+          f"{where}: chunks hold {covered} elements, the shape {shape} has {numel} "
+          f"(chunks are missing, duplicated or overlap)")
+    cuts = [sorted({0, dim, *(o[d] for o, _, _ in boxes), *(o[d] + s[d] for o, s, _ in boxes)})
+            for d, dim in enumerate(shape)]
+    grid_shape = [len(c) - 1 for c in cuts]
+    num_cells = math.prod(grid_shape)
+    _need(num_cells <= MAX_GRID_CELLS, source,
+          f"{where}: {len(boxes)} chunks cut the tensor into a grid of {num_cells} cells, "
+          f"more than the {MAX_GRID_CELLS} a reader checks")
+    grid = torch.zeros(grid_shape, dtype=torch.bool)
+    for offs, sizes, i in boxes:
+        index = tuple(slice(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
+                      for c, o, s in zip(cuts, offs, sizes))
+        cells = grid[index]
+        _need(not bool(cells.any()), source,
+              f"{where}.chunks[{i}] (offsets {offs}, sizes {sizes}) overlaps another chunk")
+        cells.fill_(True)
+    _need(bool(grid.all()), source, f"{where}: chunks leave part of the tensor uncovered")
+
+
+def _check_items_disjoint(manifest_items: list[tuple[str, ItemLocation]], source: str) -> None:
+    """Items MUST NOT share bytes: then what a load allocates is bounded by the files."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for where, loc in manifest_items:
+        if loc.length:
+            by_file.setdefault(loc.file, []).append((loc.offset, loc.length, where))
+    for name, items in by_file.items():
+        items.sort()
+        for (off_a, len_a, a), (off_b, _, b) in zip(items, items[1:]):
+            _need(off_a + len_a <= off_b, source,
+                  f"{a} and {b} share bytes of file {name!r} (items must not overlap)")
+
+
+def _path_key(path: list) -> tuple:
+    return tuple((0, p, "") if isinstance(p, int) else (1, 0, p) for p in path)
+
+
+def _parse_planner_data(raw: Any, source: str) -> dict[str, list]:
+    _need(isinstance(raw, dict), source, "planner_data must be an object")
+    out: dict[str, list] = {}
+    for key, path in raw.items():
+        _need(isinstance(path, list) and 1 <= len(path) <= MAX_PATH_COMPONENTS and all(
+            isinstance(p, str) or (_is_int(p) and p < (1 << 31)) for p in path), source,
+            f"planner_data[{key[:200]!r}] must be a list of 1 to {MAX_PATH_COMPONENTS} strings "
+            f"or ints in [0, 2**31)")
+        out[key] = path
+    # Paths must name distinct leaves: no duplicate, none the prefix of another (sorted,
+    # a prefix comes right before the paths it starts).
+    ordered = sorted(out.items(), key=lambda kv: _path_key(kv[1]))
+    for (ka, a), (kb, b) in zip(ordered, ordered[1:]):
+        _need(b[:len(a)] != a, source,
+              f"planner_data paths of {ka[:200]!r} and {kb[:200]!r} collide ({a} is "
+              f"{'the same as' if len(a) == len(b) else 'a prefix of'} {b})")
+    return out
+
+
+def _parse(doc: Any, source: str) -> Manifest:
+    _need(isinstance(doc, dict), source, "top level must be a JSON object")
+    version = _check_version(doc, source)
+    _need(_is_int(doc.get("step")), source, "step must be an int in [0, 2**63)")
+    _need(isinstance(doc.get("save_id"), str), source, "save_id must be a string")
+    _need(_is_number(doc.get("created_unix")), source, "created_unix must be a finite number")
     for key in ("layout", "user_metadata", "versions", "writer"):
         _need(isinstance(doc.get(key, {}), dict), source, f"'{key}' must be an object")
+    files = _parse_files(doc.get("files"), source)
+    raw_tensors = doc.get("tensors")
+    _need(isinstance(raw_tensors, dict), source, "'tensors' must be an object")
+    tensors = {fqn: _parse_tensor(fqn, t, files, source) for fqn, t in raw_tensors.items()}
+    raw_objects = doc.get("objects", {})
+    _need(isinstance(raw_objects, dict), source, "'objects' must be an object")
+    objects = {fqn: _parse_location(o, files, source, f"objects[{fqn[:200]!r}]")
+               for fqn, o in raw_objects.items()}
+    _need(not (tensors.keys() & objects.keys()), source,
+          f"keys {sorted(tensors.keys() & objects.keys())[:3]} are both tensors and objects")
+    _check_items_disjoint(
+        [(f"tensors[{fqn[:200]!r}].chunks[{i}]", c["location"])
+         for fqn, t in tensors.items() for i, c in enumerate(t["chunks"])]
+        + [(f"objects[{fqn[:200]!r}]", loc) for fqn, loc in objects.items()], source)
+    planner_data = _parse_planner_data(doc.get("planner_data", {}), source)
+    world_size = doc.get("world_size", 1)
     return Manifest(
         step=doc["step"], save_id=doc["save_id"], created_unix=float(doc["created_unix"]),
         tensors=tensors, objects=objects, files=files,
-        world_size=doc.get("world_size", 1) if _is_int(doc.get("world_size", 1), 1) else 1,
+        world_size=world_size if _is_int(world_size, 1) else 1,
         layout=doc.get("layout", {}), user_metadata=doc.get("user_metadata", {}),
         versions=doc.get("versions", {}), writer=doc.get("writer", {}),
         planner_data=planner_data, format_version=version)

@@ -10,10 +10,10 @@ raised.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Callable, Iterable, Protocol, Sequence
 
+from ckpt import jsonio
 from ckpt.errors import CheckpointError
 from ckpt.store import CheckpointStore
 
@@ -82,14 +82,15 @@ def read_pins(store: CheckpointStore, *, strict: bool = False) -> set[int]:
     else it is logged and reads as no pins."""
     where = store.storage.describe(PINS_NAME)
     try:
-        data = json.loads(store.storage.read_bytes(PINS_NAME))
-        pins = data["pinned"] if isinstance(data, dict) else None
+        data = jsonio.loads(store.storage.read_bytes(PINS_NAME), where, max_bytes=16 << 20)
+        pins = data.get("pinned") if isinstance(data, dict) else None
         if not isinstance(pins, list) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in pins):
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < (1 << 63)
+                for s in pins):
             raise ValueError('expected {"pinned": [step, ...]} with integer steps')
     except FileNotFoundError:
         return set()
-    except (ValueError, KeyError) as exc:
+    except ValueError as exc:
         msg = (f"{where} is damaged ({exc}); fix it or delete it (`ckpt pin` rewrites it "
                f"once it is gone)")
         if strict:
@@ -104,7 +105,7 @@ def set_pinned(store: CheckpointStore, step: int, pinned: bool = True) -> set[in
     rather than overwriting the pins it holds."""
     pins = read_pins(store, strict=True)
     pins = pins | {step} if pinned else pins - {step}
-    store.storage.write_bytes(PINS_NAME, json.dumps({"pinned": sorted(pins)}).encode())
+    store.storage.write_bytes(PINS_NAME, jsonio.dumps({"pinned": sorted(pins)}))
     return pins
 
 

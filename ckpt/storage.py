@@ -14,6 +14,13 @@ connection turns out to be closed).
 Errors that retrying cannot fix (unreachable endpoint after the last attempt, bad
 credentials, a missing bucket) become :class:`~ckpt.errors.StorageUnavailableError` with a
 message that names the URL and what to check.
+
+Links (local disk): a checkpoint root is untrusted input, so reads never follow a symbolic
+link out of it: a file that is itself a link, or one whose folder resolves outside the
+root, is refused with :class:`~ckpt.errors.CorruptCheckpointError` naming it. Writes never
+go through a planted link or hard link either: a file is written to a fresh temporary name
+in the same folder (``O_CREAT|O_EXCL|O_NOFOLLOW``), fsync'd and renamed over the target
+(the rename replaces a link, it does not follow it).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from ckpt._retry import (  # noqa: F401 - re-exported
     is_transient_error,
 )
 from ckpt._s3 import _MEMORY_LOCK, _byte_view, _open_s3, _SegmentsReader, _split_parts  # noqa: F401
-from ckpt.errors import StorageUnavailableError
+from ckpt.errors import CorruptCheckpointError, StorageUnavailableError
 
 __all__ = ["Storage", "RetryPolicy", "crc32c_of", "is_transient_error"]
 
@@ -48,8 +55,8 @@ T = TypeVar("T")
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
-
-
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def crc32c_of(buffers: Iterable[Any], value: int = 0) -> int:
@@ -197,16 +204,94 @@ class Storage:
         return self._wrap("check", rel, _exists)
 
     def size(self, rel: str) -> int:
+        if self.is_local:
+            def _size_local() -> int:
+                fd = self._open_local_read(rel)
+                try:
+                    return os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+            return self._wrap("stat", rel, _size_local)
         return int(self._wrap("stat", rel, lambda: self.fs.size(self.path(rel))))
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``rel`` (the whole object when both are None)."""
         p = self.path(rel)
-        if start is None and end is None:
-            return self._wrap("read", rel, lambda: self.fs.cat_file(p))
         if start is not None and end is not None and end <= start:
             return b""
+        if self.is_local:
+            return self._wrap("read", rel, lambda: self._read_local(rel, start, end))
+        if start is None and end is None:
+            return self._wrap("read", rel, lambda: self.fs.cat_file(p))
         return self._wrap("read", rel, lambda: self.fs.cat_file(p, start=start, end=end))
+
+    # -- local files: no link is followed ------------------------------------------------------
+    def _check_inside_root(self, rel: str) -> None:
+        """Refuse ``rel`` when its folder resolves outside the root (a linked folder)."""
+        root = os.path.realpath(self.root)
+        folder = os.path.realpath(os.path.dirname(self.path(rel)))
+        if folder != root and not folder.startswith(root.rstrip(os.sep) + os.sep):
+            where = self.describe(rel)
+            raise CorruptCheckpointError(
+                f"{where} lies outside the checkpoint root {self.url} (its folder is a "
+                f"symbolic link to {folder}); ckpt does not follow links out of a root. "
+                f"Replace the link with the folder itself or delete it.", path=where)
+
+    def _open_local_read(self, rel: str) -> int:
+        self._check_inside_root(rel)
+        try:
+            return os.open(self.path(rel), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            where = self.describe(rel)
+            raise CorruptCheckpointError(
+                f"{where} is a symbolic link; ckpt never reads through links in a checkpoint "
+                f"root (it could lead anywhere). Replace it with the file itself or delete it.",
+                path=where) from None
+
+    def open_local(self, rel: str):
+        """An unbuffered binary file object reading local file ``rel``, never through a
+        link (``CorruptCheckpointError`` naming it). For readers that fill tensors in place."""
+        if not self.is_local:
+            raise ValueError(f"{self.describe(rel)} is not on a local file system")
+        return os.fdopen(self._guard("open", rel, lambda: self._open_local_read(rel)), "rb",
+                         buffering=0)
+
+    def _read_local(self, rel: str, start: int | None, end: int | None) -> bytes:
+        fd = self._open_local_read(rel)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            lo = 0 if start is None else (max(0, size + start) if start < 0 else start)
+            hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+            if hi <= lo:
+                return b""
+            f.seek(lo)
+            return f.read(hi - lo)
+
+    def _write_local(self, rel: str, views: Sequence[Any], durable: bool) -> None:
+        """Write a fresh temporary file next to ``rel`` and rename it over ``rel``."""
+        self._check_inside_root(rel)
+        p = self.path(rel)
+        tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                     0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for view in views:
+                    f.write(view)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, p)
+            if durable:
+                _fsync_dir(os.path.dirname(p))  # the new name must survive a crash too
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def listdir(self, rel: str = "") -> list[tuple[str, str, int]]:
         """Entries directly under ``rel`` as ``(name, "file"|"directory", size)``; [] if absent."""
@@ -253,14 +338,7 @@ class Storage:
         views = [_byte_view(b) for b in buffers]
         p = self.path(rel)
         if self.is_local:
-            def _write_local():
-                with open(p, "wb") as f:
-                    for view in views:
-                        f.write(view)
-                    if durable:
-                        f.flush()
-                        os.fsync(f.fileno())
-            self._wrap("write", rel, _write_local)
+            self._wrap("write", rel, lambda: self._write_local(rel, views, durable))
             return
         if self.is_s3:
             total = sum(v.nbytes for v in views)
@@ -365,6 +443,7 @@ class Storage:
 
         if self.is_local:
             def _create():
+                self._check_inside_root(rel)
                 if not self._create_local(p, data):
                     refused()
         elif self.is_s3:
@@ -389,6 +468,10 @@ class Storage:
 
     def _read_or_none(self, p: str) -> bytes | None:
         try:
+            if self.is_local:
+                fd = os.open(p, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    return f.read()
             return self.fs.cat_file(p)
         except Exception:  # noqa: BLE001 - only used to recognise our own earlier write
             return None
@@ -397,7 +480,9 @@ class Storage:
     def _create_local(p: str, data: bytes) -> bool:
         """Link a fsync'd temporary file into place; False if ``p`` already exists."""
         tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -434,7 +519,10 @@ class Storage:
         """
         p = self.path(rel)
         if self.is_local:
-            return self._wrap("replace", rel, lambda: self._replace_local(p, data, expected))
+            def _replace():
+                self._check_inside_root(rel)
+                return self._replace_local(p, data, expected)
+            return self._wrap("replace", rel, _replace)
         if self.is_s3:
             bucket, key = self._bucket_key(rel)
 
@@ -496,14 +584,22 @@ class Storage:
                 time.sleep(0.005)
         try:
             try:
-                with open(p, "rb") as f:
+                # Never through a link: a planted one reads as "someone else changed it".
+                fd = os.open(p, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
                     if f.read() != expected:
                         return False
             except FileNotFoundError:
                 return False
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    return False
+                raise
             tmp = f"{p}.tmp-{uuid.uuid4().hex[:12]}"
             try:
-                with open(tmp, "wb") as f:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
+                             | _O_CLOEXEC, 0o644)
+                with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manifest import MANIFEST_NAME, step_dirname
+from ckpt.manifest import MANIFEST_NAME, manifest_bytes, step_dirname
 from ckpt.storage import Storage, crc32c_of
 from tests.conftest import make_s3_options
 from tests.dist import free_port
@@ -118,9 +118,11 @@ def saved(tmp_path):
 
 
 def _rewrite_manifest(step_dir: Path, edit) -> None:
+    """Edit the manifest as a hostile writer would: with a matching digest (the digest
+    catches damage, not forgery)."""
     doc = json.loads((step_dir / MANIFEST_NAME).read_bytes())
     edit(doc)
-    (step_dir / MANIFEST_NAME).write_text(json.dumps(doc))
+    (step_dir / MANIFEST_NAME).write_bytes(manifest_bytes(doc))
 
 
 def _location(manifest, fqn: str):

@@ -63,3 +63,32 @@ def test_crc32c_combine_matches_a_single_pass():
     for la, lb in [(0, 5), (5, 0), (1, 1), (100, 3), (3, 100_000), (1 << 20, 12345)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b)
+
+
+def test_hostile_object_bytes_are_value_errors_never_crashes():
+    for data in (b"[" * 100_000, b'{"__tuple__": ' * 300 + b"1" + b"}" * 300, b"NaN",
+                 b"1" * 5000, b'{"__float__": "1e999x"}x', b"\xff"):
+        with pytest.raises(ValueError, match="checkpoint object"):
+            decode_object(data)
+    for data in (b'{"__dict__": 5}', b'{"__bytes__": "%%%"}', b'{"__device__": "nowhere"}'):
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            decode_object(data)
+
+
+def test_nesting_is_refused_when_saving_not_when_loading():
+    deep: list = []
+    for _ in range(150):
+        deep = [deep]
+    with pytest.raises(UnsupportedValueError, match=r"'x\[0\].* nests containers more than 100"):
+        encode_object(deep, "x")
+    ok: object = 1
+    for _ in range(100):
+        ok = (ok,) if len(str(ok)) % 2 else [ok]
+    assert decode_object(encode_object(ok)) == ok
+
+
+def test_non_finite_floats_keep_their_encoding_and_tag_shaped_values_round_trip():
+    assert encode_object([float("nan"), float("inf")]) == \
+        b'[{"__float__":"nan"},{"__float__":"inf"}]'  # the bytes older versions wrote
+    value = {"a": {"__literal__": ["k", 1]}, "b": [{"__float__": "nan"}]}
+    assert decode_object(encode_object(value)) == value

@@ -1,9 +1,11 @@
-"""``ckpt``: the operator's view of a checkpoint root.
+"""ckpt: the operator's view of a checkpoint root.
 
     ckpt list URL [--all] [--json] [--check none|size|full]
     ckpt verify URL [--step N | --id ID] [--size-only] [--progress]
     ckpt export URL [--step N] --out FILE(.pt|.safetensors)
-    ckpt pin URL --step N / ckpt unpin URL --step N
+    ckpt pin URL --step N [--force] / ckpt unpin URL --step N
+                                    (pin verifies every checksum first; --force pins a
+                                     damaged checkpoint anyway)
     ckpt rollback URL --step N [--force]
                                     (un-commit newer checkpoints; reversible, deletes nothing;
                                      refused while a live job holds the write lease)
@@ -13,8 +15,10 @@
     ckpt plan ...                   (checkpoint interval from size, bandwidth, MTBF)
 
 S3 endpoints and credentials come from the usual AWS environment variables
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or ``--endpoint-url``.
-Exit status: 0 ok, 1 a checkpoint is corrupt or missing, 2 bad usage or input.
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or --endpoint-url.
+Exit status: 0 ok, 1 a checkpoint is corrupt or missing, 2 bad usage or input. Every error
+is one line on stderr naming what is wrong and how to fix it; --debug (anywhere on the
+command line) adds the traceback.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import sys
 import time
+import traceback
 from typing import Any, Sequence
 
 from ckpt import jsonio
@@ -33,9 +40,34 @@ from ckpt.errors import (
     CorruptCheckpointError,
     LeaseHeldError,
 )
-from ckpt.store import CheckpointStore
+from ckpt.manifest import step_dirname
+from ckpt.store import CORRUPT, CheckpointInfo, CheckpointStore
 
-__all__ = ["main"]
+__all__ = ["main", "UsageError", "error_line", "OneLineArgumentParser"]
+
+
+class UsageError(ValueError):
+    """Bad input found by the command line itself; the message names it and the fix."""
+
+
+def error_line(exc: BaseException, explained: tuple[type, ...] = ()) -> str:
+    """``exc`` as one line. Errors that explain themselves (project errors, UsageError and
+    the types in ``explained``) read as their message; anything else is named by its type,
+    with a pointer to --debug."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    for ln in lines[1:]:  # a per-rank list ("... failed on 2 rank(s):" then one per rank)
+        text += (" " if text.endswith(":") else "; ") + ln
+    if isinstance(exc, (CheckpointError, UsageError, *explained)):
+        return text
+    return f"{type(exc).__name__}: {text or 'no message'} (run with --debug for the traceback)"
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (exit status 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _storage_options(args) -> dict[str, Any]:
@@ -54,7 +86,41 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _fmt_time(t: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    """Local time of ``t``; "-" when unset, "invalid" when not a representable time."""
+    if not t:
+        return "-"
+    try:
+        if not math.isfinite(t):
+            return "invalid"
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    except (OverflowError, OSError, ValueError, TypeError):
+        return "invalid"
+
+
+def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
+    """A listing row for JSON: an unusable ``created`` time is null; other non-finite
+    numbers (a NaN loss) use the format's encoding (``jsonio``)."""
+    created = row.get("created")
+    if isinstance(created, float) and not math.isfinite(created):
+        row = {**row, "created": None}
+    return row
+
+
+def _open_store(args) -> CheckpointStore:
+    """The store at ``args.url``, which must exist: a missing root is a typo, not "empty".
+
+    On S3 a prefix exists only through its objects, so there only the bucket must exist
+    (listing a missing bucket raises StorageUnavailableError naming it)."""
+    store = CheckpointStore(args.url, _storage_options(args))
+    storage = store.storage
+    if not storage.is_s3:
+        if not storage.exists(""):
+            raise UsageError(f"checkpoint root {args.url} does not exist; check the path "
+                             f"(the folder that holds the step_* folders)")
+        if not storage.fs.isdir(storage.path()):
+            raise UsageError(f"checkpoint root {args.url} is a file, not a folder; pass the "
+                             f"folder that holds the step_* folders")
+    return store
 
 
 class _Progress:
@@ -78,11 +144,26 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _info(store: CheckpointStore, step: int, check: str) -> CheckpointInfo:
+    """``store.info``, except that a checkpoint whose manifest breaks the reader in an
+    unforeseen way is listed as corrupt instead of ending the listing."""
+    try:
+        return store.info(step, check=check)
+    except CheckpointError:
+        raise  # storage unreachable: says so itself
+    except Exception as exc:  # noqa: BLE001 - e.g. OverflowError on a damaged number
+        return CheckpointInfo(step, CORRUPT, store.storage.describe(step_dirname(step)), 0,
+                              problem=f"manifest cannot be read: {type(exc).__name__}: {exc}")
+
+
 def cmd_list(args) -> int:
-    store = CheckpointStore(args.url, _storage_options(args))
-    infos = store.list(check=args.check, all_versions=args.all)
+    store = _open_store(args)
+    if args.all:
+        infos = store.list(check=args.check, all_versions=True)
+    else:
+        infos = [_info(store, step, args.check) for step in store.steps()]
     if args.json:
-        print(jsonio.dumps([i.to_json() for i in infos], indent=1).decode())
+        print(jsonio.dumps([_json_safe(i.to_json()) for i in infos], indent=1).decode())
         return 0
     if not infos:
         print(f"no checkpoints under {args.url}")
@@ -93,7 +174,7 @@ def cmd_list(args) -> int:
         rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
                      _fmt_time(i.created),
                      f"{loss:.4g}" if isinstance(loss, (int, float)) else "-",
-                     (i.problem or "")[:70]))
+                     " ".join((i.problem or "").split())[:70]))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -101,7 +182,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    store = CheckpointStore(args.url, _storage_options(args))
+    store = _open_store(args)
     if args.id is not None:
         entry = store.life.find(args.id)
         if entry.manifest is None:
@@ -132,26 +213,59 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def _check_out(out: str) -> None:
+    """Refuse an ``--out`` that cannot be written before reading any checkpoint data."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise UsageError(f"--out {out} is a folder; name a file in it, such as "
+                         f"{os.path.join(out, 'model.safetensors')}")
+    if not os.path.exists(folder):
+        raise UsageError(f"output folder {folder} does not exist; create it or choose "
+                         f"another --out")
+    if not os.path.isdir(folder):
+        raise UsageError(f"output folder {folder} is a file, not a folder; choose another "
+                         f"--out")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"output folder {folder} is not writable; fix its permissions or "
+                         f"choose another --out")
+
+
 def cmd_export(args) -> int:
     from ckpt.export import export
 
-    m = export(args.url, args.step, args.out, storage_options=_storage_options(args))
+    _check_out(args.out)
+    m = export(_open_store(args).storage, args.step, args.out)
     print(f"exported step {m.step} ({len(m.tensors)} tensors) to {args.out}")
     return 0
 
 
 def cmd_pin(args, pinned: bool) -> int:
-    from ckpt.retention import set_pinned
+    """Pin after a full verification (a pin keeps a checkpoint for good: it must be one
+    worth keeping), or anyway with ``--force``. Unpin needs no readable checkpoint."""
+    from ckpt.retention import read_pins, set_pinned
 
-    store = CheckpointStore(args.url, _storage_options(args))
-    store.read_manifest(args.step)  # must exist
-    pins = set_pinned(store, args.step, pinned)
+    store = _open_store(args)
+    if pinned and not args.force:
+        progress = _Progress(f"verifying step {args.step}", sys.stderr.isatty())
+        try:
+            store.verify(args.step, full=True, progress=progress)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"refusing to pin step {args.step}: {exc} (pass --force to pin it anyway)",
+                path=exc.path) from exc
+    elif pinned or args.step not in read_pins(store, strict=True):
+        try:
+            store.read_manifest(args.step)  # must exist
+        except CorruptCheckpointError:
+            pass  # --force, or unpin: a damaged manifest is no reason to refuse
+    with _writer(args, "pin" if pinned else "unpin"):
+        pins = set_pinned(store, args.step, pinned)
     print(f"pinned steps: {sorted(pins) or 'none'}")
     return 0
 
 
 @contextlib.contextmanager
-def _writer(args, command: str):
+def _writer(args, command: str, *, force: bool = False):
     """Hold the root's write lease for one command, under the rules every writer follows.
 
     A live job's lease is refused (``--force`` takes it over and fences that job off); a
@@ -166,7 +280,7 @@ def _writer(args, command: str):
         raise CheckpointNotFoundError(f"checkpoint root {args.url} does not exist")
     try:
         life = acquire_lease(storage, ttl_seconds=30.0, job_name=f"ckpt {command}",
-                             force=getattr(args, "force", False))
+                             force=force)
     except LeaseHeldError as exc:
         raise LeaseHeldError(f"{exc} `ckpt {command}` changes the root and needs its write "
                              f"lease: stop that job first, or pass --force to take the lease "
@@ -178,7 +292,7 @@ def _writer(args, command: str):
 
 
 def cmd_rollback(args) -> int:
-    with _writer(args, "rollback") as life:
+    with _writer(args, "rollback", force=args.force) as life:
         store = CheckpointStore(life.storage, lifecycle=life)
         store.verify(args.step, full=True)
         for s in reversed([s for s in store.committed_steps() if s > args.step]):
@@ -194,7 +308,7 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_restore(args) -> int:
-    with _writer(args, "restore") as life:
+    with _writer(args, "restore", force=args.force) as life:
         m = life.restore(args.id, replace=args.replace)
     print(f"step {m.step}: restored id {m.save_id}; it is committed again")
     return 0
@@ -243,7 +357,7 @@ def cmd_gc(args) -> int:
         if leftovers or rolled:
             print("dry run: nothing removed; pass --yes to remove these")
         return 0
-    with _writer(args, "gc") as life:
+    with _writer(args, "gc", force=args.force) as life:
         leftovers, rolled = plan(life)
         life.cleanup()
         for e in rolled:
@@ -253,11 +367,16 @@ def cmd_gc(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt", description=__doc__.split("\n")[0])
+    p = OneLineArgumentParser(prog="ckpt", description=__doc__.split("\n")[0])
+    p.add_argument("--debug", action="store_true",
+                   help="on an error, print the traceback too")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_)
+        sp = sub.add_parser(name, help=help_, description=help_)
+        # Also accepted after the command; SUPPRESS keeps "ckpt --debug list" working.
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print the traceback too")
         if name != "plan":
             sp.add_argument("url", help="checkpoint root: a path or URL (s3://bucket/prefix)")
             sp.add_argument("--endpoint-url", help="S3 endpoint (else AWS_ENDPOINT_URL)")
@@ -281,8 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--step", type=int, help="default: the newest committed")
     sp.add_argument("--out", required=True)
     sp.set_defaults(fn=cmd_export)
-    sp = add("pin", "protect a checkpoint from retention")
+    sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")
     sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--force", action="store_true",
+                    help="pin even if the checkpoint fails verification")
     sp.set_defaults(fn=lambda a: cmd_pin(a, True))
     sp = add("unpin", "remove a pin")
     sp.add_argument("--step", type=int, required=True)
@@ -320,15 +441,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; every failure is one line on stderr and an exit status: 1 for a
+    corrupt or missing checkpoint, 2 for anything else (bad usage, input or storage)."""
     args = build_parser().parse_args(argv)
+    prog = f"ckpt {args.command}"
     try:
         return int(args.fn(args) or 0)
-    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-        print(f"ckpt: {exc}", file=sys.stderr)
-        return 1
-    except (CheckpointError, ValueError, OSError) as exc:
-        print(f"ckpt: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one place errors become exit statuses
+        if args.debug:
+            traceback.print_exc()
+        print(f"{prog}: {error_line(exc)}", file=sys.stderr)
+        return 1 if isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)) else 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``ckpt plan``: how often to checkpoint, given size, bandwidth, stall and failure rate.
+"""ckpt plan: how often to checkpoint, given size, bandwidth, stall and failure rate.
 
 Library use: :func:`make_plan` (pure) and :func:`measure_bandwidth` (real I/O through fsspec).
 CLI use: the ``ckpt`` command wires :func:`add_plan_arguments` and :func:`run_plan`;
@@ -42,19 +42,26 @@ _SIZE_UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_MAX_SIZE_BYTES = 2**63 - 1  # 9.2 EB: any real size fits, and it stays an int64
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str) -> int:
     """Bytes in ``text``: a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or
-    KiB, MiB, GiB, TiB (powers of 1024), case-insensitive, e.g. ``"14GB"``, ``"256MiB"``."""
+    KiB, MiB, GiB, TiB (powers of 1024), case-insensitive, e.g. ``"14GB"``, ``"256MiB"``.
+    At most 2**63 - 1 bytes (9.2 EB)."""
     match = _SIZE_RE.match(str(text))
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(
             f"invalid size {text!r}: pass a number with an optional unit B, KB, MB, GB, TB, "
             f"KiB, MiB, GiB or TiB, e.g. '14GB' or '256MiB'"
         )
-    return int(round(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]))
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    num_bytes = int(round(value)) if math.isfinite(value) else None  # '1e400GB' is inf
+    if num_bytes is None or num_bytes > _MAX_SIZE_BYTES:
+        raise ValueError(f"invalid size {text!r}: too large, the limit is 9.2 EB "
+                         f"(2**63 - 1 bytes); pass a size such as '14GB' or '800GiB'")
+    return num_bytes
 
 
 def parse_bandwidth(text: str) -> float:

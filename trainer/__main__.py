@@ -1,6 +1,8 @@
-"""``python -m trainer --config FILE [--section.key=value ...]`` and ``python -m trainer plan``.
+"""python -m trainer --config FILE [--section.key=value ...] [--debug], and python -m trainer plan.
 
 Runs under torchrun (one process per rank) or alone (one process, no torchrun needed).
+Bad input ends in one line on stderr naming the file or key at fault and the fix, with exit
+status 2; --debug adds the traceback to that line and to a training failure's.
 """
 
 from __future__ import annotations
@@ -8,26 +10,45 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
+
+_DEBUG_FLAG = "--debug"
+
+
+def _fail(prog: str, exc: BaseException, debug: bool, code: int) -> int:
+    """Report ``exc`` as one line on stderr (after its traceback with ``debug``)."""
+    from ckpt.cli import error_line
+    from trainer.config import ConfigError
+
+    if debug:
+        traceback.print_exception(exc)
+    print(f"{prog}: error: {error_line(exc, (ConfigError,))}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _DEBUG_FLAG in argv
+    argv = [a for a in argv if a != _DEBUG_FLAG]
     if argv and argv[0] == "plan":
-        import argparse
-
+        from ckpt.cli import OneLineArgumentParser
         from trainer.layout_plan import add_plan_arguments, run_plan
 
-        parser = argparse.ArgumentParser(prog="python -m trainer plan",
-                                         description="Estimate per-GPU memory and pick a layout")
+        parser = OneLineArgumentParser(prog="python -m trainer plan",
+                                       description="Estimate per-GPU memory and pick a layout")
         add_plan_arguments(parser)
-        return run_plan(parser.parse_args(argv[1:]))
+        args = parser.parse_args(argv[1:])
+        try:
+            return run_plan(args)
+        except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+            return _fail("python -m trainer plan", exc, debug, 2)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from trainer.config import ConfigError, config_from_argv
     from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
-    from trainer.train import run
+    from trainer.train import check_startup, run
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
@@ -36,16 +57,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = config_from_argv(argv)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        check_startup(cfg)
+    except Exception as exc:  # noqa: BLE001 - bad input is one line, not a traceback
+        return _fail("python -m trainer", exc, debug,
+                     EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED)
     env = init_distributed(cfg.training.resolved_device())
     try:
         code = run(cfg, env)
-    except Exception:  # noqa: BLE001 - e.g. a peer died mid-collective
+    except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid-collective
         # Leave through shutdown all the same: a traceback exit runs the interpreter's
         # finalizers, which can abort in a gloo thread and replace our exit code.
-        logging.getLogger("trainer").exception("training failed")
+        from ckpt.cli import error_line
+
+        if debug:
+            traceback.print_exception(exc)
+        logging.getLogger("trainer").error("training failed: %s", error_line(exc))
         shutdown(env, EXIT_FAILED, barrier=False)
     shutdown(env, code)
     return code  # not reached: shutdown leaves the process

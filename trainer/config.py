@@ -95,8 +95,9 @@ def _parse_text(text: str, tp: Any, key: str) -> Any:
         if tp is float:
             return float(text)
         return text
-    except (ValueError, json.JSONDecodeError):
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {text!r}", key=key) from None
+    except (ValueError, json.JSONDecodeError, RecursionError):
+        shown = text if len(text) <= 80 else f"{text[:77]}..."
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {shown!r}", key=key) from None
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -182,6 +183,9 @@ def _apply_override(raw: dict, origins: dict, key: str, text: str | None) -> Non
             sub[parts[-1]] = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             sub[parts[-1]] = text
+        except RecursionError:
+            raise ConfigError(f"--{key}: value nested too deeply to read; flatten it",
+                              key=key) from None
     elif text is None:
         if tp is not bool:
             raise ConfigError(f"--{key} needs a value ({_type_name(tp)})", key=key)
@@ -189,6 +193,31 @@ def _apply_override(raw: dict, origins: dict, key: str, text: str | None) -> Non
     else:
         table[name] = _parse_text(text, tp, f"{section}.{name}")
     origins[f"{section}.{name}"] = shown
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict; every way it can be unreadable is a ConfigError
+    naming the file and what to do."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path} is a folder; pass a TOML file such as "
+                          f"configs/tiny.toml")
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}; pass an existing TOML file "
+                          "to --config (see configs/)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); pass a "
+                          f"TOML file") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or inline tables nested too deeply "
+                          f"to read; flatten them") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}; check that "
+                          f"it is a readable file") from None
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
@@ -199,14 +228,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     raw: dict[str, Any] = {}
     origins: dict[str, str] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                raw = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}; pass an existing TOML file "
-                              "to --config (see configs/)") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        raw = _read_toml(path)
         for section, table in raw.items():
             if not isinstance(table, dict):
                 owners = [s for s, c in _SECTIONS.items()

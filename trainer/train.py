@@ -37,7 +37,7 @@ from trainer.distributed import (
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 
-__all__ = ["Trainer", "TrainingStopped"]
+__all__ = ["Trainer", "TrainingStopped", "check_startup"]
 
 log = logging.getLogger("trainer")
 
@@ -411,6 +411,59 @@ class Trainer:
                         ", ".join(f"{x:.3f}s" for x in times))
             for r in slow:
                 self.events.emit("failure", self.step, failure="straggler", slow_rank=r)
+
+
+def check_startup(cfg: Config) -> None:
+    """Check what the config names on storage, before any rank builds anything: a local
+    ``checkpoint.root`` must be a folder or creatable as one, and ``checkpoint.load_step``
+    must be a committed checkpoint. Raises :class:`ConfigError` naming the key and the fix.
+
+    Every rank calls it (each reads the same root, so all agree); it writes nothing.
+    """
+    import os
+
+    from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+    from ckpt.manifest import step_dirname
+    from ckpt.store import CheckpointStore
+
+    c = cfg.checkpoint
+    if not c.enabled:
+        return
+    try:
+        store = CheckpointStore(c.root, c.storage_options or None)
+    except ValueError as exc:
+        raise ConfigError(f"checkpoint.root: {exc}", key="checkpoint.root") from None
+    storage = store.storage
+    if storage.is_local:
+        path = storage.path()
+        existing = path
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ConfigError(f"checkpoint.root: {existing} is a file, not a folder; set "
+                              f"--checkpoint.root to a folder (created if missing)",
+                              key="checkpoint.root")
+        if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"checkpoint.root: cannot create {path}: {existing} is not "
+                              f"writable; fix its permissions or choose another root",
+                              key="checkpoint.root")
+    if c.resume and c.load_step is not None:
+        try:
+            store.read_manifest(c.load_step)
+        except CheckpointNotFoundError:
+            committed = store.committed_steps() if storage.exists("") else []
+            shown = ", ".join(map(str, committed[-10:]))
+            fix = (f"committed steps: {'..., ' if len(committed) > 10 else ''}{shown}. Pass "
+                   f"one of them, or leave checkpoint.load_step unset to resume from the "
+                   f"newest" if committed else f"{c.root} holds no committed checkpoint; "
+                   f"leave checkpoint.load_step unset to start fresh")
+            raise ConfigError(
+                f"checkpoint.load_step={c.load_step}: no committed checkpoint at "
+                f"{storage.describe(step_dirname(c.load_step))}; {fix}",
+                key="checkpoint.load_step") from None
+        except CorruptCheckpointError as exc:
+            raise ConfigError(f"checkpoint.load_step={c.load_step}: {exc}",
+                              key="checkpoint.load_step") from None
 
 
 def run(cfg: Config, env: DistEnv) -> int:

@@ -165,7 +165,7 @@ def _check_case(root: Path, marker: Path) -> None:
     except NAMED:
         pass
     for info in store.list(check="full"):
-        assert info.status in ("committed", "corrupt", "incomplete"), info
+        assert info.status in ("committed", "corrupt", "incomplete", "fenced"), info
     fresh = _blank()
     try:
         loaded = ckpt.load_latest(fresh, str(root))

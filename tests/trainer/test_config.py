@@ -133,6 +133,24 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(str(tmp_path / "missing.toml"), [])
 
 
+def test_unreadable_config_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"--config .* is a folder; pass a TOML file"):
+        load_config(str(tmp_path), [])
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[training]\nbetas = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match=r"deep\.toml: invalid TOML: .*nested too deeply"):
+        load_config(str(deep), [])
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes("# d\u00e9j\u00e0 vu\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.toml: not UTF-8 text"):
+        load_config(str(latin1), [])
+    nested = "[" * 50_000 + "]" * 50_000
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(None, [f"--checkpoint.storage_options.x={nested}"])
+    with pytest.raises(ConfigError, match=r"checkpoint\.storage_options: expected .*\.\.\.'"):
+        load_config(None, [f"--checkpoint.storage_options={nested}"])
+
+
 def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
 

@@ -174,7 +174,7 @@ def cmd_list(args) -> int:
         rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
                      _fmt_time(i.created),
                      f"{loss:.4g}" if isinstance(loss, (int, float)) else "-",
-                     " ".join((i.problem or "").split())[:70]))
+                     " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -24,8 +24,8 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
     rolled-back-<id>.json   an un-committed manifest, kept and restorable
     fenced-<id>.json        a fenced-off writer's late manifest, moved aside
 
-and at the root ``_fence/gen_<g>.closing`` then ``_fence/gen_<g>.json``, the closing marker
-and the close record of lease generation ``g``.
+and at the root, for lease generation ``g``: ``_fence/gen_<g>.open`` (taken),
+``_fence/gen_<g>.closing`` (being closed) and ``_fence/gen_<g>.json`` (the close record).
 
 Fencing (argued in docs/format.md, "Fencing"): every lease acquisition gets a new
 generation ``g`` (:mod:`ckpt.lease`); every manifest records the generation it was written
@@ -162,14 +162,15 @@ class Lifecycle:
         self._fence_cache[generation] = record  # close records never change
         return record
 
-    def closed_generations(self, *, closing: bool = False) -> set[int]:
-        """Generations with a close record (and, with ``closing``, those being closed)."""
-        out = set()
+    def generations(self) -> tuple[set[int], set[int]]:
+        """``(opened, closed)``: generations ever acquired (or being closed), and those with
+        a close record."""
+        opened, closed = set(), set()
         for name, kind, _ in self.storage.listdir(_FENCE_DIR):
-            m = re.match(r"^gen_(\d+)\.(json|closing)$", name)
-            if m and kind == "file" and (closing or m.group(2) == "json"):
-                out.add(int(m.group(1)))
-        return out
+            m = re.match(r"^gen_(\d+)\.(json|closing|open)$", name)
+            if m and kind == "file":
+                (closed if m.group(2) == "json" else opened).add(int(m.group(1)))
+        return opened, closed
 
     def is_fenced(self, manifest: Manifest) -> bool:
         """True when ``manifest`` may have been created after its writer's generation ended.
@@ -459,12 +460,17 @@ class Lifecycle:
         return list(names)
 
     def _drop_empty_folder(self, step: int) -> None:
+        """Remove the step's folder once empty (S3 has no folders: nothing to do there)."""
         d = step_dirname(step)
-        if self.storage.is_local and not self.storage.listdir(d):
-            try:
-                os.rmdir(self.storage.path(d))
-            except OSError:
-                pass
+        if self.storage.is_s3 or self.storage.listdir(d):
+            return
+        try:
+            if self.storage.is_local:
+                os.rmdir(self.storage.path(d))  # fails, harmlessly, if a file appeared
+            else:
+                self.storage.fs.rmdir(self.storage.path(d))
+        except OSError:
+            pass
 
     def uncommit(self, step: int) -> str:
         """Un-commit ``step`` reversibly; returns the id of the kept version."""
@@ -604,13 +610,17 @@ class Lifecycle:
                 committed.append(m.save_id)
         self._write_close(generation, committed)
 
-    def _mark_closing(self, generation: int) -> None:
+    def _mark(self, generation: int, what: str) -> None:
+        """Create ``_fence/gen_G.open`` (generation taken) or ``.closing`` (being closed)."""
         self.storage.makedirs(_FENCE_DIR)
         try:
-            self.storage.create_exclusive(self._fence_rel(generation, "closing"), jsonio.dumps(
-                {"generation": generation, "closing_unix": time.time()}))
+            self.storage.create_exclusive(self._fence_rel(generation, what), jsonio.dumps(
+                {"generation": generation, f"{what}_unix": time.time()}))
         except FileExistsError:
             pass
+
+    def _mark_closing(self, generation: int) -> None:
+        self._mark(generation, "closing")
 
     def _write_close(self, generation: int, committed: Iterable[str]) -> None:
         doc = {"generation": generation, "committed": sorted(committed),
@@ -636,21 +646,19 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     job holds the lease (unless ``force``, which fences that job off).
     """
     life = lifecycle or Lifecycle(storage)
-    closed = life.closed_generations()
-    known = life.closed_generations(closing=True)
+    opened, closed = life.generations()
     lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
                   fingerprint=fingerprint)
-    lease.acquire(force=force, min_generation=max(known, default=0) + 1, heartbeat=heartbeat)
+    lease.acquire(force=force, min_generation=max(opened | closed, default=0) + 1,
+                  heartbeat=heartbeat)
     life.lease = lease
     try:
-        previous = lease.previous or {}
-        prev_gen = previous.get("generation") if isinstance(previous, dict) else None
-        if isinstance(prev_gen, int):
-            start = previous.get("closed_through")
-            start = start + 1 if isinstance(start, int) else 1
-            for g in range(max(1, start), min(prev_gen, lease.generation - 1) + 1):
-                if g not in closed:
-                    life.close_generation(g)
+        # Mark the generation used before any manifest carries it, so that it is never
+        # handed out again (not even after a damaged or deleted lease file).
+        life._mark(lease.generation, "open")
+        for g in sorted(opened - closed):
+            if g < lease.generation:
+                life.close_generation(g)
         lease.set_closed_through(lease.generation - 1)
     except BaseException:
         lease.release()

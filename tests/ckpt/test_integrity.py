@@ -46,8 +46,8 @@ class _Records(logging.Handler):
 def _integrity_body(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
-    ckpt.save(states.state_for(1, [rank]), root, 1, owner="integrity")
-    ckpt.save(states.state_for(2, [rank]), root, 2, owner="integrity")
+    ckpt.save(states.state_for(1, [rank]), root, 1)
+    ckpt.save(states.state_for(2, [rank]), root, 2)
     path, offset = _target(root)
     with open(path, "rb") as f:
         pristine = f.read()

@@ -421,3 +421,22 @@ def test_two_writers_and_a_reader_at_random(kind, tmp_path, request):
         assert len(counted) >= 3, (len(counted), len(fenced_steps))
     finally:
         release_lease(final)
+
+
+def test_damaged_lease_never_hands_out_a_generation_twice(tmp_path):
+    storage = Storage(str(tmp_path))
+    storage.makedirs("")
+    a = acquire_lease(storage, ttl_seconds=30, heartbeat=False)
+    m1 = _save(a, 1, 1.0)
+    storage.write_bytes(LEASE_NAME, b'{"garbage')  # damaged: nobody can renew it any more
+    b = acquire_lease(storage, ttl_seconds=30)  # taken over, with a warning
+    assert b.lease.generation == a.lease.generation + 1
+    with pytest.raises(LeaseLostError):
+        _save(a, 2, 2.0)  # the old holder is fenced off
+    store = CheckpointStore(storage)
+    assert store.read_manifest(1).save_id == m1.save_id  # closed with step 1 listed
+    assert store.committed_steps() == [1]
+    release_lease(b)
+    c = acquire_lease(storage)
+    assert c.lease.generation == b.lease.generation + 1
+    release_lease(c)

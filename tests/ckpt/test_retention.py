@@ -151,7 +151,10 @@ def test_delete_uncommits_first(tmp_path):
 
     store = CheckpointStore(Recording(root))
     assert apply_retention(store, [KeepLast(1)]) == [1]
-    assert order == ["step_000000001/manifest.json", "step_000000001"]
+    # The manifest first (un-commit), then that version's own files; the empty folder goes.
+    assert order[0] == "step_000000001/manifest.json" and len(order) > 1
+    assert all(o.startswith("step_000000001/r") for o in order[1:]), order
+    assert not os.path.exists(os.path.join(root, "step_000000001"))
 
 
 def test_damaged_pins_keep_everything_and_are_not_overwritten(tmp_path, caplog):

@@ -93,7 +93,14 @@ def test_load_step_resumes_that_step(trained, tmp_path):
     # The newer checkpoints are un-committed (reversibly) and written again by this run.
     assert "un-committed checkpoint step 100" in job.stderr
     assert "un-committed checkpoint step 120" in job.stderr
-    assert (root / "step_000000100" / "rolled-back-manifest.json").exists()
+    # Saving 100 again wrote a new version beside the rolled-back one, which stays intact.
+    assert len(list((root / "step_000000100").glob("rolled-back-*.json"))) == 1
+    from ckpt.store import CheckpointStore
+
+    versions = CheckpointStore(root).entries(100)
+    assert sorted(v.status for v in versions) == ["committed", "rolled-back"]
+    for v in versions:
+        assert CheckpointStore(root).life.find(v.id).manifest is not None
     got = loss_history(job.events())
     assert sorted(got) == list(range(51, STEPS + 1))
     ref = loss_history(events)

@@ -7,6 +7,8 @@ wrapped to return NaN for chosen global batches.
 
 from __future__ import annotations
 
+import json
+
 import math
 import os
 import signal
@@ -223,7 +225,8 @@ def test_nan_policy_stop_raises_at_the_first_bad_step(tmp_path, nan_at):
     assert trainer.step == 7
     # The run ended cleanly: its last periodic checkpoint is committed, the lease released.
     assert (tmp_path / "ckpt" / "step_000000005" / "manifest.json").exists()
-    assert not (tmp_path / "ckpt" / "_lease.json").exists()
+    lease = json.loads((tmp_path / "ckpt" / "_lease.json").read_text())
+    assert lease["released"] is True
 
 
 def test_nan_policy_rollback_reloads_and_skips_the_bad_batch(tmp_path, nan_at):

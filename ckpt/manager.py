@@ -507,10 +507,12 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
-                    strict: bool = True, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
+                    strict: bool = True, ignore_keys: tuple[str, ...] = (),
+                    raise_if_all_damaged: bool = False) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies.
 
-        Returns the manifest loaded, or None when there is nothing to resume from.
+        Returns the manifest loaded, or None when there is nothing to resume from
+        (``raise_if_all_damaged``: see :func:`ckpt.api.load_latest`).
         """
         t0 = time.monotonic()
         fallbacks: list[int] = []
@@ -527,7 +529,8 @@ class CheckpointManager:
             manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
                                        process_group=self._ctl_group,
                                        num_threads=self.num_threads, ignore_keys=ignore_keys,
-                                       on_fallback=fell_back)
+                                       on_fallback=fell_back,
+                                       raise_if_all_damaged=raise_if_all_damaged)
         if manifest is not None:
             seconds = time.monotonic() - t0
             self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,

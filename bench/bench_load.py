@@ -1,9 +1,10 @@
 """Same-layout local load time: ``ckpt.load`` against reading and checksumming the same files.
 
-    python bench/bench_load.py [--mib 256] [--tensors 64] [--repeats 5] [--dir DIR]
+    python bench/bench_load.py [--mib 256] [--tensors 64] [--repeats 5] [--dir DIR] [--staging]
 
 One process saves a model-like state once, then each round loads it (page cache warm) with
-``ckpt.load`` (verify='full' and 'size') and with the floor: every data file read into a
+``ckpt.load`` (verify='full' and 'size'; with ``--staging`` also reading into reused
+staging buffers, as ``CheckpointManager.load_latest`` does) and with the floor: every data file read into a
 preallocated buffer and checksummed (crc32c), 4 files at once, which is the least any
 verified load must do. Contenders are interleaved per round (bench/_common.py); the table
 gives median seconds, GiB/s and the median per-round ratio to the floor. docs/performance.md
@@ -40,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=None, help="work folder (default: a temp folder)")
+    p.add_argument("--staging", action="store_true",
+                   help="also load into reused staging buffers (a CheckpointManager's path)")
     args = p.parse_args(argv)
 
     import torch
@@ -74,16 +77,29 @@ def main(argv: list[str] | None = None) -> int:
                 list(pool.map(one, files))
             return time.perf_counter() - t0
 
-        def load(verify: str):
+        staging = None
+        if args.staging:
+            from ckpt.staging import StagingBuffers
+
+            staging = StagingBuffers()
+            staging.prepare(state)
+
+        def load(verify: str, scratch=None):
             def run() -> float:
                 t0 = time.perf_counter()
-                ckpt.load(state, root, 1, verify=verify)
+                if scratch is None:
+                    ckpt.load(state, root, 1, verify=verify)
+                else:
+                    ckpt.load(state, root, 1, verify=verify, scratch=scratch)
                 return time.perf_counter() - t0
             return run
 
         contenders = [Contender("floor: read+crc", floor),
                       Contender("ckpt.load full", load("full")),
                       Contender("ckpt.load size", load("size"))]
+        if staging is not None:
+            contenders += [Contender("ckpt.load full, staging", load("full", staging)),
+                           Contender("ckpt.load size, staging", load("size", staging))]
         samples = interleave(contenders, args.repeats)
         print(f"\nstate {nbytes / MiB:.0f} MiB in {args.tensors} tensors, "
               f"{len(files)} data files, {args.repeats} rounds (page cache warm)\n")

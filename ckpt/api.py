@@ -28,6 +28,7 @@ from ckpt.errors import (
     RankFailuresError,
 )
 from ckpt.manifest import Manifest, step_dirname
+from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
@@ -128,7 +129,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          verify: str = "full", strict: bool = True, process_group=None,
          storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
-         ignore_keys: tuple[str, ...] = ()) -> Manifest:
+         ignore_keys: tuple[str, ...] = (), scratch: StagingBuffers | None = None) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
     Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
@@ -141,7 +142,9 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
     ``state``, non-tensor values set and ``load_state_dict`` called. After a failed load,
     every rank's ``state`` is exactly as before. Peak memory during a load: one extra copy
-    of the bytes this rank reads, freed before returning.
+    of the bytes this rank reads, freed before returning. ``scratch``: staging buffers to
+    read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
+    for saves anyway); no save may be using them during the load.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
@@ -149,7 +152,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     sd = resolve_state(state)
     where = storage.describe(step_dirname(manifest.step))
     reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
-                        num_threads=num_threads)
+                        num_threads=num_threads, scratch=scratch)
     planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
     error: BaseException | None = None
     try:
@@ -190,7 +193,8 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
                 storage_options: dict[str, Any] | None = None,
                 num_threads: int | None = None, ignore_keys: tuple[str, ...] = (),
                 on_fallback: Callable[[int, str], None] | None = None,
-                raise_if_all_damaged: bool = False) -> Manifest | None:
+                raise_if_all_damaged: bool = False,
+                scratch: StagingBuffers | None = None) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the
@@ -199,7 +203,8 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     root holds no committed checkpoint. When it holds some and every one failed, ``state``
     is unchanged and the result is None too, unless ``raise_if_all_damaged``: then
     ``AllCheckpointsDamagedError`` lists each step and why it failed, so a caller can tell
-    "nothing there" from "everything damaged". Collective over ``process_group``.
+    "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
+    Collective over ``process_group``.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
@@ -229,7 +234,8 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             continue
         try:
             load(state, storage, manifest, verify=verify, strict=strict,
-                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys)
+                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys,
+                 scratch=scratch)
             error = None
         except (CorruptCheckpointError, RankFailuresError) as exc:
             if isinstance(exc, RankFailuresError) and "Corrupt" not in str(exc):

@@ -277,7 +277,10 @@ class CkptReader(StorageReader):
     ``discard`` drops the staged bytes instead.
 
     Memory: while a load is in flight this rank holds one copy of the bytes it reads (the
-    scratch), freed by ``apply``/``discard``; nothing stays allocated between loads.
+    scratch), freed by ``apply``/``discard``; nothing stays allocated between loads. With
+    ``scratch`` (a :class:`ckpt.staging.StagingBuffers` not in use by a save), local reads
+    go into its buffers instead, which a job keeps for its saves anyway: no extra memory,
+    and none to touch for the first time.
     Scratch tensors are aligned for their dtype: items are packed without padding, so a view
     of the file's bytes can start at any address, and some copy kernels (complex128)
     crash on a misaligned source.
@@ -285,7 +288,8 @@ class CkptReader(StorageReader):
 
     def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, *,
                  verify: str = "full", num_threads: int | None = None,
-                 on_bytes_read: Callable[[int], None] | None = None):
+                 on_bytes_read: Callable[[int], None] | None = None,
+                 scratch: Any = None):
         super().__init__()
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
@@ -293,6 +297,7 @@ class CkptReader(StorageReader):
         self.step_dir = step_dir
         self.manifest = manifest
         self.verify = verify
+        self.scratch = scratch  # a StagingBuffers to borrow read buffers from, or None
         self.num_threads = max(1, num_threads or default_threads(storage))
         self.on_bytes_read = on_bytes_read
         self._metadata = manifest.to_dcp_metadata()
@@ -328,13 +333,20 @@ class CkptReader(StorageReader):
             dtype = None if req.type == LoadItemType.BYTE_IO else \
                 md[req.storage_index.fqn].properties.dtype
             per_file.setdefault(loc.file, {})[loc] = dtype
+        lent: dict[ItemLocation, torch.Tensor] = {}
+        if self.scratch is not None and self.storage.is_local:
+            items = [loc for wanted in per_file.values() for loc, dtype in wanted.items()
+                     if dtype is not None]
+            for loc, buf in zip(items, self.scratch.borrow([loc.length for loc in items])):
+                if buf is not None:
+                    lent[loc] = buf
         names = list(per_file)
         if len(names) > 1 and self.num_threads > 1:
             with ThreadPoolExecutor(min(self.num_threads, len(names)),
                                     thread_name_prefix="ckpt-read") as pool:
-                parts = list(pool.map(lambda n: self._read_file(n, per_file[n]), names))
+                parts = list(pool.map(lambda n: self._read_file(n, per_file[n], lent), names))
         else:
-            parts = [self._read_file(n, per_file[n]) for n in names]
+            parts = [self._read_file(n, per_file[n], lent) for n in names]
         blobs: dict[ItemLocation, Any] = {}
         for part in parts:
             blobs.update(part)
@@ -390,8 +402,8 @@ class CkptReader(StorageReader):
         """Drop the staged values (a failed load): the state is left as it was."""
         self._staged = None
 
-    def _read_file(self, name: str, wanted: dict[ItemLocation, torch.dtype | None]
-                   ) -> dict[ItemLocation, Any]:
+    def _read_file(self, name: str, wanted: dict[ItemLocation, torch.dtype | None],
+                   lent: dict[ItemLocation, torch.Tensor]) -> dict[ItemLocation, Any]:
         """Read, check and type one file's wanted items (on a worker thread; no planner)."""
         rel = f"{self.step_dir}/{name}"
         where = self.storage.describe(rel)
@@ -407,36 +419,47 @@ class CkptReader(StorageReader):
                     f"(truncated or overwritten). Load an earlier step.",
                     path=where, expected=expected_size, actual=actual)
         out: dict[ItemLocation, Any] = {}
+
+        def take(loc: ItemLocation, piece: memoryview) -> None:
+            if self.verify == "full":
+                _check_crc(where, loc, piece)
+            dtype = wanted[loc]
+            out[loc] = bytes(piece) if dtype is None else _typed(piece, dtype, where, loc)
+
         locs = sorted(wanted, key=lambda loc: loc.offset)
-        # Local files: one reusable handle, reads straight into aligned scratch tensors.
-        f = None
-        if self.storage.is_local:
-            try:
-                f = open(self.storage.path(rel), "rb", buffering=0)
-            except FileNotFoundError:
-                raise _missing(where) from None
-        try:
+        if not self.storage.is_local:
             for start, end, group in _coalesce(locs):
-                if f is not None:
-                    data = _read_local(f, start, end, where)
-                else:
-                    try:
-                        data = memoryview(self.storage.read_bytes(rel, start, end))
-                    except FileNotFoundError:
-                        raise _missing(where) from None
-                    if len(data) != end - start:
-                        raise _truncated(where, start, end)
+                try:
+                    data = memoryview(self.storage.read_bytes(rel, start, end))
+                except FileNotFoundError:
+                    raise _missing(where) from None
+                if len(data) != end - start:
+                    raise _truncated(where, start, end)
                 if self.on_bytes_read is not None:
                     self.on_bytes_read(end - start)
                 for loc in group:
-                    piece = data[loc.offset - start: loc.offset - start + loc.length]
-                    if self.verify == "full":
-                        _check_crc(where, loc, piece)
-                    dtype = wanted[loc]
-                    out[loc] = bytes(piece) if dtype is None else _typed(piece, dtype, where, loc)
-        finally:
-            if f is not None:
-                f.close()
+                    take(loc, data[loc.offset - start: loc.offset - start + loc.length])
+            return out
+        # Local files: read straight into borrowed buffers (an item each) or fresh scratch.
+        try:
+            f = open(self.storage.path(rel), "rb", buffering=0)
+        except FileNotFoundError:
+            raise _missing(where) from None
+        with f:
+            for loc in locs:
+                if loc in lent:
+                    view = memoryview(lent[loc].numpy())
+                    _read_into(f, loc.offset, view, where)
+                    if self.on_bytes_read is not None:
+                        self.on_bytes_read(loc.length)
+                    take(loc, view)
+            for start, end, group in _coalesce([loc for loc in locs if loc not in lent]):
+                data = _scratch(end - start)
+                _read_into(f, start, data, where)
+                if self.on_bytes_read is not None:
+                    self.on_bytes_read(end - start)
+                for loc in group:
+                    take(loc, data[loc.offset - start: loc.offset - start + loc.length])
         return out
 
 
@@ -479,17 +502,15 @@ def _scratch(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
 
 
-def _read_local(f, start: int, end: int, where: str) -> memoryview:
-    """Bytes ``[start, end)`` of an open file, read into fresh page-aligned memory."""
-    view = _scratch(end - start)
+def _read_into(f, start: int, view: memoryview, where: str) -> None:
+    """Fill ``view`` with the bytes of open file ``f`` from ``start`` on."""
     f.seek(start)
     got = 0
-    while got < end - start:
+    while got < len(view):
         n = f.readinto(view[got:])
         if not n:
-            raise _truncated(where, start, end)
+            raise _truncated(where, start, start + len(view))
         got += n
-    return view
 
 
 def _typed(piece: memoryview, dtype: torch.dtype, where: str, loc: ItemLocation

@@ -521,16 +521,22 @@ class CheckpointManager:
             fallbacks.append(skipped)
             self.events.emit("load_fallback", skipped, reason=reason)
 
+        # Read into the staging buffers (saves need them anyway, already touched) unless a
+        # save is persisting from them.
+        scratch = None if self.in_flight() else self.staging
+        if scratch is not None:
+            scratch.prepare(api.resolve_state(state))
         if step is not None:
             manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
                                 process_group=self._ctl_group, num_threads=self.num_threads,
-                                ignore_keys=ignore_keys)
+                                ignore_keys=ignore_keys, scratch=scratch)
         else:
             manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
                                        process_group=self._ctl_group,
                                        num_threads=self.num_threads, ignore_keys=ignore_keys,
                                        on_fallback=fell_back,
-                                       raise_if_all_damaged=raise_if_all_damaged)
+                                       raise_if_all_damaged=raise_if_all_damaged,
+                                       scratch=scratch)
         if manifest is not None:
             seconds = time.monotonic() - t0
             self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,

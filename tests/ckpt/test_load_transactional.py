@@ -226,3 +226,25 @@ def test_a_rank_failing_leaves_every_rank_unchanged(tmp_path):
         assert "checksum mismatch" in res["outcome"], (rank, res)
         assert res["unchanged"] is True, (rank, res)
     shutil.rmtree(root)
+
+
+def test_staging_buffers_as_scratch(root):
+    """Reads go into borrowed staging buffers (the manager's path): same guarantees."""
+    from ckpt.api import resolve_state
+    from ckpt.staging import StagingBuffers
+
+    state = _state(7)
+    staging = StagingBuffers(pin_memory=False)
+    staging.prepare(resolve_state(state))
+    ckpt.load(state, root.url, 1, scratch=staging)
+    assert_same(snapshot(_state(1)["w"]), state["w"])
+    assert state["meta"] == {"step": 1, "note": "seed 1"} and state["counter"].num_loads == 1
+    if root.kind == "local":  # only local reads borrow: w.t0's buffer holds step 1's bytes
+        t0 = _state(1)["w"]["t0"]
+        (buf,) = staging.borrow([t0.numel() * t0.element_size()])
+        assert torch.equal(buf, t0.view(torch.uint8))
+    DAMAGES["flip"](root, 2)
+    before = _before(state)
+    with pytest.raises(CorruptCheckpointError):
+        ckpt.load(state, root.url, 2, scratch=staging)
+    _assert_unchanged(state, before, f"{root.kind}/scratch")

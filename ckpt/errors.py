@@ -52,9 +52,17 @@ class AllCheckpointsDamagedError(CorruptCheckpointError):
                             "state on purpose."):
         self.root = root
         self.failures = [(int(s), " ".join(str(r).split())) for s, r in failures]
+        self.fix = fix
         found = "; ".join(f"step {s}: {r}" for s, r in self.failures)
         super().__init__(f"every checkpoint under {root} is damaged, none was loaded "
                          f"({found}). {fix}", path=root)
+
+    def __reduce__(self):
+        return _rebuild_all_damaged, (self.root, self.failures, self.fix)
+
+
+def _rebuild_all_damaged(root, failures, fix):
+    return AllCheckpointsDamagedError(root, failures, fix=fix)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -213,7 +213,9 @@ class Trainer:
             # The failed loads left the state untouched: this is a true fresh start. The
             # damaged steps are un-committed so that this run can save those steps again.
             if self.env.rank == 0:
-                log.warning("%s Starting from step 0 (%s).", exc, fix)
+                log.warning("%s", AllCheckpointsDamagedError(
+                    exc.root, exc.failures, fix="Starting from step 0 on purpose "
+                    "(checkpoint.allow_fresh_start_over_damaged is set)."))
                 self._uncommit_newer(-1)
             return None
         if manifest is None:

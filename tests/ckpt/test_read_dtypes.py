@@ -83,3 +83,12 @@ def test_whole_save_into_sharded_target(tmp_path):
     root = str(tmp_path / "root")
     ckpt.save(plain_state(_NUMEL), root, 1, num_threads=1)
     assert run_ranks(_load_into_shards, 2, root, timeout=120) == ["OK", "OK"]
+
+
+def test_every_format_dtype_is_covered():
+    from ckpt.manifest import dtype_from_name
+    from tests.ckpt._dtype_child import FORMAT_DTYPES, cases
+
+    names = {"complex128", "complex64", "float64", "bfloat16", "bool", "uint8"}
+    assert {dtype_from_name(n, "test") for n in names} <= set(FORMAT_DTYPES)
+    assert {d for _, d, _ in cases()} == set(FORMAT_DTYPES)

@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from ckpt.api import load, load_latest, save  # noqa: E402
 from ckpt.errors import (  # noqa: E402
+    AllCheckpointsDamagedError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointInfo",
     "Manifest",
     "CheckpointError",
+    "AllCheckpointsDamagedError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "FormatVersionError",

@@ -22,6 +22,7 @@ from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.errors import (
+    AllCheckpointsDamagedError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -29,6 +30,7 @@ from ckpt.errors import (
     RankFailuresError,
 )
 from ckpt.manifest import Manifest, step_dirname
+from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
@@ -186,29 +188,52 @@ def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          verify: str = "full", strict: bool = True, process_group=None,
          storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
-         ignore_keys: tuple[str, ...] = ()) -> Manifest:
+         ignore_keys: tuple[str, ...] = (), scratch: StagingBuffers | None = None) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
     Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
     'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
-    ``ignore_keys`` may be left unloaded without counting as unexpected. Raises ``CorruptCheckpointError`` (naming the
-    file) on any corruption, ``StateMismatchError`` listing every key/shape/dtype mismatch.
+    ``ignore_keys`` may be left unloaded without counting as unexpected. Raises
+    ``CorruptCheckpointError`` (naming the file) on any corruption, ``StateMismatchError``
+    listing every key/shape/dtype mismatch.
+
+    Transactional: every rank first reads and verifies its whole part into scratch memory
+    (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
+    ``state``, non-tensor values set and ``load_state_dict`` called. After a failed load,
+    every rank's ``state`` is exactly as before. Peak memory during a load: one extra copy
+    of the bytes this rank reads, freed before returning. ``scratch``: staging buffers to
+    read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
+    for saves anyway); no save may be using them during the load.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
     manifest = step if isinstance(step, Manifest) else store.read_manifest(step)
     sd = resolve_state(state)
+    where = storage.describe(step_dirname(manifest.step))
     reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
-                        num_threads=num_threads)
+                        num_threads=num_threads, scratch=scratch)
+    planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
+    error: BaseException | None = None
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
-            dcp.load(sd, storage_reader=reader,
-                     planner=SafeLoadPlanner(strict=strict, source=storage.describe(
-                         step_dirname(manifest.step)), ignore_prefixes=tuple(ignore_keys)),
+            dcp.load(sd, storage_reader=reader, planner=planner,
                      process_group=process_group, no_dist=not _is_dist(process_group))
     except CheckpointException as exc:
-        raise unwrap_dcp_error(exc) from exc
+        error = unwrap_dcp_error(exc)
+        if error is not exc:
+            error.__cause__ = exc
+    # DCP already fails every rank when one fails; agreeing again makes "apply only after
+    # every rank verified its whole read" this function's own guarantee.
+    if not _agree(error is None, process_group):
+        reader.discard()
+        raise error or CorruptCheckpointError(
+            f"loading {where} failed on another rank (see that rank's error); nothing was "
+            f"loaded here either", path=where)
+    reader.apply()
+    # dcp.load plans over a shallow copy of ``sd`` and hands top-level values back before it
+    # returns, i.e. before ``apply`` set the non-tensor ones: take them from that copy.
+    sd.update(planner.original_state_dict)
     apply_state(state, sd)
     return manifest
 
@@ -226,12 +251,19 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
                 strict: bool = True, process_group=None,
                 storage_options: dict[str, Any] | None = None,
                 num_threads: int | None = None, ignore_keys: tuple[str, ...] = (),
-                on_fallback: Callable[[int, str], None] | None = None) -> Manifest | None:
+                on_fallback: Callable[[int, str], None] | None = None,
+                raise_if_all_damaged: bool = False,
+                scratch: StagingBuffers | None = None) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the
-    file (and ``on_fallback(step, reason)``), and the one before it is tried. Returns None when the root holds no usable
-    checkpoint (a fresh start). Collective over ``process_group``.
+    file (and ``on_fallback(step, reason)``), and the one before it is tried; each failed
+    attempt leaves ``state`` untouched (``load`` is transactional). Returns None when the
+    root holds no committed checkpoint. When it holds some and every one failed, ``state``
+    is unchanged and the result is None too, unless ``raise_if_all_damaged``: then
+    ``AllCheckpointsDamagedError`` lists each step and why it failed, so a caller can tell
+    "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
+    Collective over ``process_group``.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
@@ -242,6 +274,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
         dist.broadcast_object_list(holder, src=dist.get_global_rank(process_group, 0)
                                    if process_group is not None else 0, group=process_group)
         candidates = holder[0]
+    failures: list[tuple[int, str]] = []
     for step in reversed(candidates):
         error: BaseException | None = None
         manifest = None
@@ -254,12 +287,14 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
         if not _agree(error is None, process_group):
-            _fell_back(step, f"not usable ({error or 'failed verification on another rank'})",
-                       on_fallback)
+            reason = str(error or "failed verification on another rank")
+            failures.append((step, reason))
+            _fell_back(step, f"not usable ({reason})", on_fallback)
             continue
         try:
             load(state, storage, manifest, verify=verify, strict=strict,
-                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys)
+                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys,
+                 scratch=scratch)
             error = None
         except (CorruptCheckpointError, RankFailuresError) as exc:
             if isinstance(exc, RankFailuresError) and "Corrupt" not in str(exc):
@@ -267,8 +302,11 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             error = exc
         if _agree(error is None, process_group):
             return manifest
-        _fell_back(step, f"failed verification while loading ({error or 'on another rank'})",
-                   on_fallback)
+        reason = str(error or "failed verification on another rank")
+        failures.append((step, reason))
+        _fell_back(step, f"failed verification while loading ({reason})", on_fallback)
+    if failures and raise_if_all_damaged:
+        raise AllCheckpointsDamagedError(storage.describe(), failures)
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
+    "AllCheckpointsDamagedError",
     "CheckpointNotFoundError",
     "FormatVersionError",
     "StateMismatchError",
@@ -36,6 +37,33 @@ class CorruptCheckpointError(CheckpointError, ValueError):
         self.path = path
         self.expected = expected
         self.actual = actual
+
+
+class AllCheckpointsDamagedError(CorruptCheckpointError):
+    """A root holds committed checkpoints, and every one of them failed to load.
+
+    Raised by ``load_latest(..., raise_if_all_damaged=True)`` to tell "everything is
+    damaged" from "nothing there" (which returns None). ``failures`` lists
+    ``(step, reason)`` newest first; the message is one line. The state loaded into is
+    unchanged.
+    """
+
+    def __init__(self, root: str, failures: list[tuple[int, str]], *,
+                 fix: str = "Repair or remove the damaged checkpoints, or load into a fresh "
+                            "state on purpose."):
+        self.root = root
+        self.failures = [(int(s), " ".join(str(r).split())) for s, r in failures]
+        self.fix = fix
+        found = "; ".join(f"step {s}: {r}" for s, r in self.failures)
+        super().__init__(f"every checkpoint under {root} is damaged, none was loaded "
+                         f"({found}). {fix}", path=root)
+
+    def __reduce__(self):
+        return _rebuild_all_damaged, (self.root, self.failures, self.fix)
+
+
+def _rebuild_all_damaged(root, failures, fix):
+    return AllCheckpointsDamagedError(root, failures, fix=fix)
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -532,10 +532,12 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
-                    strict: bool = True, ignore_keys: tuple[str, ...] = ()) -> Manifest | None:
+                    strict: bool = True, ignore_keys: tuple[str, ...] = (),
+                    raise_if_all_damaged: bool = False) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies.
 
-        Returns the manifest loaded, or None when there is nothing to resume from.
+        Returns the manifest loaded, or None when there is nothing to resume from
+        (``raise_if_all_damaged``: see :func:`ckpt.api.load_latest`).
         """
         t0 = time.monotonic()
         fallbacks: list[int] = []
@@ -544,15 +546,22 @@ class CheckpointManager:
             fallbacks.append(skipped)
             self.events.emit("load_fallback", skipped, reason=reason)
 
+        # Read into the staging buffers (saves need them anyway, already touched) unless a
+        # save is persisting from them.
+        scratch = None if self.in_flight() else self.staging
+        if scratch is not None:
+            scratch.prepare(api.resolve_state(state))
         if step is not None:
             manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
                                 process_group=self._ctl_group, num_threads=self.num_threads,
-                                ignore_keys=ignore_keys)
+                                ignore_keys=ignore_keys, scratch=scratch)
         else:
             manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
                                        process_group=self._ctl_group,
                                        num_threads=self.num_threads, ignore_keys=ignore_keys,
-                                       on_fallback=fell_back)
+                                       on_fallback=fell_back,
+                                       raise_if_all_damaged=raise_if_all_damaged,
+                                       scratch=scratch)
         if manifest is not None:
             # Resumed at manifest.step: the cadence counts the next interval from there
             # (a resumed run saves at 40 and 50 after resuming at 30 with a cadence of 10).

@@ -11,6 +11,10 @@ Host memory added is about one copy of this rank's shard (buffers of tensors tha
 longer in the state are dropped at the next ``stage``). ``prepare`` allocates (and
 touches) the buffers ahead of time, e.g. on a background thread right after the model is
 built, so even the first save's stall is only the copy.
+
+Loads borrow the same buffers (``borrow``) as scratch memory to read into before the
+checksums are verified: one copy of the shard that exists anyway, already touched, instead
+of fresh memory whose first touch costs about as much as the read.
 """
 
 from __future__ import annotations
@@ -54,6 +58,29 @@ class StagingBuffers:
             self._buffers[path] = buf
             self.num_allocations += 1
         return buf
+
+    def borrow(self, sizes: list[int]) -> list[torch.Tensor | None]:
+        """Flat uint8 views of distinct buffers, one per requested byte size (best fit), or
+        None where no unlent buffer is large enough.
+
+        For scratch use between saves: the caller must not borrow while a save is staging
+        or persisting from these buffers, and must drop the views before the next ``stage``.
+        """
+        with self._lock:
+            free = sorted((b.numel() * b.element_size(), i, b)
+                          for i, b in enumerate(self._buffers.values()))
+        out: list[torch.Tensor | None] = [None] * len(sizes)
+        import bisect
+
+        keys = [f[0] for f in free]
+        for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+            k = bisect.bisect_left(keys, sizes[j])
+            if sizes[j] <= 0 or k == len(keys):
+                continue
+            buf = free[k][2]
+            out[j] = buf.view(-1).view(torch.uint8)[: sizes[j]]
+            del keys[k], free[k]
+        return out
 
     def prepare(self, state_dict: Any) -> None:
         """Allocate buffers for every tensor in ``state_dict`` without copying data."""

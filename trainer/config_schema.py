@@ -358,6 +358,8 @@ class CheckpointConfig(_Section):
     overhead_budget: float = _f(0.01, "Target fraction of time spent saving, for 'auto'.")
     storage_options: dict[str, Any] = _f({}, "Extra fsspec options, e.g. {endpoint_url = ...}.")
     resume: bool = _f(True, "Resume from root when it holds a checkpoint.")
+    allow_fresh_start_over_damaged: bool = _f(
+        False, "Start from step 0 when every checkpoint under root is damaged (else refuse).")
     fail_on_error: bool = _f(False, "Stop the job when a save fails instead of alerting.")
 
     def _validate(self) -> None:

@@ -201,9 +201,28 @@ class Trainer:
         """Load the newest valid checkpoint (or ``checkpoint.load_step``); None if none."""
         if self.manager is None or not self.cfg.checkpoint.resume:
             return None
+        from ckpt.errors import AllCheckpointsDamagedError
+
         c = self.cfg.checkpoint
-        manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
-                                            step=c.load_step, ignore_keys=("rng.",))
+        try:
+            manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
+                                                step=c.load_step, ignore_keys=("rng.",),
+                                                raise_if_all_damaged=True)
+        except AllCheckpointsDamagedError as exc:
+            fix = "--checkpoint.allow_fresh_start_over_damaged=true"
+            if not c.allow_fresh_start_over_damaged:
+                raise AllCheckpointsDamagedError(
+                    exc.root, exc.failures,
+                    fix=f"Refusing to start over from step 0; to do that on purpose, pass {fix}."
+                ) from None
+            # The failed loads left the state untouched: this is a true fresh start. The
+            # damaged steps are un-committed so that this run can save those steps again.
+            if self.env.rank == 0:
+                log.warning("%s", AllCheckpointsDamagedError(
+                    exc.root, exc.failures, fix="Starting from step 0 on purpose "
+                    "(checkpoint.allow_fresh_start_over_damaged is set)."))
+                self._uncommit_newer(-1)
+            return None
         if manifest is None:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
                 else None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.errors import LeaseHeldError
+from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.stateful import RNGState, init_optimizer_state
 from trainer.config import Config, ConfigError, config_fingerprint
@@ -260,10 +260,14 @@ class Trainer:
         """
         store = self.manager.store
         for newer in reversed([s for s in store.committed_steps() if s > step]):
-            kept = store.uncommit(newer)
-            log.warning("un-committed checkpoint step %d (newer than the step %d resumed from; "
-                        "kept as rolled-back id %s): this run writes that step again",
-                        newer, step, kept)
+            try:
+                kept = store.uncommit(newer)
+            except CheckpointError as exc:  # damaged beyond reading: it does not count anyway
+                log.warning("left checkpoint step %d as it is (%s)", newer, exc)
+                continue
+            since = f"the step {step} resumed from" if step >= 0 else "a deliberate fresh start"
+            log.warning("un-committed checkpoint step %d (newer than %s; kept as rolled-back "
+                        "id %s): this run writes that step again", newer, since, kept)
             self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
 
     # -- the loop ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
-__all__ = ["save", "load", "load_latest", "resolve_state", "apply_state", "unwrap_dcp_error"]
+__all__ = ["save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state", "unwrap_dcp_error"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
                 type(e) is type(first) for e in inners):
             return first
     return RankFailuresError("checkpoint operation",
-                             {r: f"{type(e).__name__}: {e}" for r, e in failures.items()})
+                             {r: f"{type(e).__name__}: {e}" for r, e in failures.items()},
+                             failures)
 
 
 def _versions() -> dict[str, str]:
@@ -247,13 +248,29 @@ def _agree(ok: bool, process_group) -> bool:
     return bool(flag.item())
 
 
+def load_with_extra(state: dict[str, Any], root: str | Storage, manifest: Manifest,
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None,
+                    **kwargs: Any) -> Manifest:
+    """``load`` of ``state`` plus ``extra_state(manifest)``, all or nothing; plain values
+    loaded into ``state``'s own keys come back into ``state``."""
+    if extra_state is None:
+        return load(state, root, manifest, **kwargs)
+    merged = {**state, **extra_state(manifest)}
+    load(merged, root, manifest, **kwargs)
+    for key in state:
+        state[key] = merged[key]
+    return manifest
+
+
 def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
                 strict: bool = True, process_group=None,
                 storage_options: dict[str, Any] | None = None,
                 num_threads: int | None = None, ignore_keys: tuple[str, ...] = (),
                 on_fallback: Callable[[int, str], None] | None = None,
                 raise_if_all_damaged: bool = False,
-                scratch: StagingBuffers | None = None) -> Manifest | None:
+                scratch: StagingBuffers | None = None,
+                extra_state: Callable[[Manifest], dict[str, Any]] | None = None
+                ) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
     A checkpoint that fails verification on any rank is skipped with a warning naming the
@@ -263,6 +280,8 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     is unchanged and the result is None too, unless ``raise_if_all_damaged``: then
     ``AllCheckpointsDamagedError`` lists each step and why it failed, so a caller can tell
     "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
+    ``extra_state(manifest)``: more entries to load from that checkpoint in the same
+    transaction, chosen once its manifest is known (e.g. RNG state only on the same layout).
     Collective over ``process_group``.
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
@@ -292,12 +311,12 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             _fell_back(step, f"not usable ({reason})", on_fallback)
             continue
         try:
-            load(state, storage, manifest, verify=verify, strict=strict,
-                 process_group=process_group, num_threads=num_threads, ignore_keys=ignore_keys,
-                 scratch=scratch)
+            load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
+                            process_group=process_group, num_threads=num_threads,
+                            ignore_keys=ignore_keys, scratch=scratch)
             error = None
         except (CorruptCheckpointError, RankFailuresError) as exc:
-            if isinstance(exc, RankFailuresError) and "Corrupt" not in str(exc):
+            if isinstance(exc, RankFailuresError) and not exc.any_of(CorruptCheckpointError):
                 raise
             error = exc
         if _agree(error is None, process_group):

@@ -101,15 +101,21 @@ class RankFailuresError(CheckpointError, RuntimeError):
     """One or more ranks failed a collective checkpoint operation.
 
     ``failures`` maps rank to the error text that rank reported, so a 64-rank failure reads
-    as one error.
+    as one error; ``errors`` to the exception (for type checks, e.g. ``any_of``).
     """
 
-    def __init__(self, what: str, failures: dict[int, str]):
+    def __init__(self, what: str, failures: dict[int, str],
+                 errors: dict[int, BaseException] | None = None):
         self.failures = dict(failures)
+        self.errors = dict(errors or {})  # rank -> the exception itself, when known
         lines = [f"{what} failed on {len(failures)} rank(s):"]
         for rank in sorted(failures):
             lines.append(f"  rank {rank}: {failures[rank]}")
         super().__init__("\n".join(lines))
+
+    def any_of(self, kind: type[BaseException]) -> bool:
+        """True when some rank failed with a ``kind`` error."""
+        return any(isinstance(e, kind) for e in self.errors.values())
 
 
 class LeaseLostError(CheckpointError, RuntimeError):

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -533,11 +533,13 @@ class CheckpointManager:
     # -- loading -----------------------------------------------------------------------------
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
                     strict: bool = True, ignore_keys: tuple[str, ...] = (),
-                    raise_if_all_damaged: bool = False) -> Manifest | None:
+                    raise_if_all_damaged: bool = False,
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None
+                    ) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies.
 
         Returns the manifest loaded, or None when there is nothing to resume from
-        (``raise_if_all_damaged``: see :func:`ckpt.api.load_latest`).
+        (``raise_if_all_damaged``, ``extra_state``: see :func:`ckpt.api.load_latest`).
         """
         t0 = time.monotonic()
         fallbacks: list[int] = []
@@ -552,16 +554,17 @@ class CheckpointManager:
         if scratch is not None:
             scratch.prepare(api.resolve_state(state))
         if step is not None:
-            manifest = api.load(state, self.storage, step, verify=self.verify, strict=strict,
-                                process_group=self._ctl_group, num_threads=self.num_threads,
-                                ignore_keys=ignore_keys, scratch=scratch)
+            manifest = api.load_with_extra(
+                state, self.storage, self.store.read_manifest(step), extra_state,
+                verify=self.verify, strict=strict, process_group=self._ctl_group,
+                num_threads=self.num_threads, ignore_keys=ignore_keys, scratch=scratch)
         else:
             manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
                                        process_group=self._ctl_group,
                                        num_threads=self.num_threads, ignore_keys=ignore_keys,
                                        on_fallback=fell_back,
                                        raise_if_all_damaged=raise_if_all_damaged,
-                                       scratch=scratch)
+                                       scratch=scratch, extra_state=extra_state)
         if manifest is not None:
             # Resumed at manifest.step: the cadence counts the next interval from there
             # (a resumed run saves at 40 and 50 after resuming at 30 with a cadence of 10).

@@ -207,7 +207,8 @@ class Trainer:
         try:
             manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
                                                 step=c.load_step, ignore_keys=("rng.",),
-                                                raise_if_all_damaged=True)
+                                                raise_if_all_damaged=True,
+                                                extra_state=self._rng_if_same_layout)
         except AllCheckpointsDamagedError as exc:
             fix = "--checkpoint.allow_fresh_start_over_damaged=true"
             if not c.allow_fresh_start_over_damaged:
@@ -227,15 +228,7 @@ class Trainer:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
                 else None
             return None
-        same_layout = manifest.world_size == self.env.world_size and all(
-            manifest.layout.get(k) == v for k, v in
-            (("pp", self.par.pp), ("dp", self.par.dp), ("tp", self.par.tp)))
-        if same_layout:
-            from ckpt import api
-
-            api.load({"rng": RNGState(self.env.rank)}, self.manager.storage, manifest,
-                     verify=c.verify, process_group=self.manager._ctl_group,
-                     ignore_keys=("app.", "sched.", "data.", "trainer.", "rng."))
+        same_layout = self._same_layout(manifest)
         if self.loaded_fingerprint and self.loaded_fingerprint != self.fingerprint:
             log.warning("checkpoint step %d was written with a different model/data/optimizer "
                         "config (fingerprint %s, now %s): the run will not continue bit for bit",
@@ -246,6 +239,16 @@ class Trainer:
             self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)
         return manifest.step
+
+    def _same_layout(self, manifest) -> bool:
+        return manifest.world_size == self.env.world_size and all(
+            manifest.layout.get(k) == v for k, v in
+            (("pp", self.par.pp), ("dp", self.par.dp), ("tp", self.par.tp)))
+
+    def _rng_if_same_layout(self, manifest) -> dict[str, Any]:
+        """RNG streams resume only on the same layout (another layout draws differently);
+        loaded in the same transaction as the rest, so a damaged RNG item falls back."""
+        return {"rng": RNGState(self.env.rank)} if self._same_layout(manifest) else {}
 
     def _uncommit_newer(self, step: int) -> None:
         """Rank 0, right after resuming from ``step``: un-commit every newer checkpoint.

@@ -71,3 +71,25 @@ def test_all_damaged_refuses_then_starts_fresh_on_purpose(tmp_path):
     assert store.committed_steps() == [2, 4, 6]
     for step in (2, 4, 6):
         store.verify(step)
+
+
+def test_damaged_rng_state_falls_back_with_the_rest(tmp_path):
+    """The RNG streams load in the same transaction as the model: a damaged RNG item makes
+    the whole checkpoint fall back to the previous one (not a checksum error after the model
+    was already loaded), and the run continues from there bit for bit."""
+    root = tmp_path / "ckpt"
+    _run(tmp_path, "first", root).wait_ok()
+    manifest = CheckpointStore(str(root)).read_manifest(6)
+    rng = sorted([*(k for k in manifest.tensors if k.startswith("rng.")),
+                  *(k for k in manifest.objects if k.startswith("rng."))])
+    assert rng, "the trainer saves its RNG streams"
+    key = rng[0]
+    loc = manifest.tensors[key]["chunks"][0]["location"] if key in manifest.tensors \
+        else manifest.objects[key]
+    flip_byte(os.path.join(root, "step_000000006", loc.file), loc.offset + loc.length // 2)
+    again = _run(tmp_path, "again", root, "--training.steps=8").wait_ok()
+    assert "resumed from" in again.stderr and " step 4" in again.stderr, again.tails()
+    assert sorted(loss_history(again.events())) == [5, 6, 7, 8], again.tails()
+    straight = _run(tmp_path, "straight", tmp_path / "other", "--training.steps=8").wait_ok()
+    ref = loss_history(straight.events())
+    assert all(ref[s] == v for s, v in loss_history(again.events()).items())

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckpt.agreement import Agreement
 from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
@@ -174,11 +175,7 @@ def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
             life = acquire_lease(storage, heartbeat=True)
         except LeaseHeldError as exc:
             error = str(exc)
-    if _is_dist(process_group):
-        holder = [error]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(process_group, 0)
-                                   if process_group is not None else 0, group=process_group)
-        error = holder[0]
+    error = Agreement(process_group).broadcast(error)
     if error:
         if coordinator and life.lease is not None:
             release_lease(life)
@@ -226,7 +223,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
             error.__cause__ = exc
     # DCP already fails every rank when one fails; agreeing again makes "apply only after
     # every rank verified its whole read" this function's own guarantee.
-    if not _agree(error is None, process_group):
+    if not Agreement(process_group).all(error is None):
         reader.discard()
         raise error or CorruptCheckpointError(
             f"loading {where} failed on another rank (see that rank's error); nothing was "
@@ -237,15 +234,6 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     sd.update(planner.original_state_dict)
     apply_state(state, sd)
     return manifest
-
-
-def _agree(ok: bool, process_group) -> bool:
-    """True only if every rank says ok (a MIN all-reduce); trivially ``ok`` without a group."""
-    if not _is_dist(process_group):
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)
-    return bool(flag.item())
 
 
 def load_with_extra(state: dict[str, Any], root: str | Storage, manifest: Manifest,
@@ -288,11 +276,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     store = CheckpointStore(storage)
     candidates = store.committed_steps()
     # Every rank must walk the same candidate list.
-    if _is_dist(process_group):
-        holder = [candidates]
-        dist.broadcast_object_list(holder, src=dist.get_global_rank(process_group, 0)
-                                   if process_group is not None else 0, group=process_group)
-        candidates = holder[0]
+    candidates = Agreement(process_group).broadcast(candidates)
     failures: list[tuple[int, str]] = []
     for step in reversed(candidates):
         error: BaseException | None = None
@@ -305,7 +289,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
                 store.verify_manifest(manifest, full=False)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
-        if not _agree(error is None, process_group):
+        if not Agreement(process_group).all(error is None):
             reason = str(error or "failed verification on another rank")
             failures.append((step, reason))
             _fell_back(step, f"not usable ({reason})", on_fallback)
@@ -319,7 +303,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
             if isinstance(exc, RankFailuresError) and not exc.any_of(CorruptCheckpointError):
                 raise
             error = exc
-        if _agree(error is None, process_group):
+        if Agreement(process_group).all(error is None):
             return manifest
         reason = str(error or "failed verification on another rank")
         failures.append((step, reason))

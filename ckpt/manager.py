@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import api
+from ckpt.agreement import Agreement
 from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.cadence import CadencePolicy, FailureHistory
@@ -44,6 +45,7 @@ from ckpt.lease import Lease
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
 from ckpt.staging import StagingBuffers
+from ckpt.steptime import StepTimes
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
@@ -120,10 +122,7 @@ class CheckpointManager:
         self._inflight_step: int | None = None
         self._abandon = threading.Event()
         self._failure: BaseException | None = None
-        self._last_call: float | None = None
-        self._step_time_idle: float | None = None
-        self._step_time_busy: float | None = None
-        self._steps_while_busy = 0
+        self.step_times = StepTimes()
         self.num_skipped = 0
         self.num_saves = 0
         self.last_committed: Manifest | None = None
@@ -137,6 +136,8 @@ class CheckpointManager:
             self._bg_group = dist.new_group(backend="gloo")
         else:
             self._ctl_group = self._bg_group = None
+        self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
+        self._bg = Agreement(self._bg_group)  # the persist thread only
         self.lease: Lease | None = None
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
@@ -161,10 +162,7 @@ class CheckpointManager:
         if self.rank == 0:
             data = read_history(self.storage, self.events, took_over=took_over,
                                 found_aborted=self._found_aborted).to_dict()
-        if self.distributed:
-            holder = [data]
-            dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
-            data = holder[0]
+        data = self._ctl.broadcast(data)
         self.history = FailureHistory.from_dict(data)
         if self.cadence is not None:
             # The cadence accumulates uptime in the same object; one history per job.
@@ -192,10 +190,7 @@ class CheckpointManager:
                                  generation=self.lease.generation)
             except LeaseHeldError as exc:
                 error = str(exc)
-        if self.distributed:
-            holder = [error]
-            dist.broadcast_object_list(holder, src=0, group=self._ctl_group)
-            error = holder[0]
+        error = self._ctl.broadcast(error)
         if error:
             raise LeaseHeldError(error)
         if self.rank == 0:
@@ -216,20 +211,6 @@ class CheckpointManager:
     @property
     def owner(self) -> str | None:
         return self.lease.holder_id if self.lease is not None else None
-
-    # -- agreement -----------------------------------------------------------------------
-    def _agree_max(self, *values: int, group=None) -> list[int]:
-        """Element-wise MAX of ``values`` over all ranks (on ``group``; default: control).
-
-        The control group is only used from the calling (main) thread, the background group
-        only from the persist thread.
-        """
-        if not self.distributed:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX,
-                        group=self._ctl_group if group is None else group)
-        return t.tolist()
 
     # -- saving ------------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any]) -> None:
@@ -261,7 +242,7 @@ class CheckpointManager:
                 # A time-based decision differs between ranks, so it is agreed; but only
                 # every ``_check_every`` steps (about 1/20 of the interval, agreed at each
                 # save), not at every step: a save is at most 5% of an interval late.
-                want = step % self._check_every == 0 and bool(self._agree_max(int(want))[0])
+                want = step % self._check_every == 0 and self._ctl.any(want)
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
@@ -281,7 +262,7 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save() called after close()")
         lease_lost = self.lease is not None and not self.lease.held
         pending_failure = self.raise_on_failure and self._failure is not None
-        busy, exists, lost, failed, neg_period = self._agree_max(
+        busy, exists, lost, failed, neg_period = self._ctl.max(
             int(self.in_flight()), int(self._committed(step)), int(lease_lost),
             int(pending_failure), -self._proposed_check_period())
         self._check_every = max(1, -neg_period)  # the smallest any rank proposed
@@ -323,7 +304,7 @@ class CheckpointManager:
         self.num_saves += 1
         self.events.emit("save_staged", step, stall_seconds=stall, bytes=nbytes, first=first)
         self._used_slot(step)
-        self._steps_while_busy = 0
+        self.step_times.save_started()
         self._failure = None  # wait() reports the outcome of the newest save only
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
                                     dict(user_metadata or {}), t0)
@@ -402,7 +383,7 @@ class CheckpointManager:
         for attempt in range(1, self.max_attempts + 1):
             attempt_ids.append(uuid.uuid4().hex[:12])
             try:
-                if self._agree_max(int(self._abandon.is_set()), group=self._bg_group)[0]:
+                if self._bg.any(self._abandon.is_set()):
                     raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
                 manifest = api.save(
                     staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
@@ -445,7 +426,7 @@ class CheckpointManager:
         if self.cadence is not None:
             try:
                 self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
-                                         num_bytes=nbytes, slowdown_seconds=self._slowdown())
+                                         num_bytes=nbytes, slowdown_seconds=self.step_times.slowdown())
             except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
                 log.exception("cadence policy failed to record the save of step %d", step)
         if self.cadence is not None:
@@ -481,26 +462,14 @@ class CheckpointManager:
         except Exception as exc:  # noqa: BLE001
             log.warning("could not remove the files of failed save %d: %s", step, exc)
 
-    def _slowdown(self) -> float:
-        """Extra training time spent while the last save persisted (step-time difference)."""
-        if self._step_time_idle is None or self._step_time_busy is None:
-            return 0.0
-        return max(0.0, self._step_time_busy - self._step_time_idle) * self._steps_while_busy
-
     def _observe_step(self, now: float) -> None:
-        if self._last_call is not None:
-            dt = now - self._last_call
-            if self.cadence is None:  # else the cadence adds it (record_step)
-                self.history.add_uptime(dt)
-            busy = self.in_flight()
-            attr = "_step_time_busy" if busy else "_step_time_idle"
-            prev = getattr(self, attr)
-            setattr(self, attr, dt if prev is None else 0.8 * prev + 0.2 * dt)
-            if busy:
-                self._steps_while_busy += 1
-            if self.cadence is not None:
-                self.cadence.record_step(dt)
-        self._last_call = now
+        dt = self.step_times.observe(now, busy=self.in_flight())
+        if dt is None:
+            return
+        if self.cadence is None:
+            self.history.add_uptime(dt)
+        else:  # the cadence adds the uptime to the shared history itself
+            self.cadence.record_step(dt)
 
     def _wait_inflight(self) -> None:
         if self._inflight is not None:

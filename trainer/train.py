@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckpt.agreement import Agreement
 from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.stateful import RNGState, init_optimizer_state
@@ -275,11 +276,7 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:
-        if self.ctl_group is None:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group)
-        return bool(t.item())
+        return Agreement(self.ctl_group).any(flag) if self.ctl_group is not None else flag
 
     def train_step(self) -> tuple[float, float]:
         t = self.cfg.training

@@ -64,6 +64,7 @@ from ckpt.storage import Storage
 __all__ = [
     "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
     "Entry", "Lifecycle", "FencedCheckpointError", "acquire_lease", "release_lease",
+    "parse_marker",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,21 @@ class _Folder:
 
 def _loads(data: bytes, source: str) -> Any:
     return jsonio.loads(data, source, max_bytes=16 << 20)
+
+
+def parse_marker(data: bytes, source: str) -> dict[str, Any]:
+    """An attempt marker (``pending-<id>.json``) as a dict (``save_id``, ``owner``, ...).
+
+    Raises ``CorruptCheckpointError`` (a ``ValueError``) naming ``source`` when it is not
+    a JSON object or ``owner``/``save_id`` have the wrong type.
+    """
+    doc = jsonio.loads(data, source, max_bytes=1 << 20)
+    if not isinstance(doc, dict) or not isinstance(doc.get("owner"), (str, type(None))) \
+            or not isinstance(doc.get("save_id", ""), str):
+        raise CorruptCheckpointError(
+            f"{source}: attempt marker is damaged: expected an object with string 'owner' and "
+            f"'save_id'; `ckpt gc` removes it once no save is running", path=source)
+    return doc
 
 
 class Lifecycle:
@@ -277,7 +293,8 @@ class Lifecycle:
                 continue
             marker = None
             try:
-                marker = _loads(self.storage.read_bytes(f"{d}/{name}"), name)
+                marker = parse_marker(self.storage.read_bytes(f"{d}/{name}"),
+                                      self.storage.describe(f"{d}/{name}"))
             except (CorruptCheckpointError, FileNotFoundError):
                 pass
             sid = m.group(1) if m else (marker or {}).get("save_id") \

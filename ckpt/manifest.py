@@ -35,13 +35,11 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
-    "PENDING_NAME",
     "DIGEST_KEY",
     "MAX_DIMS",
     "MAX_GRID_CELLS",
     "MAX_PATH_COMPONENTS",
     "manifest_bytes",
-    "parse_pending",
     "ItemLocation",
     "FileRecord",
     "Manifest",
@@ -54,7 +52,7 @@ __all__ = [
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-PENDING_NAME = "pending.json"
+
 DIGEST_KEY = "manifest_sha256"
 MAX_INT = (1 << 63) - 1  # every size, offset, length and step fits an int64
 MAX_DIMS = 32
@@ -268,21 +266,6 @@ def _iso_time(unix: float) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
     except (ValueError, OverflowError, OSError):
         return ""
-
-
-def parse_pending(data: bytes, source: str) -> dict[str, Any]:
-    """The ``pending.json`` marker as a dict (``owner``, ``save_id``, ``step`` ...).
-
-    Raises ``CorruptCheckpointError`` (a ``ValueError``) naming ``source`` when it is not
-    a JSON object or ``owner``/``save_id`` have the wrong type.
-    """
-    doc = jsonio.loads(data, source, max_bytes=1 << 20)
-    if not isinstance(doc, dict) or not isinstance(doc.get("owner"), (str, type(None))) \
-            or not isinstance(doc.get("save_id", ""), str):
-        raise CorruptCheckpointError(
-            f"{source}: pending marker is damaged: expected an object with string 'owner' and "
-            f"'save_id'; delete the folder if no save is running", path=source)
-    return doc
 
 
 # -- validation ----------------------------------------------------------------------------------

@@ -423,7 +423,6 @@ class Trainer:
     def _check_stragglers(self, dt: float) -> None:
         if self.ctl_group is None or self.cfg.fault.straggler_factor <= 0:
             return
-        times = torch.zeros(self.env.world_size, dtype=torch.float64)
         mine = torch.tensor([dt], dtype=torch.float64)
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, mine, group=self.ctl_group)

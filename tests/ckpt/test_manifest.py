@@ -12,13 +12,13 @@ import torch
 
 import ckpt
 from ckpt.errors import CorruptCheckpointError
+from ckpt.commit import parse_marker
 from ckpt.manifest import (
     DIGEST_KEY,
     MANIFEST_NAME,
     MAX_GRID_CELLS,
     Manifest,
     manifest_bytes,
-    parse_pending,
     step_dirname,
 )
 
@@ -225,11 +225,11 @@ def test_expected_step():
 
 
 def test_pending_marker():
-    assert parse_pending(b'{"owner": "job", "save_id": "x", "step": 3}', "p")["owner"] == "job"
+    assert parse_marker(b'{"owner": "job", "save_id": "x", "step": 3}', "p")["owner"] == "job"
     for bad in (b"[1]", b'{"owner": 3}', b"[" * 100_000, b'{"step": ' + b"9" * 5000 + b"}",
                 b"\xff"):
         with pytest.raises(CorruptCheckpointError, match="^p: "):
-            parse_pending(bad, "p")
+            parse_marker(bad, "p")
 
 
 @pytest.mark.parametrize("meta, match", [

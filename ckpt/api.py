@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.agreement import Agreement
-from ckpt.commit import Lifecycle, acquire_lease, release_lease
+from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.errors import (
@@ -27,7 +27,6 @@ from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    LeaseHeldError,
     RankFailuresError,
 )
 from ckpt.manifest import Manifest, step_dirname
@@ -167,20 +166,10 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
 
 def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
     """The coordinator takes the lease; every rank learns whether it could."""
-    coordinator = _rank(process_group) == 0
-    life, error = Lifecycle(storage), ""
-    if coordinator:
-        try:
-            storage.makedirs("")
-            life = acquire_lease(storage, heartbeat=True)
-        except LeaseHeldError as exc:
-            error = str(exc)
-    error = Agreement(process_group).broadcast(error)
-    if error:
-        if coordinator and life.lease is not None:
-            release_lease(life)
-        raise LeaseHeldError(error)
-    return life
+    if _rank(process_group) == 0:
+        storage.makedirs("")
+    return acquire_for_ranks(storage, Agreement(process_group), _rank(process_group) == 0,
+                             heartbeat=True)
 
 
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,

@@ -64,7 +64,7 @@ from ckpt.storage import Storage
 __all__ = [
     "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
     "Entry", "Lifecycle", "FencedCheckpointError", "acquire_lease", "release_lease",
-    "parse_marker",
+    "parse_marker", "acquire_for_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -680,6 +680,26 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     except BaseException:
         lease.release()
         raise
+    return life
+
+
+def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
+                      lifecycle: Lifecycle | None = None, **lease_options: Any) -> Lifecycle:
+    """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
+    ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
+    the same ``LeaseHeldError``. Collective."""
+    life = lifecycle or Lifecycle(storage)
+    error = ""
+    if coordinator:
+        try:
+            acquire_lease(storage, lifecycle=life, **lease_options)
+        except LeaseHeldError as exc:
+            error = str(exc)
+    error = agreement.broadcast(error)
+    if error:
+        if coordinator and life.lease is not None and life.lease.held:
+            release_lease(life)
+        raise LeaseHeldError(error)
     return life
 
 

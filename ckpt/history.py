@@ -17,7 +17,7 @@ from ckpt.cadence import FailureHistory
 from ckpt.events import EventBus
 from ckpt.storage import Storage
 
-__all__ = ["HISTORY_NAME", "read_history", "write_history"]
+__all__ = ["HISTORY_NAME", "read_history", "write_history", "load_job_history"]
 
 log = logging.getLogger(__name__)
 HISTORY_NAME = "_history.json"
@@ -48,6 +48,16 @@ def read_history(storage: Storage, events: EventBus, *, took_over: bool,
         events.emit("failure_recorded", restarted=restarted, took_over=took_over,
                     num_failures=history.num_failures)
     return history
+
+
+def load_job_history(storage: Storage, events: EventBus, agreement, *, coordinator: bool,
+                     took_over: bool, found_aborted: bool) -> FailureHistory:
+    """``read_history`` on the coordinator, the same history on every rank. Collective."""
+    data = None
+    if coordinator:
+        data = read_history(storage, events, took_over=took_over,
+                            found_aborted=found_aborted).to_dict()
+    return FailureHistory.from_dict(agreement.broadcast(data))
 
 
 def write_history(storage: Storage, history: FailureHistory) -> None:

@@ -27,23 +27,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.distributed as dist
 
 from ckpt import api
 from ckpt.agreement import Agreement
-from ckpt.commit import Lifecycle, acquire_lease, release_lease
-from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
-from ckpt.cadence import CadencePolicy, FailureHistory
+from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
+from ckpt.errors import CheckpointError
+from ckpt.cadence import CadencePolicy
 from ckpt.events import EventBus
-from ckpt.history import HISTORY_NAME, read_history, write_history
+from ckpt.history import HISTORY_NAME, load_job_history, write_history
 from ckpt.lease import Lease
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
+from ckpt.persist import Persister, SaveAbandoned
 from ckpt.staging import StagingBuffers
 from ckpt.steptime import StepTimes
 from ckpt.storage import Storage
@@ -52,10 +51,6 @@ from ckpt.store import CheckpointStore
 __all__ = ["CheckpointManager", "SaveAbandoned", "HISTORY_NAME"]
 
 log = logging.getLogger(__name__)
-
-
-class SaveAbandoned(CheckpointError):
-    """A save was abandoned before its commit (shutdown without flushing)."""
 
 
 class CheckpointManager:
@@ -113,8 +108,6 @@ class CheckpointManager:
         self.verify = verify
         self.num_threads = num_threads
         self.raise_on_failure = raise_on_failure
-        self.max_attempts = max_attempts
-        self.retry_backoff_seconds = retry_backoff_seconds
         self.layout = dict(layout or {})
         self.staging = StagingBuffers()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
@@ -137,7 +130,12 @@ class CheckpointManager:
         else:
             self._ctl_group = self._bg_group = None
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
-        self._bg = Agreement(self._bg_group)  # the persist thread only
+        self._persister = Persister(self.life, self.events, Agreement(self._bg_group),
+                                    self._bg_group, rank=self.rank,
+                                    max_attempts=max_attempts,
+                                    retry_backoff_seconds=retry_backoff_seconds,
+                                    num_threads=num_threads, layout=self.layout,
+                                    abandon=self._abandon)
         self.lease: Lease | None = None
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
@@ -154,18 +152,13 @@ class CheckpointManager:
 
     # -- failure history (for the auto cadence's MTBF) ---------------------------------------
     def _load_history(self) -> None:
-        """Read the job's failure history, count this start as a failure if the last run
-        died (torchrun restart, a dead lease holder taken over, or a dead writer's leftovers
-        found), and share rank 0's view with every rank's cadence."""
+        """The job's failure history, rank 0's view on every rank, shared with the cadence
+        (one history per job: the cadence accumulates uptime in it)."""
         took_over = self.lease is not None and self.lease.took_over is not None
-        data = None
-        if self.rank == 0:
-            data = read_history(self.storage, self.events, took_over=took_over,
-                                found_aborted=self._found_aborted).to_dict()
-        data = self._ctl.broadcast(data)
-        self.history = FailureHistory.from_dict(data)
+        self.history = load_job_history(self.storage, self.events, self._ctl,
+                                        coordinator=self.rank == 0, took_over=took_over,
+                                        found_aborted=self._found_aborted)
         if self.cadence is not None:
-            # The cadence accumulates uptime in the same object; one history per job.
             self.cadence.history = self.history
         self._save_history()
 
@@ -173,27 +166,18 @@ class CheckpointManager:
         if self.rank == 0 and (self.lease is None or self.lease.held):
             write_history(self.storage, self.history)
 
-    # -- lease -------------------------------------------------------------------------------
     def _acquire_lease(self, ttl: float, job_name: str | None,
                        fingerprint: str | None) -> None:
         """Rank 0 takes the lease (fencing off earlier writers) and removes dead attempts'
         leftovers; every rank learns whether it could."""
-        error = ""
+        acquire_for_ranks(self.storage, self._ctl, self.rank == 0, lifecycle=self.life,
+                          ttl_seconds=ttl, job_name=job_name, fingerprint=fingerprint,
+                          on_lost=lambda why: self.events.emit("lease_lost", reason=why))
         if self.rank == 0:
-            try:
-                acquire_lease(self.storage, ttl_seconds=ttl, job_name=job_name,
-                              fingerprint=fingerprint, lifecycle=self.life,
-                              on_lost=lambda why: self.events.emit("lease_lost", reason=why))
-                self.lease = self.life.lease
-                self.events.emit("lease_acquired", holder=self.lease.holder_id,
-                                 took_over=self.lease.took_over is not None,
-                                 generation=self.lease.generation)
-            except LeaseHeldError as exc:
-                error = str(exc)
-        error = self._ctl.broadcast(error)
-        if error:
-            raise LeaseHeldError(error)
-        if self.rank == 0:
+            self.lease = self.life.lease
+            self.events.emit("lease_acquired", holder=self.lease.holder_id,
+                             took_over=self.lease.took_over is not None,
+                             generation=self.lease.generation)
             self._cleanup_aborted()
 
     def _cleanup_aborted(self) -> None:
@@ -357,110 +341,47 @@ class CheckpointManager:
         except CheckpointError:  # fenced off or damaged: it does not count, save again
             return False
 
-    def _before_commit(self) -> None:
-        """Coordinator, right before the commit: refuse when abandoned.
-
-        Raising sends the same ``SaveAbandoned`` to every rank through DCP's result
-        broadcast, so no rank retries alone. (The lease is checked by the commit itself.)
-        """
-        if self._abandon.is_set():
-            raise SaveAbandoned("save abandoned at shutdown before its commit; it stays "
-                                "uncommitted and a later job removes its files")
-
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float) -> Manifest | None:
-        """Background thread: write, commit, apply retention.
-
-        All ranks run it in lockstep, attempt for attempt: each decision is either agreed on
-        the background group or is the outcome of a DCP collective, which every rank sees
-        alike (a failure on one rank fails the save on all).
-        """
-        retries_before = self.storage.retry.num_retries
-        t0 = time.monotonic()
-        manifest = None
-        attempt = 0
-        attempt_ids: list[str] = []
-        for attempt in range(1, self.max_attempts + 1):
-            attempt_ids.append(uuid.uuid4().hex[:12])
-            try:
-                if self._bg.any(self._abandon.is_set()):
-                    raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
-                manifest = api.save(
-                    staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
-                    process_group=self._bg_group, num_threads=self.num_threads,
-                    resolved=True, lifecycle=self.life, before_commit=self._before_commit,
-                    save_id=attempt_ids[-1])
-                break
-            except FileExistsError:
-                self.events.emit("save_skipped", step, reason="already committed",
-                                 outcome="skipped")
-                return None
-            except BaseException as exc:  # noqa: BLE001 - reported, never silent
-                abandoned = isinstance(exc, (SaveAbandoned, LeaseLostError))
-                final = attempt == self.max_attempts or abandoned
-                outcome = "abandoned" if abandoned else ("failed" if final else "retrying")
-                self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
-                                 attempt=attempt, final=final, outcome=outcome,
-                                 stall_seconds=stall, bytes=nbytes,
-                                 persist_seconds=time.monotonic() - t0,
-                                 retries=self.storage.retry.num_retries - retries_before
-                                 + attempt - 1)
-                log.error("checkpoint save of step %d failed (attempt %d/%d%s): %s", step,
-                          attempt, self.max_attempts, "" if final else ", retrying", exc)
-                if final:
-                    self._failure = exc
-                    if not abandoned:
-                        self._remove_uncommitted(step, attempt_ids)
-                    return None
-                time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
-        persist = time.monotonic() - t0
+        """Background thread: persist (with retries), then the bookkeeping of a commit:
+        events, cadence, history, retention."""
+        out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
+                                  user_metadata=user_metadata)
+        if not out.committed:
+            if out.error is not None:
+                self._failure = out.error
+            return None
+        manifest, persist = out.manifest, out.persist_seconds
         self.newest_committed_step = step
         if self.rank == 0:
             self.last_committed = manifest
         self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
                          persist_seconds=persist, total_seconds=time.monotonic() - t_start,
                          bytes=nbytes, bytes_per_second=nbytes / persist if persist > 0 else 0.0,
-                         retries=self.storage.retry.num_retries - retries_before + attempt - 1,
-                         attempts=attempt,
+                         retries=out.retries, attempts=out.attempts,
                          total_bytes=manifest.total_bytes if manifest else None)
         if self.cadence is not None:
             try:
                 self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
-                                         num_bytes=nbytes, slowdown_seconds=self.step_times.slowdown())
+                                         num_bytes=nbytes,
+                                         slowdown_seconds=self.step_times.slowdown())
+                self.events.emit("cadence", step, **self.cadence.describe())
             except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
                 log.exception("cadence policy failed to record the save of step %d", step)
-        if self.cadence is not None:
-            try:
-                self.events.emit("cadence", step, **self.cadence.describe())
-            except Exception:  # noqa: BLE001
-                log.exception("cadence policy failed to describe itself")
         self._save_history()
         if self.rank == 0 and self.retention:
-            try:
-                apply_retention(
-                    self.store, self.retention, protect={step},
-                    on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                    on_failed=lambda s, e: self.events.emit("retention_failed", s,
-                                                            error=str(e)))
-            except Exception as exc:  # noqa: BLE001 - retention must never crash a job
-                log.warning("retention after step %d failed: %s", step, exc)
-                self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
+            self._apply_retention(step)
         return manifest
 
-    def _remove_uncommitted(self, step: int, attempt_ids: list[str]) -> None:
-        """Coordinator, after a final failure: remove the files of this save's attempts.
-
-        Every rank has returned from the failed DCP call (its result is gathered from all),
-        so nobody writes there any more. Only these attempts' files are touched: another
-        writer's never are. Best effort: a later job removes what is left.
-        """
-        if self.rank != 0 or (self.lease is not None and not self.lease.held):
-            return
+    def _apply_retention(self, step: int) -> None:
         try:
-            for save_id in attempt_ids:
-                self.life.abandon(step, save_id)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("could not remove the files of failed save %d: %s", step, exc)
+            apply_retention(
+                self.store, self.retention, protect={step},
+                on_deleted=lambda s: self.events.emit("retention_deleted", s),
+                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
+        except Exception as exc:  # noqa: BLE001 - retention must never crash a job
+            log.warning("retention after step %d failed: %s", step, exc)
+            self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
 
     def _observe_step(self, now: float) -> None:
         dt = self.step_times.observe(now, busy=self.in_flight())

@@ -55,9 +55,10 @@ class Storage:
     filesystem object), which is rebuilt from the URL and options, so it can be handed to
     spawned processes.
 
-    ``fs`` (the fsspec filesystem), ``root`` (the root as a path on it), ``is_local`` and
-    ``is_s3`` come from the backend; callers use ``is_local``/``is_s3`` only to take a faster
-    or simpler path where one exists.
+    ``backend`` is the :class:`~ckpt.backends.Backend` that does the requests; ``fs`` (the
+    fsspec filesystem), ``root`` (the root as a path on it), ``is_local`` and ``is_s3`` come
+    from it. Callers use ``is_local``/``is_s3`` only to take a faster or simpler path where
+    one exists.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
@@ -74,49 +75,49 @@ class Storage:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.retry = retry or RetryPolicy()
-        self._backend: Backend = open_backend(self.url, self.storage_options, self.retry)
+        self.backend: Backend = open_backend(self.url, self.storage_options, self.retry)
 
     def __getstate__(self):
         # The backend is rebuilt on the other side from the URL and options.
-        return {k: v for k, v in self.__dict__.items() if k != "_backend"}
+        return {k: v for k, v in self.__dict__.items() if k != "backend"}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._backend = open_backend(self.url, self.storage_options, self.retry)
+        self.backend = open_backend(self.url, self.storage_options, self.retry)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
     @property
     def fs(self) -> Any:
-        return self._backend.fs
+        return self.backend.fs
 
     @property
     def root(self) -> str:
-        return self._backend.root
+        return self.backend.root
 
     @property
     def is_local(self) -> bool:
-        return self._backend.is_local
+        return self.backend.is_local
 
     @property
     def is_s3(self) -> bool:
-        return self._backend.is_s3
+        return self.backend.is_s3
 
     # -- paths -----------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
         """The path of ``rel`` on ``fs``."""
-        return self._backend.path(rel)
+        return self.backend.path(rel)
 
     def describe(self, rel: str = "") -> str:
         """The user-facing URL of ``rel``, for messages."""
-        return self._backend.describe(rel)
+        return self.backend.describe(rel)
 
     # -- error handling --------------------------------------------------------------------
     def _translate(self, what: str, rel: str, exc: BaseException) -> BaseException | None:
         """The user-facing error for ``exc``, or None to raise ``exc`` unchanged."""
         where = self.describe(rel)
-        endpoint = self._backend.endpoint
+        endpoint = self.backend.endpoint
         if error_code(exc)[0] == "NoSuchBucket":
             bucket = self.root.split("/", 1)[0]
             return StorageUnavailableError(
@@ -158,21 +159,21 @@ class Storage:
 
     # -- reads -----------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self._wrap("check", rel, lambda: self._backend.exists(rel))
+        return self._wrap("check", rel, lambda: self.backend.exists(rel))
 
     def size(self, rel: str) -> int:
-        return self._wrap("stat", rel, lambda: self._backend.size(rel))
+        return self._wrap("stat", rel, lambda: self.backend.size(rel))
 
     def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of ``rel`` (the whole object when both are None)."""
         if start is not None and end is not None and end <= start:
             return b""
-        return self._wrap("read", rel, lambda: self._backend.read(rel, start, end))
+        return self._wrap("read", rel, lambda: self.backend.read(rel, start, end))
 
     def open_local(self, rel: str):
         """An unbuffered binary file object reading local file ``rel``, never through a
         link (``CorruptCheckpointError`` naming it). For readers that fill tensors in place."""
-        backend = self._backend
+        backend = self.backend
         if not isinstance(backend, LocalBackend):
             raise ValueError(f"{self.describe(rel)} is not on a local file system")
         return os.fdopen(self._guard("open", rel, lambda: backend.open_fd(rel)), "rb",
@@ -180,12 +181,12 @@ class Storage:
 
     def listdir(self, rel: str = "") -> list[tuple[str, str, int]]:
         """Entries directly under ``rel`` as ``(name, "file"|"directory", size)``; [] if absent."""
-        return self._wrap("list", rel, lambda: self._backend.listdir(rel))
+        return self._wrap("list", rel, lambda: self.backend.listdir(rel))
 
     # -- writes ----------------------------------------------------------------------------
     def makedirs(self, rel: str) -> None:
         """Create folder ``rel`` (nothing to do on S3, where prefixes need no creation)."""
-        self._wrap("create folder", rel, lambda: self._backend.makedirs(rel))
+        self._wrap("create folder", rel, lambda: self.backend.makedirs(rel))
 
     def write_buffers(self, rel: str, buffers: Sequence[Any], *, durable: bool = True,
                       part_bytes: int = 32 << 20, max_concurrency: int = 8) -> None:
@@ -201,7 +202,7 @@ class Storage:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         views = [_byte_view(b) for b in buffers]
-        self._guard("write", rel, lambda: self._backend.write(
+        self._guard("write", rel, lambda: self.backend.write(
             rel, views, durable=durable, part_bytes=part_bytes, max_concurrency=max_concurrency))
 
     def write_bytes(self, rel: str, data: bytes, *, durable: bool = True) -> None:
@@ -221,8 +222,8 @@ class Storage:
         holder and time).
         """
         def _create() -> None:
-            if not self._backend.create_exclusive(rel, data) \
-                    and self._backend.read_or_none(rel) != data:
+            if not self.backend.create_exclusive(rel, data) \
+                    and self.backend.read_or_none(rel) != data:
                 raise FileExistsError(errno.EEXIST, f"{self.describe(rel)} already exists")
         self._wrap("commit", rel, _create)
 
@@ -237,11 +238,11 @@ class Storage:
         file never disappears and an exclusive create cannot slip in between.
         """
         return self._wrap("replace", rel,
-                          lambda: self._backend.replace_if_unchanged(rel, data, expected))
+                          lambda: self.backend.replace_if_unchanged(rel, data, expected))
 
     def delete(self, rel: str, recursive: bool = False) -> None:
         """Delete ``rel`` (a folder/prefix with ``recursive``); absent is not an error."""
-        self._wrap("delete", rel, lambda: self._backend.delete(rel, recursive))
+        self._wrap("delete", rel, lambda: self.backend.delete(rel, recursive))
 
 
 def _byte_view(buf: Any) -> memoryview:

@@ -4,21 +4,17 @@
 each call in the retry policy and turns errors into user-facing ones, and hands the
 primitives to the backend :func:`open_backend` picks:
 
-================  ===================================  ==================================
-backend           serves                               where it differs from fsspec's
-================  ===================================  ==================================
-``LocalBackend``  local paths, ``file://``             fsync'd writes renamed into place,
-                                                       commit by hard link, no link is
-                                                       followed
-``S3Backend``     ``s3://``, ``s3a://`` (s3fs)         conditional PUTs, parallel
-                                                       zero-copy multipart uploads
-``FsspecBackend`` ``memory://``, any other fsspec      nothing: generic fsspec calls;
-                  filesystem                           conditional writes atomic within
-                                                       one process
-================  ===================================  ==================================
+* ``LocalBackend`` (``local.py``): local paths and ``file://``; fsync'd writes renamed into
+  place, commit by hard link, no symbolic link followed.
+* ``S3Backend`` (``s3.py``): ``s3://`` and ``s3a://`` through s3fs; conditional PUTs,
+  parallel zero-copy multipart uploads.
+* ``FsspecBackend`` (``base.py``): ``memory://`` and any other fsspec filesystem, through
+  generic fsspec calls; exclusive creates and conditional replaces are atomic within one
+  process only.
 
 ``LocalBackend`` and ``S3Backend`` subclass ``FsspecBackend`` and override only the
-primitives they make stronger. The interface is :class:`~ckpt.backends.base.Backend`.
+primitives they make stronger. The interface is :class:`~ckpt.backends.base.Backend`; a new
+filesystem family is a new subclass and a line in :func:`open_backend`.
 """
 
 from __future__ import annotations

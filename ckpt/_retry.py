@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Awaitable, Callable, TypeVar
 
-__all__ = ["RetryPolicy", "is_transient_error"]
+__all__ = ["RetryPolicy", "is_transient_error", "error_code", "is_credentials_error",
+           "is_precondition_failed"]
 
 log = logging.getLogger("ckpt.storage")
 T = TypeVar("T")
@@ -49,7 +50,7 @@ def _type_names(exc: BaseException) -> set[str]:
     return {c.__name__ for c in type(exc).__mro__}
 
 
-def _error_code(exc: BaseException) -> tuple[str, int]:
+def error_code(exc: BaseException) -> tuple[str, int]:
     """The S3 error code and HTTP status found on ``exc`` or its causes (``("", 0)`` if none)."""
     for e in _causes(exc):
         response = getattr(e, "response", None)
@@ -66,7 +67,7 @@ def is_transient_error(exc: BaseException) -> bool:
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                         NotADirectoryError)):
         return False
-    code, status = _error_code(exc)
+    code, status = error_code(exc)
     if code or status:
         return code in _TRANSIENT_CODES or status >= 500 or status == 429
     for e in _causes(exc):
@@ -79,15 +80,17 @@ def is_transient_error(exc: BaseException) -> bool:
     return False
 
 
-def _is_credentials_error(exc: BaseException) -> bool:
-    code, status = _error_code(exc)
+def is_credentials_error(exc: BaseException) -> bool:
+    """True for refused credentials: a bad key or signature, an expired token, 403."""
+    code, status = error_code(exc)
     if code in _CREDENTIAL_CODES or status == 403:
         return True
     return any(_type_names(e) & _CREDENTIAL_TYPES for e in _causes(exc))
 
 
-def _is_precondition_failed(exc: BaseException) -> bool:
-    code, status = _error_code(exc)
+def is_precondition_failed(exc: BaseException) -> bool:
+    """True when a conditional write was refused (412 ``PreconditionFailed``)."""
+    code, status = error_code(exc)
     return code == "PreconditionFailed" or status == 412
 
 

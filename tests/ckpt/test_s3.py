@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.storage import MIN_PART_BYTES, RetryPolicy, Storage, _split_parts
+from ckpt.backends.s3 import MIN_PART_BYTES, split_parts
+from ckpt.storage import RetryPolicy, Storage
 from tests.conftest import make_s3_options
 from tests.dist import free_port
 
@@ -66,7 +67,7 @@ def _joined(buffers) -> bytes:
 def test_split_parts_are_zero_copy_slices():
     a, b, c = bytearray(7), bytearray(3), bytearray(12)
     views = [memoryview(x) for x in (a, b, c)]
-    parts = _split_parts(views, 5)
+    parts = split_parts(views, 5)
     assert [sum(s.nbytes for s in p) for p in parts] == [5, 5, 5, 5, 2]
     # Only a part that spans buffers has more than one slice; every slice shares memory.
     assert [len(p) for p in parts] == [1, 2, 1, 1, 1]

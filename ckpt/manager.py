@@ -375,6 +375,9 @@ class CheckpointManager:
         the background group or is the outcome of a DCP collective, which every rank sees
         alike (a failure on one rank fails the save on all).
         """
+        # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
+        # off the training thread, before a byte is read (their device time: copy_seconds).
+        copy_seconds = self.staging.wait_ready()
         retries_before = self.storage.retry.num_retries
         t0 = time.monotonic()
         manifest = None
@@ -418,7 +421,8 @@ class CheckpointManager:
         if self.rank == 0:
             self.last_committed = manifest
         self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
-                         persist_seconds=persist, total_seconds=time.monotonic() - t_start,
+                         copy_seconds=copy_seconds, persist_seconds=persist,
+                         total_seconds=time.monotonic() - t_start,
                          bytes=nbytes, bytes_per_second=nbytes / persist if persist > 0 else 0.0,
                          retries=self.storage.retry.num_retries - retries_before + attempt - 1,
                          attempts=attempt,

@@ -10,6 +10,9 @@ wait the checkpoint would hold the zeros left in the buffers. CPU staging is unc
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -116,6 +119,43 @@ def test_the_late_staging_stand_in_would_catch_a_missing_wait(tmp_path):
     mgr.load_latest(loaded)
     mgr.close()
     assert not loaded["model"]["w"].any()
+
+
+def test_the_training_thread_never_waits_for_the_copies(tmp_path):
+    """save() returns while the copies are still pending; the persist thread waits."""
+    release, waiters = threading.Event(), []
+
+    class Gated(_PendingCopies):
+        def wait(self) -> float:
+            waiters.append(threading.current_thread().name)
+            assert release.wait(30), "nobody released the copies"
+            return super().wait()
+
+    class GatedStaging(_LateStaging):
+        def stage(self, state_dict):
+            staged, nbytes = super().stage(state_dict)
+            self.ready = Gated(self.ready.pairs, seconds=0.5)
+            return staged, nbytes
+
+    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr.staging = GatedStaging(pin_memory=False)
+    state = _state()
+    assert mgr.save(1, state)  # returns: the main thread did not wait for the copies
+    deadline = time.monotonic() + 20
+    while not waiters and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiters and waiters[0].startswith("ckpt-persist"), waiters
+    assert mgr.in_flight() and not mgr.events.of_kind("save_committed")
+    release.set()
+    mgr.wait()
+    assert mgr.events.of_kind("save_committed")[-1].fields["copy_seconds"] == 0.5
+    mgr.close()
+
+
+def test_cpu_saves_report_no_copy_time(tmp_path):
+    with CheckpointManager(str(tmp_path / "r"), use_lease=False) as mgr:
+        mgr.save(1, _state(), block=True)
+        assert mgr.events.of_kind("save_committed")[-1].fields["copy_seconds"] is None
 
 
 def test_stage_and_borrow_wait_for_the_previous_copies():

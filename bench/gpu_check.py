@@ -73,7 +73,11 @@ def _as_trainer() -> None:
     def new_group_recorded(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__", "?")
         group = new_group(*args, **kwargs)
-        write("new_group", caller, dist.get_backend(group))
+        try:
+            backend = dist.get_backend(group)
+        except (RuntimeError, ValueError):  # a group this rank is not a member of
+            backend = None
+        write("new_group", caller, backend)
         return group
 
     dist.init_process_group, dist.new_group = init_recorded, new_group_recorded

@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ def _stall_case(work: Path, nbytes: int, dtype: torch.dtype, repeats: int) -> di
     from ckpt.manager import CheckpointManager
     from ckpt.retention import KeepLast
 
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist
     state = _gpu_state(nbytes, dtype)
     tensors = _tensors(state)
     real = sum(t.numel() * t.element_size() for t in tensors)
@@ -240,7 +242,7 @@ def _empty_host_cache() -> None:
     up to 4 pinned copies each would pile up)."""
     try:
         torch.accelerator.memory.empty_host_cache()
-    except AttributeError:  # older torch
+    except (AttributeError, RuntimeError):  # older torch; no accelerator
         pass
 
 
@@ -309,9 +311,16 @@ def _fmt(x: Any, fmt: str = "{:.2f}") -> str:
 
 
 def _markdown(results: dict[str, Any]) -> str:
+    from _common import fmt_bytes
+
     lines = [f"# GPU check ({results['device']}, torch {results['torch']})", ""]
     if results.get("stall"):
-        lines += ["Staging stall, ms (median of rounds; ratios: median of per-round ratios)", "",
+        lines += ["Staging stall, ms (median of rounds; ratios: median of per-round ratios). "
+                  "stall: what the training thread waited in the save (`save_staged`); "
+                  "training stream waits: device time from just before the save to the "
+                  "training stream's next kernel; GPU busy: ~50 ms of matmuls queued first; "
+                  "floor: pinned `copy_(non_blocking=True)` + synchronize; DCP: "
+                  "`async_save` with its pinned stager (async: until staging completes).", "",
                   "| state | floor: pinned copy | ours: stall | ours: save() returns | "
                   "training stream waits | copies (device) | ours, GPU busy: stall / stream wait "
                   "| DCP pinned | DCP pinned async, staged | stall / floor | stall / DCP | "
@@ -320,7 +329,7 @@ def _markdown(results: dict[str, Any]) -> str:
         for case in results["stall"]:
             r = case["summary"]
             lines.append(
-                f"| {case['bytes'] / GiB:.2f} GiB {case['dtype']} | {_fmt(r['floor_ms'])} | "
+                f"| {fmt_bytes(case['bytes'])} {case['dtype']} | {_fmt(r['floor_ms'])} | "
                 f"{_fmt(r['ours_stall_ms'])} | {_fmt(r['ours_return_ms'])} | "
                 f"{_fmt(r['stream_wait_ms'])} | {_fmt(r['copy_ms'])} | "
                 f"{_fmt(r['ours_busy_stall_ms'])} / {_fmt(r['stream_wait_busy_ms'])} | "

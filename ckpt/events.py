@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 # Kinds emitted by ckpt (fields in parentheses). Save events carry ``outcome``:
 # "committed", "retrying", "failed", "abandoned" or "skipped".
 #   save_staged     (step, stall_seconds, bytes, first)
-#   save_committed  (step, outcome, stall_seconds, persist_seconds, total_seconds, bytes,
-#                    bytes_per_second, retries, attempts, total_bytes)
+#   save_committed  (step, outcome, stall_seconds, copy_seconds, persist_seconds,
+#                    total_seconds, bytes, bytes_per_second, retries, attempts, total_bytes);
+#                    copy_seconds: the device time of CUDA staging copies, None on CPU
 #   save_failed     (step, outcome, error, attempt, final, stall_seconds, persist_seconds,
 #                    bytes, retries)
 #   save_skipped    (step, outcome, reason[, in_flight_step, num_skipped])

@@ -345,6 +345,9 @@ class CheckpointManager:
                  user_metadata: dict, t_start: float) -> Manifest | None:
         """Background thread: persist (with retries), then the bookkeeping of a commit:
         events, cadence, history, retention."""
+        # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
+        # off the training thread, before a byte is read (their device time: copy_seconds).
+        copy_seconds = self.staging.wait_ready()
         out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
                                   user_metadata=user_metadata)
         if not out.committed:
@@ -356,7 +359,8 @@ class CheckpointManager:
         if self.rank == 0:
             self.last_committed = manifest
         self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
-                         persist_seconds=persist, total_seconds=time.monotonic() - t_start,
+                         copy_seconds=copy_seconds, persist_seconds=persist,
+                         total_seconds=time.monotonic() - t_start,
                          bytes=nbytes, bytes_per_second=nbytes / persist if persist > 0 else 0.0,
                          retries=out.retries, attempts=out.attempts,
                          total_bytes=manifest.total_bytes if manifest else None)

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# GPU check: staging stall against a pinned copy and DCP's pinned async_save, the training
+# stream's wait, and a bf16 FSDP2 job killed and resumed bit for bit under torchrun on 1 GPU.
+# Under 8 minutes on one GPU; prints that it skipped and exits 0 where there is no CUDA.
+# Results: bench/results/gpu_check.{json,md}. Arguments go to bench/gpu_check.py (--help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PYTHON" bench/gpu_check.py "$@"

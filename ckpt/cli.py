@@ -5,7 +5,8 @@
     ckpt show URL [--step N | --id ID] [--tensors] [--json]
                                     (what a checkpoint holds, who wrote it, its metadata)
     ckpt diff URL A B [--json]      (A, B: steps or ids; tensor by tensor; exit 0 when
-                                     identical, 1 when they differ, 2 on trouble)
+                                     identical, 1 when they differ, 2 on trouble: a
+                                     missing or corrupt checkpoint too)
     ckpt history URL [--json]       (the job's failures, the MTBF `auto` uses, the lease)
     ckpt export URL [--step N] --out FILE(.pt|.safetensors)
     ckpt pin URL --step N [--force] / ckpt unpin URL --step N
@@ -314,14 +315,18 @@ def cmd_show(args) -> int:
 
 def cmd_diff(args) -> int:
     """Exit 0 when the two checkpoints hold the same values, 1 when they differ, 2 when
-    they could not be compared (a tensor over --max-tensor-bytes, bad input)."""
+    they could not be compared (missing or corrupt, a tensor over --max-tensor-bytes, bad
+    input): as with diff(1), 1 means "different" only."""
     from ckpt import inspect
 
     store = _open_store(args)
-    a, b = _select(store, args.a), _select(store, args.b)
-    progress = _Progress("diff", args.progress or sys.stderr.isatty())
-    result = inspect.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
-                          progress=progress)
+    try:
+        a, b = _select(store, args.a), _select(store, args.b)
+        progress = _Progress("diff", args.progress or sys.stderr.isatty())
+        result = inspect.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
+                              progress=progress)
+    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+        raise UsageError(error_line(exc)) from exc
     if args.json:
         print(jsonio.dumps(result, indent=1).decode())
     else:

@@ -146,13 +146,17 @@ def test_diff_added_removed_reshaped_and_corrupt(tmp_path, capsys):
     assert shown["step"] == 2 and shown["config_fingerprint"] is None  # not a trainer's
     assert status == {"a": "identical", "b": "removed", "c": "shape_changed", "d": "added",
                       "b2": "added"}
-    # Damaged data it compares: the diff refuses (exit 1, one line naming the file).
+    # Damaged data it compares: the diff refuses (exit 2 as diff(1): 1 means "different"
+    # only; one line naming the file).
     loc = ckpt.CheckpointStore(url).read_manifest(2).tensors["a"]["chunks"][0]["location"]
     flip_byte(os.path.join(url, "step_000000002", loc.file), loc.offset + 1)
     rc, _, err = cli(capsys, "diff", url, 1, 2)
-    assert rc == 1 and "checksum mismatch" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "checksum mismatch" in err and loc.file in err
+    assert len(err.strip().splitlines()) == 1
     rc, _, err = cli(capsys, "diff", url, 1, 7)
-    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "step_000000007" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = cli(capsys, "diff", url, 1, "nosuchid")
+    assert rc == 2 and "nosuchid" in err and len(err.strip().splitlines()) == 1
 
 
 def test_diff_as_a_process_with_progress(root):

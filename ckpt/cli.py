@@ -51,7 +51,7 @@ from ckpt.errors import (
 from ckpt.manifest import step_dirname
 from ckpt.store import CORRUPT, CheckpointInfo, CheckpointStore
 
-__all__ = ["main", "UsageError", "error_line", "OneLineArgumentParser"]
+__all__ = ["main", "UsageError", "error_line", "format_table", "OneLineArgumentParser"]
 
 
 class UsageError(ValueError):
@@ -181,7 +181,7 @@ def cmd_list(args) -> int:
         rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
                      _fmt_time(i.created), _fmt_loss((i.user_metadata or {}).get("loss")),
                      " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
-    for line in _table(rows, _terminal_width()):
+    for line in format_table(rows, _terminal_width()):
         print(line)
     return 0
 
@@ -199,7 +199,7 @@ def _terminal_width() -> int | None:
     return shutil.get_terminal_size().columns
 
 
-def _table(rows: list[tuple[str, ...]], width: int | None) -> list[str]:
+def format_table(rows: list[tuple[str, ...]], width: int | None) -> list[str]:
     """Rows as aligned columns. The last column is free text: on a terminal of ``width``
     columns it wraps under itself rather than past the edge, so nothing is cut; piped
     output keeps every row on one line (for grep and scripts)."""
@@ -351,7 +351,7 @@ def cmd_diff(args) -> int:
             detail = f"{r['a']} -> {r['b']}" if "a" in r else ""
             rows.append((r["status"], r["key"], detail))
         if len(rows) > 1:
-            for line in _table(rows, _terminal_width()):
+            for line in format_table(rows, _terminal_width()):
                 print(line)
         counts = ", ".join(f"{n} {k.replace('_', ' ')}"
                            for k, n in sorted(result["counts"].items()))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli import _table
+from ckpt.cli import format_table
 from ckpt.cli import main as cli_main
 from ckpt.history import HISTORY_NAME
 from tests.ckpt._helpers import flip_byte
@@ -201,10 +201,10 @@ def test_history_and_lease(tmp_path, capsys):
 def test_list_table_fits_the_terminal_and_keeps_everything():
     note = "fenced: written by a writer that had lost the lease (generation 3); " * 2
     rows = [("STEP", "ID", "NOTE"), ("10", "abc", note.strip()), ("20", "def", "")]
-    lines = _table(rows, 60)
+    lines = format_table(rows, 60)
     assert all(len(ln) < 60 for ln in lines)
     indent = lines[0].index("NOTE")
     assert " ".join(ln[indent:].strip() for ln in lines[1:-1]) == note.strip()
     assert lines[-1].split() == ["20", "def"]
-    piped = _table(rows, None)  # not a terminal: one line per row, nothing wrapped
+    piped = format_table(rows, None)  # not a terminal: one line per row, nothing wrapped
     assert len(piped) == 3 and piped[1].endswith(note.strip())

@@ -2,6 +2,12 @@
 
     ckpt list URL [--all] [--json] [--check none|size|full]
     ckpt verify URL [--step N | --id ID] [--size-only] [--progress]
+    ckpt show URL [--step N | --id ID] [--tensors] [--json]
+                                    (what a checkpoint holds, who wrote it, its metadata)
+    ckpt diff URL A B [--json]      (A, B: steps or ids; tensor by tensor; exit 0 when
+                                     identical, 1 when they differ, 2 on trouble: a
+                                     missing or corrupt checkpoint too)
+    ckpt history URL [--json]       (the job's failures, the MTBF `auto` uses, the lease)
     ckpt export URL [--step N] --out FILE(.pt|.safetensors)
     ckpt pin URL --step N [--force] / ckpt unpin URL --step N
                                     (pin verifies every checksum first; --force pins a
@@ -27,7 +33,9 @@ import argparse
 import contextlib
 import math
 import os
+import shutil
 import sys
+import textwrap
 import time
 import traceback
 from typing import Any, Sequence
@@ -42,7 +50,7 @@ from ckpt.errors import (
 from ckpt.manifest import step_dirname
 from ckpt.store import CORRUPT, CheckpointInfo, CheckpointStore
 
-__all__ = ["main", "UsageError", "error_line", "OneLineArgumentParser"]
+__all__ = ["main", "UsageError", "error_line", "format_table", "OneLineArgumentParser"]
 
 
 class UsageError(ValueError):
@@ -169,15 +177,46 @@ def cmd_list(args) -> int:
         return 0
     rows = [("STEP", "ID", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE")]
     for i in infos:
-        loss = (i.user_metadata or {}).get("loss")
         rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
-                     _fmt_time(i.created),
-                     f"{loss:.4g}" if isinstance(loss, (int, float)) else "-",
+                     _fmt_time(i.created), _fmt_loss((i.user_metadata or {}).get("loss")),
                      " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    for line in format_table(rows, _terminal_width()):
+        print(line)
     return 0
+
+
+def _fmt_loss(loss: Any) -> str:
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        return "-"
+    return f"{loss:.4g}"
+
+
+def _terminal_width() -> int | None:
+    """Columns of the terminal stdout is, or None when it is not one (a pipe, a file)."""
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
+
+
+def format_table(rows: list[tuple[str, ...]], width: int | None) -> list[str]:
+    """Rows as aligned columns. The last column is free text: on a terminal of ``width``
+    columns it wraps under itself rather than past the edge, so nothing is cut; piped
+    output keeps every row on one line (for grep and scripts)."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
+    room = (width - indent - 1) if width else 0
+    out = []
+    for r in rows:
+        head = "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths))
+        last = r[-1]
+        if width and room >= 20 and len(head) + 2 + len(last) > width - 1:
+            parts = textwrap.wrap(last, room, break_long_words=True,
+                                  break_on_hyphens=False) or [""]
+            out.append(f"{head}  {parts[0]}".rstrip())
+            out.extend(" " * indent + p for p in parts[1:])
+        else:
+            out.append(f"{head}  {last}".rstrip())
+    return out
 
 
 def cmd_verify(args) -> int:
@@ -210,6 +249,175 @@ def cmd_verify(args) -> int:
             bad += 1
             print(f"step {step}: CORRUPT: {exc}")
     return 1 if bad else 0
+
+
+def _select(store: CheckpointStore, text: str | None = None, *, step: int | None = None,
+            save_id: str | None = None):
+    """A checkpoint named by ``--step``/``--id``, or by ``text``: a step number or an id."""
+    from ckpt import inspect
+
+    if text is not None:
+        text = text.strip()
+        if text.isdigit():
+            step = int(text)
+        elif text.startswith("id:"):
+            save_id = text[3:]
+        else:
+            save_id = text
+    if step is not None and save_id is not None:
+        raise UsageError("pass --step or --id, not both")
+    return inspect.select(store, step, save_id)
+
+
+def cmd_show(args) -> int:
+    from ckpt import inspect
+
+    store = _open_store(args)
+    info = inspect.show(store, _select(store, step=args.step, save_id=args.id),
+                        with_tensors=args.tensors)
+    if args.json:
+        print(jsonio.dumps(_json_safe(info), indent=1).decode())
+        return 0
+    layout = info["layout"] or {}
+    shown = " ".join(f"{k}={v}" for k, v in layout.items() if k != "world_size")
+    meta = {k: v for k, v in (info["user_metadata"] or {}).items() if k != "config"}
+    w = info["writer"] or {}
+    lines = [
+        ("url", info["url"]),
+        ("created", _fmt_time(info["created_unix"])),
+        ("layout", f"{shown or '-'} (world size {info['world_size']})"),
+        ("tensors", f"{info['num_tensors']} ({_fmt_bytes(info['tensor_bytes'])}); "
+                    f"{info['num_objects']} other values"),
+        ("files", f"{info['num_files']} ({_fmt_bytes(info['total_bytes'])})"),
+        ("fingerprint", info["config_fingerprint"] or "-"),
+        ("writer", f"owner {w.get('owner', '-')}, lease generation "
+                   f"{w.get('lease_generation', '-')}, job {w.get('job', '-')}"),
+        ("versions", ", ".join(f"{k} {v}" for k, v in (info["versions"] or {}).items()) or "-"),
+        ("metadata", ", ".join(f"{k}={jsonio.dumps(v).decode()}" for k, v in meta.items())
+         or "-"),
+    ]
+    config = (info["user_metadata"] or {}).get("config")
+    if isinstance(config, dict):
+        lines.append(("config", f"stored ({len(config)} sections; --json shows it)"))
+    print(f"step {info['step']}  id {info['id']}  {info['status']}")
+    for k, v in lines:
+        print(f"  {k:<12} {v}")
+    if args.tensors:
+        rows = [("KEY", "SHAPE", "DTYPE", "BYTES")]
+        rows += [(k, "x".join(map(str, t["shape"])) or "scalar", t["dtype"], str(t["bytes"]))
+                 for k, t in info["tensors"].items()]
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        for r in rows:
+            print("  " + "  ".join(v.ljust(wd) for v, wd in zip(r, widths)).rstrip())
+    return 0
+
+
+def cmd_diff(args) -> int:
+    """Exit 0 when the two checkpoints hold the same values, 1 when they differ, 2 when
+    they could not be compared (missing or corrupt, a tensor over --max-tensor-bytes, bad
+    input): as with diff(1), 1 means "different" only."""
+    from ckpt import inspect
+
+    store = _open_store(args)
+    try:
+        a, b = _select(store, args.a), _select(store, args.b)
+        progress = _Progress("diff", args.progress or sys.stderr.isatty())
+        result = inspect.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
+                              progress=progress)
+    except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+        raise UsageError(error_line(exc)) from exc
+    if args.json:
+        print(jsonio.dumps(result, indent=1).decode())
+    else:
+        print(f"a: {a.label()}  b: {b.label()}")
+        rows = [("STATUS", "KEY", "DETAIL")]
+        for r in result["tensors"]:
+            if r["status"] == "identical" and not args.all:
+                continue
+            detail = ""
+            if "max_abs_diff" in r:
+                detail = f"max abs diff {r['max_abs_diff']:.4g}"
+            elif r["status"] in ("shape_changed", "dtype_changed"):
+                detail = (f"{r['dtype']}{r['shape']} -> {r['b_dtype']}{r['b_shape']}")
+            elif r["status"] == "not_compared":
+                detail = r["reason"]
+            elif r["status"] in ("added", "removed"):
+                detail = f"{r['dtype']}{r['shape']}"
+            rows.append((r["status"], r["key"], detail))
+        for r in result["objects"]:
+            if r["status"] == "identical" and not args.all:
+                continue
+            detail = f"{r['a']} -> {r['b']}" if "a" in r else ""
+            rows.append((r["status"], r["key"], detail))
+        if len(rows) > 1:
+            for line in format_table(rows, _terminal_width()):
+                print(line)
+        counts = ", ".join(f"{n} {k.replace('_', ' ')}"
+                           for k, n in sorted(result["counts"].items()))
+        print(f"{len(result['tensors'])} tensors, {len(result['objects'])} other values: "
+              f"{counts or 'nothing to compare'}")
+    if result["not_compared"]:
+        n = len(result["not_compared"])
+        raise UsageError(f"{n} tensor(s) not compared (first: {result['not_compared'][0]}): "
+                         f"the checkpoints chunk them differently and they are larger than "
+                         f"--max-tensor-bytes={args.max_tensor_bytes}; raise it to compare "
+                         f"them whole")
+    return 0 if result["identical"] else 1
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "-"
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 2 * 3600:
+        return f"{s / 60:.1f}m"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f}h"
+    return f"{s / 86400:.1f}d"
+
+
+def cmd_history(args) -> int:
+    from ckpt import inspect
+
+    if not (math.isfinite(args.mtbf_hours) and args.mtbf_hours > 0):
+        raise UsageError(f"--mtbf-hours {args.mtbf_hours}: pass the prior MTBF in hours, > 0 "
+                         f"(the job's checkpoint.mtbf_hours)")
+    store = _open_store(args)
+    try:
+        info = inspect.history(store, mtbf_prior_seconds=args.mtbf_hours * 3600.0)
+    except CheckpointError:
+        raise
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        print(jsonio.dumps(info, indent=1).decode())
+        return 0
+    if not info["found"]:
+        print(f"no failure history at {info['file']} (no job with a cadence has run here, "
+              f"or none has saved its history yet)")
+    else:
+        print(f"failure history: {info['file']}")
+        print(f"  failures     {info['num_failures']}")
+        for f in info["failures"]:
+            print(f"    {_fmt_time(f['unix'])}")
+        print(f"  uptime       {_fmt_seconds(info['uptime_seconds'])}")
+        print(f"  MTBF         {_fmt_seconds(info['mtbf_seconds'])} used by the auto cadence "
+              f"(prior {_fmt_seconds(info['mtbf_prior_seconds'])} with weight "
+              f"{info['prior_weight']:g}; observed "
+              f"{_fmt_seconds(info['mtbf_observed_seconds'])})")
+    lease = info["lease"]
+    if lease is None:
+        print("  lease        none (no job has written here)")
+    elif lease.get("damaged"):
+        print("  lease        damaged record (the next job takes it over)")
+    else:
+        state = "released" if lease.get("released") else "held"
+        print(f"  lease        {state}, generation {lease.get('generation', '-')}, holder "
+              f"{lease.get('holder', '-')} (job {lease.get('job', '-')}, host "
+              f"{lease.get('host', '-')}, pid {lease.get('pid', '-')}), last heartbeat "
+              f"{_fmt_time(lease.get('heartbeat_unix'))}")
+    return 0
 
 
 def _check_out(out: str) -> None:
@@ -395,6 +603,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--size-only", action="store_true", help="check sizes, not checksums")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_verify)
+    sp = add("show", "what one checkpoint holds: layout, tensors, sizes, metadata, writer")
+    sp.add_argument("--step", type=int, help="default: the newest committed")
+    sp.add_argument("--id", help="one version by id (e.g. a rolled-back one)")
+    sp.add_argument("--tensors", action="store_true",
+                    help="list every tensor's shape, dtype and size")
+    sp.add_argument("--json", action="store_true", help="print a JSON object")
+    sp.set_defaults(fn=cmd_show)
+    sp = add("diff", "compare two checkpoints tensor by tensor (exit 1 when they differ)")
+    sp.add_argument("a", help="a step number or a checkpoint id")
+    sp.add_argument("b", help="a step number or a checkpoint id")
+    sp.add_argument("--all", action="store_true", help="list identical keys too")
+    sp.add_argument("--max-tensor-bytes", type=int, default=1 << 30, metavar="N",
+                    help="largest tensor assembled whole when the two checkpoints chunk it "
+                         "differently (default: 1 GiB)")
+    sp.add_argument("--progress", action="store_true", help="show progress even when piped")
+    sp.add_argument("--json", action="store_true", help="print a JSON object")
+    sp.set_defaults(fn=cmd_diff)
+    sp = add("history", "the job's failure history, the MTBF the auto cadence uses, the lease")
+    sp.add_argument("--mtbf-hours", type=float, default=24.0,
+                    help="the prior MTBF, as the job's checkpoint.mtbf_hours (default: 24)")
+    sp.add_argument("--json", action="store_true", help="print a JSON object")
+    sp.set_defaults(fn=cmd_history)
     sp = add("export", "consolidate a checkpoint into one .pt or .safetensors file")
     sp.add_argument("--step", type=int, help="default: the newest committed")
     sp.add_argument("--out", required=True)

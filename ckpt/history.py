@@ -17,10 +17,29 @@ from ckpt.cadence import FailureHistory
 from ckpt.events import EventBus
 from ckpt.storage import Storage
 
-__all__ = ["HISTORY_NAME", "read_history", "write_history", "load_job_history"]
+__all__ = ["HISTORY_NAME", "load_history", "load_job_history", "read_history", "write_history"]
 
 log = logging.getLogger(__name__)
 HISTORY_NAME = "_history.json"
+
+
+def load_history(storage: Storage) -> FailureHistory | None:
+    """The stored history as it is, for display (None when there is none); read only.
+
+    Unlike :func:`read_history` a damaged file is an error, a ``ValueError`` naming it."""
+    where = storage.describe(HISTORY_NAME)
+    try:
+        data = storage.read_bytes(HISTORY_NAME)
+    except FileNotFoundError:
+        return None
+    try:
+        history = FailureHistory.from_dict(jsonio.loads(data, where, max_bytes=16 << 20))
+        if not all(math.isfinite(t) for t in [*history.failure_times, history.uptime_seconds]):
+            raise ValueError("failure times and uptime must be finite numbers")
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"{where} is unreadable ({exc}); the job ignores it too, and deleting "
+                         f"it starts a new history") from None
+    return history
 
 
 def read_history(storage: Storage, events: EventBus, *, took_over: bool,

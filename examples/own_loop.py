@@ -19,15 +19,16 @@ def train(root: str, steps: int = 30) -> None:
 
     # --- the checkpointing part: these lines are all it takes ---
     state = {"app": ModelState(model, optim), "rng": RNGState(), "progress": {"step": 0}}
-    mgr = CheckpointManager(root, cadence="10")       # every 10 steps; or "auto", "5m"
+    mgr = CheckpointManager(root, cadence="10", busy="wait")  # every 10 steps; or "auto", "5m"
     resumed = mgr.load_latest(state)                  # newest checkpoint that verifies
-    start = resumed.step if resumed else 0
+    start, metadata = (resumed.step if resumed else 0), {}
     for step in range(start + 1, steps + 1):
         loss = model(torch.randn(8, 16)).pow(2).mean()
         loss.backward(); optim.step(); optim.zero_grad()
         state["progress"]["step"] = step
-        mgr.maybe_save(step, state, user_metadata={"loss": loss.item()})
-    mgr.save(steps, state, block=True, force=True)    # the final state, committed
+        metadata = {"loss": loss.item()}                # `ckpt list` shows it
+        mgr.maybe_save(step, state, user_metadata=metadata)
+    mgr.save(steps, state, block=True, force=True, user_metadata=metadata)  # the final state
     mgr.close()
     # ------------------------------------------------------------
     dist.destroy_process_group()

@@ -150,6 +150,9 @@ class TrainingConfig(_Section):
     mixed_precision: str = _f("fp32", "'fp32', or 'bf16' compute with fp32 master weights.")
     device: str = _f("auto", "'cpu', 'cuda', or 'auto' (cuda when available).")
     log_every: int = _f(10, "Log loss and throughput every this many steps.")
+    override_schedule_on_resume: bool = _f(
+        False, "On resume, apply this config's LR schedule (lr, min_lr, warmup_steps, "
+        "lr_decay_steps) from the resumed step instead of the checkpoint's.")
 
     def _validate(self) -> None:
         for name in ("steps", "global_batch_size", "seq_len", "grad_accum_steps", "log_every"):

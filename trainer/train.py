@@ -11,6 +11,7 @@ newest checkpoint under ``checkpoint.root`` that verifies.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import random
@@ -24,7 +25,7 @@ from ckpt.agreement import Agreement
 from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.stateful import RNGState, init_optimizer_state
-from trainer.config import Config, ConfigError, config_fingerprint
+from trainer.config import Config, ConfigError, config_fingerprint, config_to_dict
 from trainer.data import build_loader, split_microbatches
 from trainer.distributed import (
     EXIT_CONFIG,
@@ -45,6 +46,33 @@ log = logging.getLogger("trainer")
 
 # Extra time the hang watchdog allows a blocking (final or preemption) save.
 _BLOCKING_SAVE_GRACE_SECONDS = 3600.0
+# The LR schedule's inputs besides the step (training.lr_at); training.steps is the run's
+# length: it moves the cosine horizon when lr_decay_steps is unset (docs/config.md).
+_SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "lr_decay_steps")
+_OVERRIDE_KEY = "training.override_schedule_on_resume"
+
+
+def _config_record(cfg: Config) -> dict[str, Any]:
+    """The resolved config as every checkpoint's ``user_metadata["config"]`` keeps it;
+    storage options (which may hold credentials) by key only."""
+    d = config_to_dict(cfg)
+    opts = d["checkpoint"].get("storage_options")
+    if opts:
+        d["checkpoint"]["storage_options"] = {k: "<not stored>" for k in opts}
+    return d
+
+
+def _config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(section.key, checkpoint's value, this run's value)`` for every key that differs."""
+    out = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section), new.get(section)
+        a, b = (a if isinstance(a, dict) else {}), (b if isinstance(b, dict) else {})
+        for key in sorted(set(a) | set(b)):
+            missing = "<unset>"
+            if a.get(key, missing) != b.get(key, missing):
+                out.append((f"{section}.{key}", a.get(key, missing), b.get(key, missing)))
+    return out
 
 
 class TrainingStopped(RuntimeError):
@@ -105,6 +133,7 @@ class Trainer:
         self.env = env
         self.cfg = cfg = cfg.resolved(env.world_size)
         self.fingerprint = config_fingerprint(cfg)
+        self.config_record = _config_record(cfg)
         self.loaded_fingerprint: str | None = None
         p, t = cfg.parallel, cfg.training
         self.par = p  # resolved and checked against the model and batch by cfg.resolved
@@ -127,8 +156,12 @@ class Trainer:
                            for part in self.model.model_parts]
         for o in self.optimizers:
             init_optimizer_state(o)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: t.lr_at(s) / t.lr)
-                           for o in self.optimizers]
+        # The schedule the LR follows: this config's, or the checkpoint's on a resume that
+        # does not override it (_reconcile_config).
+        self.lr_schedule = t
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: self.lr_schedule.lr_at(s) / self.lr_schedule.lr)
+            for o in self.optimizers]
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.loader = build_loader(cfg, dp_rank, p.dp)
         self.step = 0
@@ -187,6 +220,10 @@ class Trainer:
             mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
         return mgr
 
+    def _metadata(self, loss: float | None) -> dict[str, Any]:
+        """A save's user metadata: the step's loss (``ckpt list`` shows it) and the config."""
+        return {"loss": loss, "config": self.config_record}
+
     def checkpoint_state(self, with_rng: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {
             "app": _ModelOptimState(self.model, self.optimizers),
@@ -234,6 +271,7 @@ class Trainer:
             log.warning("checkpoint step %d was written with a different model/data/optimizer "
                         "config (fingerprint %s, now %s): the run will not continue bit for bit",
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
+        self._reconcile_config(manifest)
         if self.env.rank == 0:
             log.info("resumed from %s step %d%s", c.root, manifest.step,
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
@@ -250,6 +288,54 @@ class Trainer:
         """RNG streams resume only on the same layout (another layout draws differently);
         loaded in the same transaction as the rest, so a damaged RNG item falls back."""
         return {"rng": RNGState(self.env.rank)} if self._same_layout(manifest) else {}
+
+    def _reconcile_config(self, manifest) -> None:
+        """Right after a resume, on every rank: settle which LR schedule continues, and
+        (rank 0) log in one block how this run's config differs from the checkpoint's.
+
+        The optimizer and scheduler states restore the checkpoint's learning rate; without
+        ``training.override_schedule_on_resume`` the checkpoint's schedule continues (its
+        lr, min_lr, warmup_steps, lr_decay_steps), with it this config's applies from the
+        resumed step on.
+        """
+        stored = (manifest.user_metadata or {}).get("config")
+        changes = _config_changes(stored, self.config_record) if isinstance(stored, dict) \
+            else []
+        t = self.cfg.training
+        schedule = [k for k, _, _ in changes if k in {f"training.{n}" for n in _SCHEDULE_KEYS}]
+        first = self.schedulers[0].last_epoch
+        if t.override_schedule_on_resume:
+            for o, s in zip(self.optimizers, self.schedulers):
+                for g in o.param_groups:
+                    g["initial_lr"], g["lr"] = t.lr, t.lr_at(s.last_epoch)
+                s.base_lrs = [t.lr for _ in o.param_groups]
+                s._last_lr = [g["lr"] for g in o.param_groups]
+            verdict = (f"the LR schedule of this config applies from step {manifest.step} "
+                       f"({_OVERRIDE_KEY}=true; lr now {t.lr_at(first):.4g})")
+        elif schedule:
+            old = stored.get("training") or {}
+            try:
+                self.lr_schedule = dataclasses.replace(
+                    t, **{k: old[k] for k in _SCHEDULE_KEYS if k in old})
+            except (ConfigError, TypeError, ValueError) as exc:
+                log.warning("cannot rebuild the checkpoint's LR schedule (%s): this config's "
+                            "applies", exc) if self.env.rank == 0 else None
+                return
+            verdict = (f"the checkpoint's LR schedule continues: {', '.join(schedule)} "
+                       f"{'is' if len(schedule) == 1 else 'are'} not applied; set "
+                       f"{_OVERRIDE_KEY}=true to apply {'it' if len(schedule) == 1 else 'them'}"
+                       f" from step {manifest.step}")
+        else:
+            verdict = ""
+        if self.env.rank != 0 or not (changes or verdict):
+            return
+        lines = [f"config changes since checkpoint step {manifest.step} (checkpoint -> now):"]
+        lines += [f"  {k}: {json.dumps(a)} -> {json.dumps(b)}" for k, a, b in changes] or \
+            ["  (none stored to compare)" if not isinstance(stored, dict) else "  (none)"]
+        if verdict:
+            lines.append(verdict)
+        (log.warning if schedule and not t.override_schedule_on_resume else log.info)(
+            "%s", "\n".join(lines))
 
     def _uncommit_newer(self, step: int) -> None:
         """Rank 0, right after resuming from ``step``: un-commit every newer checkpoint.
@@ -375,12 +461,12 @@ class Trainer:
                     if self.manager is not None:
                         watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
                         self.manager.save(self.step, self.checkpoint_state(), force=True,
-                                          block=True, user_metadata={"loss": loss})
+                                          block=True, user_metadata=self._metadata(loss))
                     exit_code = EXIT_PREEMPTED
                     break
                 if self.manager is not None and self.step < t.steps:
                     self.manager.maybe_save(self.step, self.checkpoint_state(),
-                                            user_metadata={"loss": loss})
+                                            user_metadata=self._metadata(loss))
                     if self.manager.lease_lost:  # agreed by every rank at the save
                         exit_code = EXIT_LEASE_LOST
                         break
@@ -390,8 +476,8 @@ class Trainer:
                     # A blocking save is slow, not hung: the watchdog gives it time.
                     watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
                     self.manager.save(self.step, self.checkpoint_state(), force=True,
-                                      block=True, user_metadata={"loss": self.losses[-1][1]
-                                                                 if self.losses else None})
+                                      block=True, user_metadata=self._metadata(
+                                          self.losses[-1][1] if self.losses else None))
         finally:
             watchdog.stop()
             self.preemption.uninstall()

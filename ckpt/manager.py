@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import api
+from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, acquire_lease, release_lease
 from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.cadence import CadencePolicy, FailureHistory
@@ -242,10 +243,12 @@ class CheckpointManager:
         return self._inflight is not None and not self._inflight.done()
 
     def maybe_save(self, step: int, state: dict[str, Any], *,
-                   user_metadata: dict[str, Any] | None = None) -> bool:
+                   user_metadata: dict[str, Any] | None = None,
+                   attachments: dict[str, Any] | None = None) -> bool:
         """Call after every training step; saves when the cadence policy says so.
 
-        Returns True if a save was started (or completed, when not async).
+        Returns True if a save was started (or completed, when not async). ``attachments``:
+        as for :meth:`save`.
         """
         now = time.monotonic()
         self._observe_step(now)
@@ -266,17 +269,20 @@ class CheckpointManager:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
             return False
-        return self.save(step, state, user_metadata=user_metadata)
+        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
-             force: bool = False) -> bool:
+             force: bool = False, attachments: dict[str, Any] | None = None) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
         Returns True when a save was started. Every rank takes the same branch: whether the
         previous save is in flight, whether ``step`` is committed, whether the lease is lost
         and whether a failure is pending are agreed in one all-reduce first.
+        ``attachments``: small files kept with the checkpoint (``ckpt.save``'s); bytes are
+        taken now, a path is read when the save persists.
         """
+        attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
         lease_lost = self.lease is not None and not self.lease.held
@@ -326,7 +332,7 @@ class CheckpointManager:
         self._steps_while_busy = 0
         self._failure = None  # wait() reports the outcome of the newest save only
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
-                                    dict(user_metadata or {}), t0)
+                                    dict(user_metadata or {}), t0, attached)
         self._inflight, self._inflight_step = job, step
         if block or not self.async_save:
             self._wait_inflight()
@@ -387,7 +393,8 @@ class CheckpointManager:
                                 "uncommitted and a later job removes its files")
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
-                 user_metadata: dict, t_start: float) -> Manifest | None:
+                 user_metadata: dict, t_start: float,
+                 attachments: dict[str, Any] | None = None) -> Manifest | None:
         """Background thread: write, commit, apply retention.
 
         All ranks run it in lockstep, attempt for attempt: each decision is either agreed on
@@ -408,7 +415,7 @@ class CheckpointManager:
                     staged, self.storage, step, user_metadata=user_metadata, layout=self.layout,
                     process_group=self._bg_group, num_threads=self.num_threads,
                     resolved=True, lifecycle=self.life, before_commit=self._before_commit,
-                    save_id=attempt_ids[-1])
+                    save_id=attempt_ids[-1], attachments=attachments)
                 break
             except FileExistsError:
                 self.events.emit("save_skipped", step, reason="already committed",

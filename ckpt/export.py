@@ -330,7 +330,13 @@ def _write_hf(out: str, tensors: dict[str, torch.Tensor], attachments: dict[str,
         if os.path.isdir(out) and os.listdir(out):
             old = f"{tmp}.old"
             os.rename(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if old is not None:  # put the replaced folder back
+                os.rename(old, out)
+                old = None
+            raise
         _fsync_dir(os.path.dirname(out))
     finally:
         if os.path.lexists(tmp):

@@ -67,6 +67,21 @@ def test_round_trip_bytes_and_path(tmp_path):
     assert b'"attachments"' not in raw and ckpt.list_attachments(url, 6) == {}
 
 
+def test_every_backend(any_root):
+    m = ckpt.save(_state(1.0), any_root.url, 3, storage_options=any_root.storage_options,
+                  attachments={"config.json": CONFIG, "empty.txt": b""})
+    opts = {"storage_options": any_root.storage_options}
+    assert ckpt.list_attachments(any_root.url, 3, **opts) == {"config.json": len(CONFIG),
+                                                              "empty.txt": 0}
+    assert ckpt.read_attachment(any_root.url, 3, "config.json", **opts) == CONFIG
+    assert ckpt.read_attachment(any_root.url, 3, "empty.txt", **opts) == b""
+    storage = Storage(any_root.url, any_root.storage_options)
+    storage.write_bytes(f"{step_dirname(3)}/{m.attachments['config.json'].file}",
+                        CONFIG.replace(b"16", b"17"))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ckpt.read_attachment(any_root.url, 3, "config.json", **opts)
+
+
 @pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "", "x" * 129, "a..b", "c:\\d",
                                   "tab\tname", "é.json", 5, None])
 def test_bad_names_refused_before_anything_is_written(tmp_path, name):
@@ -257,3 +272,28 @@ def test_manager_passes_attachments_through(tmp_path):
     assert CheckpointStore(url).committed_steps() == [2, 4]
     assert ckpt.read_attachment(url, 2, "step.txt") == b"2"
     assert ckpt.read_attachment(url, 4, "config.json") == CONFIG
+
+
+def _two_rank_body(rank: int, world: int, root: str, missing: str) -> dict:
+    state = {"w": torch.ones(4)}  # a replica: the same on every rank
+    ckpt.save(state, root, 1, attachments={"config.json": f"rank {rank}".encode()})
+    # A path that cannot be read fails the save on every rank (none waits for the others).
+    try:
+        ckpt.save(state, root, 2, attachments={"tok.json": missing})
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_two_ranks_coordinator_writes_and_failures_reach_every_rank(tmp_path):
+    from tests.dist import run_ranks
+
+    url = str(tmp_path / "root")
+    results = run_ranks(_two_rank_body, 2, url, str(tmp_path / "nope.json"), timeout=120)
+    for r in results:
+        assert r["error"] and "'tok.json': file" in r["error"] and "does not exist" in r["error"]
+    assert ckpt.read_attachment(url, 1, "config.json") == b"rank 0"
+    m = CheckpointStore(url).read_manifest(1)
+    assert m.world_size == 2 and m.files[m.attachments["config.json"].file].rank == 0
+    assert CheckpointStore(url).committed_steps() == [1]
+

@@ -296,4 +296,3 @@ def test_two_ranks_coordinator_writes_and_failures_reach_every_rank(tmp_path):
     m = CheckpointStore(url).read_manifest(1)
     assert m.world_size == 2 and m.files[m.attachments["config.json"].file].rank == 0
     assert CheckpointStore(url).committed_steps() == [1]
-

@@ -346,18 +346,30 @@ def _write_hf(out: str, tensors: dict[str, torch.Tensor], attachments: dict[str,
     return names + sorted(attachments)
 
 
+def _read_attachments(storage: Storage, manifest: Manifest) -> dict[str, bytes]:
+    return {name: read_from(storage, manifest, name) for name in sorted(manifest.attachments)}
+
+
+def _check_clash(names: Iterable[str], out_dir: str, force: bool) -> None:
+    clash = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if clash and not force:
+        raise FileExistsError(f"--attachments {out_dir}: {', '.join(clash)} already exist(s); "
+                              f"pass --force to overwrite, or choose another folder")
+
+
+def _write_attachment_files(datas: dict[str, bytes], out_dir: str, force: bool) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    _check_clash(datas, out_dir, force)
+    for name, data in datas.items():
+        _replace_file(os.path.join(out_dir, name), lambda f, d=data: f.write(d))
+
+
 def write_attachments(storage: Storage, manifest: Manifest, out_dir: str, *,
                       force: bool = False) -> list[str]:
     """Write every attachment of ``manifest`` (each verified) into ``out_dir`` (created if
     missing). Refuses, before writing any, to overwrite an existing file unless ``force``."""
-    datas = {name: read_from(storage, manifest, name) for name in sorted(manifest.attachments)}
-    os.makedirs(out_dir, exist_ok=True)
-    clash = [n for n in datas if os.path.lexists(os.path.join(out_dir, n))]
-    if clash and not force:
-        raise FileExistsError(f"--attachments {out_dir}: {', '.join(clash)} already exist(s); "
-                              f"pass --force to overwrite, or choose another folder")
-    for name, data in datas.items():
-        _replace_file(os.path.join(out_dir, name), lambda f, d=data: f.write(d))
+    datas = _read_attachments(storage, manifest)
+    _write_attachment_files(datas, out_dir, force)
     return list(datas)
 
 
@@ -416,19 +428,29 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
             raise ValueError(f"--format hf holds tensors only, and {objects[0]!r} (of "
                              f"{len(objects)} such keys) is not a tensor; use --select to keep "
                              f"the model's weights, e.g. --select app.model.")
+    # Attachments are read (and verified) before any tensor, and written after the weights.
+    attached = _read_attachments(storage, manifest) \
+        if fmt == "hf" or attachments_dir is not None else {}
     if attachments_dir is not None:
-        write_attachments(storage, manifest, attachments_dir, force=force)
-    if out is None:
-        return manifest
-    # The attachments go into the folder: read (and verified) before any tensor is.
-    attached = {name: read_from(storage, manifest, name) for name in sorted(manifest.attachments)} \
-        if fmt == "hf" else {}
+        _check_clash(attached, attachments_dir, force)
+    if out is not None:
+        _export_weights(storage, manifest, out, fmt, verify=verify, select=select,
+                        cast_to=cast_to, attached=attached, max_shard_bytes=max_shard_bytes,
+                        force=force)
+    if attachments_dir is not None:
+        _write_attachment_files(attached, attachments_dir, force)
+    return manifest
+
+
+def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *, verify: str,
+                    select: Sequence[str] | None, cast_to: torch.dtype | None,
+                    attached: dict[str, bytes], max_shard_bytes: int, force: bool) -> None:
     state, manifest = consolidate(storage, manifest, verify=verify, select=select,
                                   nested=False)
     state = _cast(state, cast_to)
     if fmt == "hf":
         _write_hf(out, state, attached, max_shard_bytes, force)
-        return manifest
+        return
     if fmt == "pt" and not select:
         state = _nest(state, manifest, storage.describe(step_dirname(manifest.step)))
 
@@ -447,4 +469,3 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
         f.write(save(tensors, metadata=meta))
 
     _replace_file(out, write)
-    return manifest

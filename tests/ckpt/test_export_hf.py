@@ -161,6 +161,30 @@ def test_usage_errors_are_one_line(trainer_ckpt, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "d")
 
 
+def test_attachments_written_after_the_weights(trainer_ckpt, tmp_path, capsys):
+    root, _, _ = trainer_ckpt
+    out, files = str(tmp_path / "m.safetensors"), str(tmp_path / "files")
+    code, text, err = _cli(capsys, "export", root, "--select", "app.model.", "--out", out,
+                           "--attachments", files)
+    assert code == 0, err
+    assert "wrote 1 attachment(s) of step 3" in text and os.path.exists(out)
+    assert open(os.path.join(files, "notes.txt"), "rb").read() == b"tiny trainer model"
+    # Damaged weights: the export fails (exit 1) and writes neither the file nor the
+    # attachments.
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy)
+    d = os.path.join(copy, step_dirname(3))
+    for name in os.listdir(d):
+        if name.startswith("r00000_"):
+            flip_byte(os.path.join(d, name), 0)
+    out2, files2 = str(tmp_path / "m2.safetensors"), str(tmp_path / "files2")
+    code, _, err = _cli(capsys, "export", copy, "--out", out2, "--attachments", files2)
+    assert code == 1 and "checksum mismatch" in err
+    assert not os.path.exists(out2) and not os.path.exists(files2)
+
+
 # -- Hugging Face ------------------------------------------------------------------------------
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,

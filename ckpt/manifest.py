@@ -505,9 +505,11 @@ def _parse_attachments(raw: Any, files: dict[str, FileRecord], item_files: set[s
     used: dict[str, str] = {}
     for name, rec in raw.items():
         try:
+            problem = None
             check_attachment_name(name)
         except ValueError as exc:
-            _need(False, source, f"attachments: {exc.args[0]}")
+            problem = exc.args[0]
+        _need(problem is None, source, f"attachments: {problem}")
         where = f"attachments[{name!r}]"
         _need(isinstance(rec, dict), source, f"{where} must be an object")
         file, size = rec.get("file"), rec.get("size")

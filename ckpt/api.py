@@ -9,6 +9,7 @@ in one process. ``state`` maps names to either state dicts or objects with
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import warnings
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.agreement import Agreement
+from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
@@ -127,7 +129,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          num_threads: int | None = None, durable: bool = True, resolved: bool = False,
          use_lease: bool = True, lifecycle: Lifecycle | None = None,
          before_commit: Callable[[], None] | None = None,
-         save_id: str | None = None) -> Manifest | None:
+         save_id: str | None = None,
+         attachments: dict[str, bytes | str | os.PathLike] | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
 
     Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
@@ -137,8 +140,11 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     takes it (``LeaseHeldError`` on every rank when another live job holds it) and
     releases it after the commit. ``lifecycle``: write through one that already holds the
     lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
-    ``save_id``: this attempt's id (default: a fresh random one).
+    ``save_id``: this attempt's id (default: a fresh random one). ``attachments``: small
+    files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.attachments`);
+    the coordinator's are written, read back with ``ckpt.read_attachment``.
     """
+    attached = check_attachments(attachments)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     sd = state if resolved else resolve_state(state)
     distributed = _is_dist(process_group)
@@ -150,7 +156,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
              "user_metadata": dict(user_metadata or {})}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
                         lifecycle=lifecycle, manifest_extra=extra, durable=durable,
-                        before_commit=before_commit, save_id=save_id)
+                        before_commit=before_commit, save_id=save_id, attachments=attached)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")

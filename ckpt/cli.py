@@ -8,7 +8,12 @@
                                      identical, 1 when they differ, 2 on trouble: a
                                      missing or corrupt checkpoint too)
     ckpt history URL [--json]       (the job's failures, the MTBF `auto` uses, the lease)
-    ckpt export URL [--step N] --out FILE(.pt|.safetensors)
+    ckpt export URL [--step N] --out FILE(.pt|.safetensors) [--select PREFIX ...]
+                    [--dtype bf16] [--attachments DIR]
+    ckpt export URL [--step N] --format hf --out DIR [--select PREFIX] [--dtype bf16]
+                    [--max-shard-size 5GB] [--force]
+                                    (a Hugging Face folder: sharded safetensors, index and the
+                                     checkpoint's attachments, e.g. config.json)
     ckpt pin URL --step N [--force] / ckpt unpin URL --step N
                                     (pin verifies every checksum first; --force pins a
                                      damaged checkpoint anyway)
@@ -438,11 +443,32 @@ def _check_out(out: str) -> None:
 
 
 def cmd_export(args) -> int:
-    from ckpt.export import export
+    from ckpt.export import check_out_dir, export, parse_dtype
+    from ckpt.plan import parse_size
 
-    _check_out(args.out)
-    m = export(_open_store(args).storage, args.step, args.out)
-    print(f"exported step {m.step} ({len(m.tensors)} tensors) to {args.out}")
+    if args.out is None and args.attachments is None:
+        raise UsageError("give --out FILE (or a folder with --format hf), --attachments DIR, "
+                         "or both")
+    if args.format != "hf" and args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --format hf only")
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    parse_size(args.max_shard_size or "5GB")
+    if args.out is not None:
+        if args.format == "hf":
+            check_out_dir(args.out, force=args.force)
+        else:
+            _check_out(args.out)
+    m = export(_open_store(args).storage, args.step, args.out, select=args.select,
+               dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
+               force=args.force, attachments_dir=args.attachments)
+    if args.out is not None:
+        kept = f"{len(args.select)} prefix(es) selected from " if args.select else ""
+        print(f"exported step {m.step} ({kept}{len(m.tensors)} tensors) to {args.out}")
+    if args.attachments is not None:
+        names = ", ".join(sorted(m.attachments)) or "none"
+        print(f"wrote {len(m.attachments)} attachment(s) of step {m.step} to "
+              f"{args.attachments}: {names}")
     return 0
 
 
@@ -625,9 +651,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the prior MTBF, as the job's checkpoint.mtbf_hours (default: 24)")
     sp.add_argument("--json", action="store_true", help="print a JSON object")
     sp.set_defaults(fn=cmd_history)
-    sp = add("export", "consolidate a checkpoint into one .pt or .safetensors file")
+    sp = add("export", "consolidate a checkpoint into one .pt or .safetensors file, or a "
+                       "Hugging Face folder")
     sp.add_argument("--step", type=int, help="default: the newest committed")
-    sp.add_argument("--out", required=True)
+    sp.add_argument("--out", help="a .pt/.pth or .safetensors file, or a folder with --format hf")
+    sp.add_argument("--format", choices=("pt", "safetensors", "hf"),
+                    help="default: from the --out file name; hf: a folder of sharded "
+                         "safetensors, their index and the attachments")
+    sp.add_argument("--select", action="append", metavar="PREFIX",
+                    help="keep only keys under this prefix, stripped (e.g. app.model.); "
+                         "repeatable")
+    sp.add_argument("--dtype", help="cast floating tensors: bf16, fp16, fp32 (or full names)")
+    sp.add_argument("--max-shard-size", metavar="SIZE",
+                    help="with --format hf: the largest shard file (default 5GB; e.g. 10MB)")
+    sp.add_argument("--force", action="store_true",
+                    help="replace a non-empty --out folder / existing attachment files")
+    sp.add_argument("--attachments", metavar="DIR",
+                    help="also write the checkpoint's attachments into DIR")
     sp.set_defaults(fn=cmd_export)
     sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")
     sp.add_argument("--step", type=int, required=True)

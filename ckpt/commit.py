@@ -20,6 +20,9 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
 
     pending-<id>.json       attempt marker, written before any data: writer, lease generation
     r<rank>_<id>_<k>.bin    data files of attempt <id> (names chosen by the writer in dcp_io)
+    a_<id>_<name>           attachment <name> of attempt <id> (``attachment_file``), written
+                            by the coordinator; a version's manifest lists it in ``files``
+                            too, so it is referenced, verified and deleted with its version
     manifest.json           the commit: created exclusively, never overwritten
     rolled-back-<id>.json   an un-committed manifest, kept and restorable
     fenced-<id>.json        a fenced-off writer's late manifest, moved aside
@@ -79,6 +82,7 @@ _MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
 _ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
 _FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
 _DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
+_ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")
 _LEGACY_MARKER = "pending.json"
 _LEGACY_ROLLED = "rolled-back-manifest.json"
@@ -92,9 +96,18 @@ def marker_name(save_id: str) -> str:
     return f"pending-{save_id}.json"
 
 
+def attachment_file(save_id: str, name: str) -> str:
+    """The stored name of attachment ``name`` (already validated) of attempt ``save_id``."""
+    return f"a_{save_id}_{name}"
+
+
 def data_file_id(name: str) -> str | None:
-    """The attempt id in a data file's name, or None for a name that is not ours."""
-    m = _DATA_RE.match(name)
+    """The attempt id in a data or attachment file's name, or None for a name not ours.
+
+    Every rule that decides which files belong to an attempt (abandon, cleanup's leftovers,
+    the size of an incomplete attempt) goes through this one function.
+    """
+    m = _DATA_RE.match(name) or _ATTACHMENT_RE.match(name)
     return m.group(1) if m else None
 
 
@@ -556,7 +569,11 @@ class Lifecycle:
         return self._remove(entry.step, sorted((names - keep) & set(folder.files)))
 
     def _referenced(self, step: int, exclude: str | None = None) -> set[str]:
-        """Data files some manifest or rolled-back manifest of ``step`` still needs."""
+        """Data files some manifest or rolled-back manifest of ``step`` still needs.
+
+        A manifest lists its attachment files in ``files`` (the parser refuses one that
+        does not), so they are referenced like data files.
+        """
         out: set[str] = set()
         for e in self.entries(step):
             if e.manifest is not None and e.name != exclude and e.status != FENCED:
@@ -725,4 +742,5 @@ def describe_holder(info: dict[str, Any]) -> str:
             f"holder {info.get('holder')})")
 
 
-__all__ += ["describe_holder", "marker_name", "data_file_id", "MANIFEST_NAME", "LeaseHeldError"]
+__all__ += ["describe_holder", "marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME",
+            "LeaseHeldError"]

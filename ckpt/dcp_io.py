@@ -39,8 +39,10 @@ from torch.futures import Future
 from ckpt._crc import crc32c_combine
 from ckpt.errors import CorruptCheckpointError
 
-from ckpt.commit import Lifecycle
+from ckpt.attachments import attachment_bytes
+from ckpt.commit import Lifecycle, attachment_file
 from ckpt.manifest import (
+    Attachment,
     FileRecord,
     ItemLocation,
     Manifest,
@@ -87,9 +89,13 @@ class CkptWriter(StorageWriter):
                  num_threads: int | None = None, lifecycle: Lifecycle | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  on_file_written: Callable[[str, int], None] | None = None,
-                 before_commit: Callable[[], None] | None = None):
+                 before_commit: Callable[[], None] | None = None,
+                 attachments: dict[str, bytes | str] | None = None):
         super().__init__()
         self.before_commit = before_commit
+        # Checked by ckpt.attachments.check_attachments; written by the coordinator only.
+        self.attachments = dict(attachments or {})
+        self._attached: dict[str, Attachment] = {}
         self.storage = storage
         self.life = lifecycle or Lifecycle(storage)
         self.step = step
@@ -121,6 +127,12 @@ class CkptWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.life.begin(self.step, self.save_id, durable=self.durable)
+        # After the marker, so a failed attempt's attachments are its leftovers like its data.
+        for name, value in sorted(self.attachments.items()):
+            data = attachment_bytes(name, value)
+            file = attachment_file(self.save_id, name)
+            self.storage.write_bytes(f"{self.step_dir}/{file}", data, durable=self.durable)
+            self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
         return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
                 for i, p in enumerate(plans)]
 
@@ -210,9 +222,12 @@ class CkptWriter(StorageWriter):
             else:
                 objects[fqn] = where[MetadataIndex(fqn)]
         planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+        for a in self._attached.values():  # listed in files too: verified and kept with them
+            files[a.file] = FileRecord(a.size, a.crc32c, 0)
         manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
                             tensors=tensors, objects=objects, files=files,
-                            planner_data=planner_data, **self.extra)
+                            planner_data=planner_data, attachments=dict(self._attached),
+                            **self.extra)
         if self.before_commit is not None:
             self.before_commit()  # raises to abandon; the attempt stays uncommitted
         # Other versions in this folder (earlier failed attempts, rolled-back checkpoints)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ckpt import api
 from ckpt.agreement import Agreement
+from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
 from ckpt.errors import CheckpointError
 from ckpt.cadence import CadencePolicy
@@ -207,10 +208,12 @@ class CheckpointManager:
         return self._inflight is not None and not self._inflight.done()
 
     def maybe_save(self, step: int, state: dict[str, Any], *,
-                   user_metadata: dict[str, Any] | None = None) -> bool:
+                   user_metadata: dict[str, Any] | None = None,
+                   attachments: dict[str, Any] | None = None) -> bool:
         """Call after every training step; saves when the cadence policy says so.
 
-        Returns True if a save was started (or completed, when not async).
+        Returns True if a save was started (or completed, when not async). ``attachments``:
+        as for :meth:`save`.
         """
         now = time.monotonic()
         self._observe_step(now)
@@ -231,17 +234,20 @@ class CheckpointManager:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
             return False
-        return self.save(step, state, user_metadata=user_metadata)
+        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
-             force: bool = False) -> bool:
+             force: bool = False, attachments: dict[str, Any] | None = None) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
         Returns True when a save was started. Every rank takes the same branch: whether the
         previous save is in flight, whether ``step`` is committed, whether the lease is lost
         and whether a failure is pending are agreed in one all-reduce first.
+        ``attachments``: small files kept with the checkpoint (``ckpt.save``'s); bytes are
+        taken now, a path is read when the save persists.
         """
+        attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
         lease_lost = self.lease is not None and not self.lease.held
@@ -291,7 +297,7 @@ class CheckpointManager:
         self.step_times.save_started()
         self._failure = None  # wait() reports the outcome of the newest save only
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
-                                    dict(user_metadata or {}), t0)
+                                    dict(user_metadata or {}), t0, attached)
         self._inflight, self._inflight_step = job, step
         if block or not self.async_save:
             self._wait_inflight()
@@ -342,14 +348,15 @@ class CheckpointManager:
             return False
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
-                 user_metadata: dict, t_start: float) -> Manifest | None:
+                 user_metadata: dict, t_start: float,
+                 attachments: dict[str, Any] | None = None) -> Manifest | None:
         """Background thread: persist (with retries), then the bookkeeping of a commit:
         events, cadence, history, retention."""
         # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
         # off the training thread, before a byte is read (their device time: copy_seconds).
         copy_seconds = self.staging.wait_ready()
         out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
-                                  user_metadata=user_metadata)
+                                  user_metadata=user_metadata, attachments=attachments)
         if not out.committed:
             if out.error is not None:
                 self._failure = out.error

@@ -42,6 +42,9 @@ __all__ = [
     "manifest_bytes",
     "ItemLocation",
     "FileRecord",
+    "Attachment",
+    "MAX_ATTACHMENT_BYTES",
+    "check_attachment_name",
     "Manifest",
     "step_dirname",
     "parse_step_dirname",
@@ -63,6 +66,10 @@ _DIGEST_LINE = re.compile(rb'\{"manifest_sha256": "([0-9a-f]{64})",\n')
 
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+# Attachments: plain file names (short enough that the stored name, with its "a_<id>_"
+# prefix, is still a valid file name) and small files.
+_ATTACHMENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_ATTACHMENT_BYTES = 64 << 20
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -121,6 +128,29 @@ class FileRecord:
     rank: int
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """A small file kept with a checkpoint: its stored file (also listed in ``files``)."""
+
+    file: str
+    size: int
+    crc32c: int
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "size": self.size, "crc32c": f"{self.crc32c:08x}"}
+
+
+def check_attachment_name(name: Any) -> str:
+    """``name`` if it is a valid attachment name, else ``ValueError`` saying what is allowed."""
+    if not isinstance(name, str) or _ATTACHMENT_NAME_RE.fullmatch(name) is None \
+            or ".." in name:
+        raise ValueError(
+            f"attachment name {str(name)[:200]!r} is not a plain file name: use 1 to 128 "
+            f"letters, digits, '.', '_' or '-', starting with a letter or digit, without "
+            f"'/' or '..' (e.g. 'config.json')")
+    return name
+
+
 @dataclass
 class Manifest:
     """A parsed, validated manifest. ``tensors`` maps FQN -> {dtype, shape, chunks}."""
@@ -138,6 +168,7 @@ class Manifest:
     writer: dict[str, Any] = field(default_factory=dict)
     planner_data: dict[str, list] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    attachments: dict[str, Attachment] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -167,6 +198,9 @@ class Manifest:
             "objects": {fqn: loc.to_json() for fqn, loc in self.objects.items()},
             "planner_data": self.planner_data,
         }
+        if self.attachments:  # optional: manifests without attachments stay as they were
+            doc["attachments"] = {name: a.to_json()
+                                  for name, a in sorted(self.attachments.items())}
         data = manifest_bytes(doc)
         # Never commit what readers refuse (e.g. user_metadata nested too deep or holding a
         # 400-digit int): fail the save instead of losing the checkpoint.
@@ -445,6 +479,38 @@ def _parse_planner_data(raw: Any, source: str) -> dict[str, list]:
     return out
 
 
+def _parse_attachments(raw: Any, files: dict[str, FileRecord], item_files: set[str],
+                       source: str) -> dict[str, Attachment]:
+    """``attachments``: name -> a file of ``files`` that holds no item, at most
+    ``MAX_ATTACHMENT_BYTES``, with the same size and crc32c as its ``files`` record."""
+    _need(isinstance(raw, dict), source, "'attachments' must be an object")
+    out: dict[str, Attachment] = {}
+    used: dict[str, str] = {}
+    for name, rec in raw.items():
+        try:
+            problem = None
+            check_attachment_name(name)
+        except ValueError as exc:
+            problem = exc.args[0]
+        _need(problem is None, source, f"attachments: {problem}")
+        where = f"attachments[{name!r}]"
+        _need(isinstance(rec, dict), source, f"{where} must be an object")
+        file, size = rec.get("file"), rec.get("size")
+        _need(isinstance(file, str) and file in files, source,
+              f"{where}.file {str(file)[:100]!r} is not listed in 'files'")
+        _need(_is_int(size) and size <= MAX_ATTACHMENT_BYTES, source,
+              f"{where}.size must be an int in [0, {MAX_ATTACHMENT_BYTES}]")
+        crc = _parse_crc(rec.get("crc32c"), source, where)
+        _need(size == files[file].size and crc == files[file].crc32c, source,
+              f"{where} (size {size}, crc32c {crc:08x}) disagrees with files[{file!r}]")
+        _need(file not in item_files, source, f"{where}.file {file!r} also holds tensor data")
+        _need(file not in used, source,
+              f"{where} and attachments[{used.get(file)!r}] share the file {file!r}")
+        used[file] = name
+        out[name] = Attachment(file, size, crc)
+    return out
+
+
 def _parse(doc: Any, source: str) -> Manifest:
     _need(isinstance(doc, dict), source, "top level must be a JSON object")
     version = _check_version(doc, source)
@@ -468,6 +534,9 @@ def _parse(doc: Any, source: str) -> Manifest:
          for fqn, t in tensors.items() for i, c in enumerate(t["chunks"])]
         + [(f"objects[{fqn[:200]!r}]", loc) for fqn, loc in objects.items()], source)
     planner_data = _parse_planner_data(doc.get("planner_data", {}), source)
+    item_files = {c["location"].file for t in tensors.values() for c in t["chunks"]} \
+        | {loc.file for loc in objects.values()}
+    attachments = _parse_attachments(doc.get("attachments", {}), files, item_files, source)
     world_size = doc.get("world_size", 1)
     return Manifest(
         step=doc["step"], save_id=doc["save_id"], created_unix=float(doc["created_unix"]),
@@ -475,4 +544,4 @@ def _parse(doc: Any, source: str) -> Manifest:
         world_size=world_size if _is_int(world_size, 1) else 1,
         layout=doc.get("layout", {}), user_metadata=doc.get("user_metadata", {}),
         versions=doc.get("versions", {}), writer=doc.get("writer", {}),
-        planner_data=planner_data, format_version=version)
+        planner_data=planner_data, format_version=version, attachments=attachments)

@@ -161,35 +161,41 @@ class Lifecycle:
     def __init__(self, storage: Storage, lease: Lease | None = None):
         self.storage = storage
         self.lease = lease
-        self._fence_cache: dict[int, frozenset[str]] = {}
+        self._fence_cache: dict[tuple[int, str], dict[str, Any]] = {}
 
     # -- fencing: read side ----------------------------------------------------------------
     def _fence_rel(self, generation: int, suffix: str = "json") -> str:
         return f"{_FENCE_DIR}/gen_{generation:09d}.{suffix}"
 
-    def _closing(self, generation: int) -> bool:
-        return self.storage.exists(self._fence_rel(generation, "closing"))
-
-    def fence_record(self, generation: int) -> frozenset[str] | None:
-        """Save ids accepted from ``generation``, or None while it is not closed."""
-        if generation in self._fence_cache:
-            return self._fence_cache[generation]
-        rel = self._fence_rel(generation)
+    def _fence_doc(self, generation: int, what: str) -> dict[str, Any] | None:
+        """``_fence/gen_G.<what>`` parsed (None when absent). Fence files never change once
+        written, so a present one is cached."""
+        key = (generation, what)
+        if key in self._fence_cache:
+            return self._fence_cache[key]
+        rel = self._fence_rel(generation, what)
         try:
             raw = self.storage.read_bytes(rel)
         except FileNotFoundError:
             return None
         doc = _loads(raw, self.storage.describe(rel))
-        ids = doc.get("committed") if isinstance(doc, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        ids = doc.get("committed", []) if isinstance(doc, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) \
+                or not isinstance(doc.get("holder"), (str, type(None))):
             raise CorruptCheckpointError(
-                f"{self.storage.describe(rel)}: 'committed' must be a list of save ids; the "
-                f"fence record is damaged. Restore it from a backup or delete it (then "
+                f"{self.storage.describe(rel)} is damaged (expected 'holder' and a list of "
+                f"save ids under 'committed'). Restore it from a backup or delete it (then "
                 f"manifests of generation {generation} are all accepted).",
                 path=self.storage.describe(rel))
-        record = frozenset(ids)
-        self._fence_cache[generation] = record  # close records never change
-        return record
+        self._fence_cache[key] = doc
+        return doc
+
+    @staticmethod
+    def _same_holder(doc: dict[str, Any], holder: Any) -> bool:
+        """A fence file speaks for the manifests of *this root's* generation: those written by
+        the holder it names. A manifest copied in from another root (whose generations are
+        numbered independently) carries another holder and is not judged by it."""
+        return doc.get("holder") is None or doc.get("holder") == holder
 
     def generations(self) -> tuple[set[int], set[int]]:
         """``(opened, closed)``: generations ever acquired (or being closed), and those with
@@ -210,12 +216,16 @@ class Lifecycle:
         record decides (and until it exists, the manifest is not accepted).
         """
         generation = manifest.writer.get("lease_generation")
+        holder = manifest.writer.get("owner")
         if not isinstance(generation, int) or isinstance(generation, bool):
             return False  # written without a lease (or before fencing existed)
-        if generation not in self._fence_cache and not self._closing(generation):
+        closing = self._fence_doc(generation, "closing")
+        if closing is None or not self._same_holder(closing, holder):
             return False
-        record = self.fence_record(generation)
-        return record is None or manifest.save_id not in record
+        record = self._fence_doc(generation, "json")
+        if record is not None and not self._same_holder(record, holder):
+            return False
+        return record is None or manifest.save_id not in record.get("committed", [])
 
     def read_committed(self, step: int) -> Manifest:
         """The committed manifest of ``step``: parsed, validated and fence-checked."""
@@ -420,17 +430,16 @@ class Lifecycle:
         if ok:
             self.lease.committed_ids.add(manifest.save_id)
             return
-        # Lost between the two renewals: the commit counts by the readers' rule (is_fenced),
-        # which needs the new holder's close record once it has started closing.
+        # Not proven by a renewal: the commit counts by the readers' rule (is_fenced), which
+        # needs the new holder's close record once it has started closing. Whenever it
+        # counts, this holder's own close record must list it too.
         deadline = time.monotonic() + 10.0
         while True:
-            if not self._closing(self.lease.generation):
-                return  # the closer will list it
-            record = self.fence_record(self.lease.generation)
-            if record is not None:
-                if manifest.save_id in record:
-                    return
-                break
+            if not self.is_fenced(manifest):
+                self.lease.committed_ids.add(manifest.save_id)
+                return  # no closer yet (it will list it), or its record lists it
+            if self._fence_doc(self.lease.generation, "json") is not None:
+                break  # closed without it
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -631,41 +640,41 @@ class Lifecycle:
     def close_generation(self, generation: int) -> None:
         """Close ``generation``: mark it closing, then record the save ids of its manifests
         present now (the marker first: see ``is_fenced``)."""
-        if self.fence_record(generation) is not None:
+        if self._fence_doc(generation, "json") is not None:
             return
-        self._mark_closing(generation)
+        opened = self._fence_doc(generation, "open") or {}
+        holder = opened.get("holder")
+        self._mark(generation, "closing", holder)
         committed = []
         for step in self.steps():
             try:
                 m = self._read_doc(self._rel(step))
             except (FileNotFoundError, CorruptCheckpointError):
                 continue
-            if m.writer.get("lease_generation") == generation:
+            if m.writer.get("lease_generation") == generation and (
+                    holder is None or m.writer.get("owner") == holder):
                 committed.append(m.save_id)
-        self._write_close(generation, committed)
+        self._write_close(generation, committed, holder)
 
-    def _mark(self, generation: int, what: str) -> None:
-        """Create ``_fence/gen_G.open`` (generation taken) or ``.closing`` (being closed)."""
+    def _mark(self, generation: int, what: str, holder: str | None) -> None:
+        """Create ``_fence/gen_G.open`` (generation taken by ``holder``) or ``.closing``."""
         self.storage.makedirs(_FENCE_DIR)
         try:
             self.storage.create_exclusive(self._fence_rel(generation, what), jsonio.dumps(
-                {"generation": generation, f"{what}_unix": time.time()}))
+                {"generation": generation, "holder": holder, f"{what}_unix": time.time()}))
         except FileExistsError:
             pass
 
-    def _mark_closing(self, generation: int) -> None:
-        self._mark(generation, "closing")
-
-    def _write_close(self, generation: int, committed: Iterable[str]) -> None:
-        doc = {"generation": generation, "committed": sorted(committed),
+    def _write_close(self, generation: int, committed: Iterable[str],
+                     holder: str | None) -> None:
+        doc = {"generation": generation, "holder": holder, "committed": sorted(committed),
                "closed_unix": time.time(),
                "closed_by": self.lease.holder_id if self.lease is not None else None}
-        self._mark_closing(generation)
+        self._mark(generation, "closing", holder)
         try:
             self.storage.create_exclusive(self._fence_rel(generation), jsonio.dumps(doc))
         except FileExistsError:
             pass  # closed by someone else first; theirs stands
-        self._fence_cache.pop(generation, None)
 
 
 def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
@@ -689,7 +698,7 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     try:
         # Mark the generation used before any manifest carries it, so that it is never
         # handed out again (not even after a damaged or deleted lease file).
-        life._mark(lease.generation, "open")
+        life._mark(lease.generation, "open", lease.holder_id)
         for g in sorted(opened - closed):
             if g < lease.generation:
                 life.close_generation(g)
@@ -729,7 +738,7 @@ def release_lease(life: Lifecycle) -> None:
     if lease.held:
         try:
             lease.stop_heartbeat()
-            life._write_close(lease.generation, lease.committed_ids)
+            life._write_close(lease.generation, lease.committed_ids, lease.holder_id)
             closed = True
         except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
             log.warning("could not close lease generation %d on %s: %s", lease.generation,

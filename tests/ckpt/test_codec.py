@@ -48,7 +48,7 @@ def _save_differing_objects(rank, world, root):
 def test_a_shared_key_with_different_values_per_rank_is_refused(tmp_path):
     errors = run_ranks(_save_differing_objects, 2, str(tmp_path), timeout=120)
     for err in errors:
-        assert err is not None and "'count' (rank 0 vs rank 1)" in err and "per-rank keys" in err
+        assert err is not None and "'count' (rank 0 | rank 1)" in err and "per-rank key" in err
     store = ckpt.CheckpointStore(str(tmp_path))
     assert store.committed_steps() == [1]      # nothing committed for the refused save
 

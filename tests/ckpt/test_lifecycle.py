@@ -440,3 +440,23 @@ def test_damaged_lease_never_hands_out_a_generation_twice(tmp_path):
     c = acquire_lease(storage)
     assert c.lease.generation == b.lease.generation + 1
     release_lease(c)
+
+
+def test_a_checkpoint_copied_from_another_root_counts(tmp_path):
+    """Generations are numbered per root: a folder copied from another root (same generation
+    number, another holder) is not judged by this root's fence files."""
+    import shutil
+
+    a_root, b_root = tmp_path / "a", tmp_path / "b"
+    ckpt.save(_state(7.0), str(a_root), 7)  # generation 1 of root a
+    b = str(b_root)
+    ckpt.save(_state(1.0), b, 1)  # generation 1 of root b, closed at release
+    shutil.copytree(a_root / "step_000000007", b_root / "step_000000007")
+    store = CheckpointStore(b)
+    assert store.read_manifest(7).writer["lease_generation"] == 1
+    assert store.latest(check="full").step == 7
+    assert _loaded(b, None, 7) == 7.0
+    job = acquire_lease(Storage(b))  # a new holder closes nothing it should not
+    job.cleanup()
+    release_lease(job)
+    assert store.committed_steps() == [1, 7] and store.latest(check="full").step == 7

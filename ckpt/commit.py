@@ -27,20 +27,14 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
     rolled-back-<id>.json   an un-committed manifest, kept and restorable
     fenced-<id>.json        a fenced-off writer's late manifest, moved aside
 
-and at the root, for lease generation ``g``: ``_fence/gen_<g>.open`` (taken),
-``_fence/gen_<g>.closing`` (being closed) and ``_fence/gen_<g>.json`` (the close record).
+The fence files under ``_fence/`` (which manifests count once the lease changed hands)
+are :mod:`ckpt.fence`'s; the life-cycle asks it (``is_fenced``) and a new writer closes
+earlier generations through it (``acquire_lease``). A writer learns that its commit counts
+by renewing the lease *after* the manifest exists: a renewal that succeeds proves that no
+takeover (and so no closing of its generation) came before it.
 
-Fencing (argued in docs/format.md, "Fencing"): every lease acquisition gets a new
-generation ``g`` (:mod:`ckpt.lease`); every manifest records the generation it was written
-under. Before a new holder touches anything, it *closes* every generation that ended
-without closing itself: it creates the closing marker, then lists the manifests of that
-generation present now and writes their save ids into the close record (both created
-exclusively). A reader accepts a manifest of generation ``g`` when, checked after reading
-it, ``g`` has no closing marker (the manifest predates the listing, so it will be in the
-record) or the record lists it: acceptance never flips back, and a manifest created after
-the writer lost the lease is never accepted. A writer learns that its commit counts by renewing the lease *after*
-the manifest exists: a renewal that succeeds proves that no takeover (and so no close
-record) came before it, so the manifest is in any later record.
+Size: the state machine, every file name and every transition are kept in this one module
+on purpose, so that the life-cycle reads top to bottom in one place.
 """
 
 from __future__ import annotations
@@ -51,7 +45,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from ckpt import jsonio
 from ckpt.errors import (
@@ -60,6 +54,7 @@ from ckpt.errors import (
     LeaseHeldError,
     LeaseLostError,
 )
+from ckpt.fence import Fence
 from ckpt.lease import Lease
 from ckpt.manifest import Manifest, parse_step_dirname, step_dirname
 from ckpt.storage import Storage
@@ -76,7 +71,6 @@ COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED = (
     "committed", "incomplete", "corrupt", "rolled-back", "fenced")
 
 MANIFEST_NAME = "manifest.json"
-_FENCE_DIR = "_fence"
 _ID = r"[0-9a-f]{6,64}"
 _MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
 _ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
@@ -161,71 +155,12 @@ class Lifecycle:
     def __init__(self, storage: Storage, lease: Lease | None = None):
         self.storage = storage
         self.lease = lease
-        self._fence_cache: dict[tuple[int, str], dict[str, Any]] = {}
-
-    # -- fencing: read side ----------------------------------------------------------------
-    def _fence_rel(self, generation: int, suffix: str = "json") -> str:
-        return f"{_FENCE_DIR}/gen_{generation:09d}.{suffix}"
-
-    def _fence_doc(self, generation: int, what: str) -> dict[str, Any] | None:
-        """``_fence/gen_G.<what>`` parsed (None when absent). Fence files never change once
-        written, so a present one is cached."""
-        key = (generation, what)
-        if key in self._fence_cache:
-            return self._fence_cache[key]
-        rel = self._fence_rel(generation, what)
-        try:
-            raw = self.storage.read_bytes(rel)
-        except FileNotFoundError:
-            return None
-        doc = _loads(raw, self.storage.describe(rel))
-        ids = doc.get("committed", []) if isinstance(doc, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) \
-                or not isinstance(doc.get("holder"), (str, type(None))):
-            raise CorruptCheckpointError(
-                f"{self.storage.describe(rel)} is damaged (expected 'holder' and a list of "
-                f"save ids under 'committed'). Restore it from a backup or delete it (then "
-                f"manifests of generation {generation} are all accepted).",
-                path=self.storage.describe(rel))
-        self._fence_cache[key] = doc
-        return doc
-
-    @staticmethod
-    def _same_holder(doc: dict[str, Any], holder: Any) -> bool:
-        """A fence file speaks for the manifests of *this root's* generation: those written by
-        the holder it names. A manifest copied in from another root (whose generations are
-        numbered independently) carries another holder and is not judged by it."""
-        return doc.get("holder") is None or doc.get("holder") == holder
-
-    def generations(self) -> tuple[set[int], set[int]]:
-        """``(opened, closed)``: generations ever acquired (or being closed), and those with
-        a close record."""
-        opened, closed = set(), set()
-        for name, kind, _ in self.storage.listdir(_FENCE_DIR):
-            m = re.match(r"^gen_(\d+)\.(json|closing|open)$", name)
-            if m and kind == "file":
-                (closed if m.group(2) == "json" else opened).add(int(m.group(1)))
-        return opened, closed
+        self.fence = Fence(storage)
 
     def is_fenced(self, manifest: Manifest) -> bool:
-        """True when ``manifest`` may have been created after its writer's generation ended.
-
-        The manifest was read first. If the generation's closing marker is absent now, it
-        was absent when the manifest was created, so the manifest predates the closer's
-        listing and will be in its record: accepted. Once the marker exists, only the
-        record decides (and until it exists, the manifest is not accepted).
-        """
-        generation = manifest.writer.get("lease_generation")
-        holder = manifest.writer.get("owner")
-        if not isinstance(generation, int) or isinstance(generation, bool):
-            return False  # written without a lease (or before fencing existed)
-        closing = self._fence_doc(generation, "closing")
-        if closing is None or not self._same_holder(closing, holder):
-            return False
-        record = self._fence_doc(generation, "json")
-        if record is not None and not self._same_holder(record, holder):
-            return False
-        return record is None or manifest.save_id not in record.get("committed", [])
+        """True when ``manifest`` was created after its writer lost the lease (see
+        :meth:`ckpt.fence.Fence.is_fenced`)."""
+        return self.fence.is_fenced(manifest)
 
     def read_committed(self, step: int) -> Manifest:
         """The committed manifest of ``step``: parsed, validated and fence-checked."""
@@ -438,7 +373,7 @@ class Lifecycle:
             if not self.is_fenced(manifest):
                 self.lease.committed_ids.add(manifest.save_id)
                 return  # no closer yet (it will list it), or its record lists it
-            if self._fence_doc(self.lease.generation, "json") is not None:
+            if self.fence.doc(self.lease.generation, "json") is not None:
                 break  # closed without it
             if time.monotonic() > deadline:
                 break
@@ -636,45 +571,13 @@ class Lifecycle:
                 on_removed(step, names)
         return touched
 
-    # -- closing generations (fencing, write side) ----------------------------------------
-    def close_generation(self, generation: int) -> None:
-        """Close ``generation``: mark it closing, then record the save ids of its manifests
-        present now (the marker first: see ``is_fenced``)."""
-        if self._fence_doc(generation, "json") is not None:
-            return
-        opened = self._fence_doc(generation, "open") or {}
-        holder = opened.get("holder")
-        self._mark(generation, "closing", holder)
-        committed = []
+    def manifests(self) -> Iterator[Manifest]:
+        """Every ``manifest.json`` under the root that parses (counted or not)."""
         for step in self.steps():
             try:
-                m = self._read_doc(self._rel(step))
+                yield self._read_doc(self._rel(step))
             except (FileNotFoundError, CorruptCheckpointError):
                 continue
-            if m.writer.get("lease_generation") == generation and (
-                    holder is None or m.writer.get("owner") == holder):
-                committed.append(m.save_id)
-        self._write_close(generation, committed, holder)
-
-    def _mark(self, generation: int, what: str, holder: str | None) -> None:
-        """Create ``_fence/gen_G.open`` (generation taken by ``holder``) or ``.closing``."""
-        self.storage.makedirs(_FENCE_DIR)
-        try:
-            self.storage.create_exclusive(self._fence_rel(generation, what), jsonio.dumps(
-                {"generation": generation, "holder": holder, f"{what}_unix": time.time()}))
-        except FileExistsError:
-            pass
-
-    def _write_close(self, generation: int, committed: Iterable[str],
-                     holder: str | None) -> None:
-        doc = {"generation": generation, "holder": holder, "committed": sorted(committed),
-               "closed_unix": time.time(),
-               "closed_by": self.lease.holder_id if self.lease is not None else None}
-        self._mark(generation, "closing", holder)
-        try:
-            self.storage.create_exclusive(self._fence_rel(generation), jsonio.dumps(doc))
-        except FileExistsError:
-            pass  # closed by someone else first; theirs stands
 
 
 def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
@@ -689,7 +592,7 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     job holds the lease (unless ``force``, which fences that job off).
     """
     life = lifecycle or Lifecycle(storage)
-    opened, closed = life.generations()
+    opened, closed = life.fence.generations()
     lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
                   fingerprint=fingerprint)
     lease.acquire(force=force, min_generation=max(opened | closed, default=0) + 1,
@@ -698,10 +601,10 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     try:
         # Mark the generation used before any manifest carries it, so that it is never
         # handed out again (not even after a damaged or deleted lease file).
-        life._mark(lease.generation, "open", lease.holder_id)
+        life.fence.mark(lease.generation, "open", lease.holder_id)
         for g in sorted(opened - closed):
             if g < lease.generation:
-                life.close_generation(g)
+                life.fence.close(g, life.manifests(), closed_by=lease.holder_id)
         lease.set_closed_through(lease.generation - 1)
     except BaseException:
         lease.release()
@@ -738,7 +641,8 @@ def release_lease(life: Lifecycle) -> None:
     if lease.held:
         try:
             lease.stop_heartbeat()
-            life._write_close(lease.generation, lease.committed_ids, lease.holder_id)
+            life.fence.write_close(lease.generation, lease.committed_ids, lease.holder_id,
+                                   closed_by=lease.holder_id)
             closed = True
         except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
             log.warning("could not close lease generation %d on %s: %s", lease.generation,
@@ -746,10 +650,4 @@ def release_lease(life: Lifecycle) -> None:
     lease.release(closed=closed)
 
 
-def describe_holder(info: dict[str, Any]) -> str:
-    return (f"job {info.get('job')!r} (host {info.get('host')}, pid {info.get('pid')}, "
-            f"holder {info.get('holder')})")
-
-
-__all__ += ["describe_holder", "marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME",
-            "LeaseHeldError"]
+__all__ += ["marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME"]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import shutil
 import sys
 import textwrap
@@ -425,25 +424,8 @@ def cmd_history(args) -> int:
     return 0
 
 
-def _check_out(out: str) -> None:
-    """Refuse an ``--out`` that cannot be written before reading any checkpoint data."""
-    folder = os.path.dirname(os.path.abspath(out))
-    if os.path.isdir(out):
-        raise UsageError(f"--out {out} is a folder; name a file in it, such as "
-                         f"{os.path.join(out, 'model.safetensors')}")
-    if not os.path.exists(folder):
-        raise UsageError(f"output folder {folder} does not exist; create it or choose "
-                         f"another --out")
-    if not os.path.isdir(folder):
-        raise UsageError(f"output folder {folder} is a file, not a folder; choose another "
-                         f"--out")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"output folder {folder} is not writable; fix its permissions or "
-                         f"choose another --out")
-
-
 def cmd_export(args) -> int:
-    from ckpt.export import check_out_dir, export, parse_dtype
+    from ckpt.export import check_out_dir, check_out_file, export, parse_dtype
     from ckpt.plan import parse_size
 
     if args.out is None and args.attachments is None:
@@ -455,10 +437,13 @@ def cmd_export(args) -> int:
         parse_dtype(args.dtype)
     parse_size(args.max_shard_size or "5GB")
     if args.out is not None:
-        if args.format == "hf":
-            check_out_dir(args.out, force=args.force)
-        else:
-            _check_out(args.out)
+        try:  # before reading any checkpoint data
+            if args.format == "hf":
+                check_out_dir(args.out, force=args.force)
+            else:
+                check_out_file(args.out)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     m = export(_open_store(args).storage, args.step, args.out, select=args.select,
                dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
                force=args.force, attachments_dir=args.attachments)

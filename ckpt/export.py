@@ -45,6 +45,7 @@ from ckpt.codec import encode_object
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.manifest import Manifest, dtype_from_name, step_dirname
 from ckpt.plan import parse_size
+from ckpt.backends.local import replace_file
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
@@ -235,24 +236,32 @@ def _fsync_dir(path: str) -> None:
 
 
 def _replace_file(out: str, write: Callable[[Any], None]) -> None:
-    """Write ``out`` through ``write(file)`` to a fresh temporary name, then rename it over
-    ``out`` (a link planted at ``out`` is replaced, not followed)."""
-    tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    fd = _create(tmp)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+    """Write ``out`` atomically, never through a planted link (the storage's own way)."""
+    replace_file(out, write)
+
+
+def _check_parent(parent: str) -> None:
+    if not os.path.exists(parent):
+        raise ValueError(f"output folder {parent} does not exist; create it or choose "
+                         f"another --out")
+    if not os.path.isdir(parent):
+        raise ValueError(f"output folder {parent} is a file, not a folder; choose another "
+                         f"--out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output folder {parent} is not writable; fix its permissions or "
+                         f"choose another --out")
+
+
+def check_out_file(out: str) -> None:
+    """Refuse an output file that cannot be written, before anything is read."""
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out} is a folder; name a file in it, such as "
+                         f"{os.path.join(out, 'model.safetensors')}")
+    _check_parent(os.path.dirname(os.path.abspath(out)))
 
 
 def check_out_dir(out: str, *, force: bool = False) -> None:
     """Refuse an output folder that cannot be (re)placed, before anything is read."""
-    parent = os.path.dirname(os.path.abspath(out))
     if os.path.islink(out):
         raise ValueError(f"--out {out} is a symbolic link; name a real folder")
     if os.path.lexists(out) and not os.path.isdir(out):
@@ -260,12 +269,7 @@ def check_out_dir(out: str, *, force: bool = False) -> None:
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise FileExistsError(f"--out {out} is a folder that is not empty; pass --force to "
                               f"replace it, or name a new folder")
-    if not os.path.isdir(parent):
-        raise ValueError(f"output folder {parent} does not exist; create it or choose "
-                         f"another --out")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"output folder {parent} is not writable; fix its permissions or "
-                         f"choose another --out")
+    _check_parent(os.path.dirname(os.path.abspath(out)))
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

@@ -107,7 +107,10 @@ class CheckpointStore:
             return CheckpointInfo(step, INCOMPLETE, self.storage.describe(step_dirname(step)),
                                   0, problem="no manifest: not committed")
         order = {COMMITTED: 0, CORRUPT: 1, FENCED: 2, ROLLED_BACK: 3, INCOMPLETE: 4}
-        e = min(entries, key=lambda e: order.get(e.status, 9))
+        return self._checked(min(entries, key=lambda e: order.get(e.status, 9)), check)
+
+    def _checked(self, e: Entry, check: str) -> CheckpointInfo:
+        """``e`` as an operator sees it, a committed one verified as ``check`` says."""
         info = _info(self, e)
         if e.status == COMMITTED and check != "none":
             try:
@@ -120,17 +123,8 @@ class CheckpointStore:
         """One row per step; with ``all_versions`` one row per version (each with an id)."""
         if not all_versions:
             return [self.info(s, check=check) for s in self.steps()]
-        out = []
-        for step in self.steps():
-            for e in self.life.entries(step):
-                info = _info(self, e)
-                if e.status == COMMITTED and check != "none":
-                    try:
-                        self.verify_manifest(e.manifest, full=(check == "full"))
-                    except CorruptCheckpointError as exc:
-                        info.status, info.problem = CORRUPT, str(exc)
-                out.append(info)
-        return out
+        return [self._checked(e, check) for step in self.steps()
+                for e in self.life.entries(step)]
 
     def committed_steps(self) -> list[int]:
         """Steps whose folder holds a manifest (cheap: no manifest is read or checked)."""

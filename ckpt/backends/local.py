@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ckpt.backends.base import FsspecBackend
 from ckpt.errors import CorruptCheckpointError
@@ -84,26 +84,11 @@ class LocalBackend(FsspecBackend):
     def _write_and_rename(self, rel: str, views: Sequence[memoryview], durable: bool) -> None:
         """Write a fresh temporary file next to ``rel`` and rename it over ``rel``."""
         self._check_inside_root(rel)
-        p = self.path(rel)
-        tmp = _tmp_name(p)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                     0o644)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for view in views:
-                    f.write(view)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, p)
-            if durable:
-                _fsync_dir(os.path.dirname(p))  # the new name must survive a crash too
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+
+        def write(f) -> None:
+            for view in views:
+                f.write(view)
+        replace_file(self.path(rel), write, durable=durable)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Write a fsync'd temporary file and hard-link it into place (``link`` fails if the
@@ -173,25 +158,36 @@ class LocalBackend(FsspecBackend):
                 if exc.errno == errno.ELOOP:
                     return False
                 raise
-            tmp = _tmp_name(p)
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
-                             | _O_CLOEXEC, 0o644)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, p)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-            _fsync_dir(os.path.dirname(p))
+            replace_file(p, lambda f: f.write(data))
             return True
         finally:
             try:
                 os.rmdir(lock)
             except FileNotFoundError:
                 pass
+
+
+def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = True) -> None:
+    """Write ``path`` atomically: ``write(file)`` fills a fresh temporary file beside it
+    (created exclusively, never through a link), which is synced and renamed over ``path``
+    (a link planted at ``path`` is replaced, not followed); then the folder is synced."""
+    tmp = _tmp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        _fsync_dir(os.path.dirname(path))  # the new name must survive a crash too
 
 
 def _tmp_name(p: str) -> str:

@@ -68,7 +68,12 @@ def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> Di
     backend = "nccl" if dev.type == "cuda" else "gloo"
     store, rank, world = next(dist.rendezvous("env://", rank=rank, world_size=world,
                                               timeout=datetime.timedelta(seconds=timeout_seconds)))
-    store = dist.PrefixStore(f"attempt_{restart}", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives attempts: key each attempt apart. Without sharing
+        # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts a new store every round, and
+        # restart counts differ between nodes (a replaced node's agent starts at 0), so a
+        # prefix from them would split the ranks of one round.
+        store = dist.PrefixStore(f"attempt_{restart}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_seconds),
                             device_id=dev if dev.type == "cuda" else None)

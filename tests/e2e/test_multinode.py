@@ -120,9 +120,23 @@ def test_killed_node_rejoins_and_the_job_ends_bit_for_bit(tmp_path, killed):
     assert lease["closed_through"] == 2 and lease["run_id"] == run_id, lease
     closes = {g: json.loads((root / "_fence" / f"gen_{g:09d}.json").read_text())
               for g in (1, 2)}
-    # Every committed step's manifest is listed by its generation's close record.
-    for step_dir in sorted(root.glob("step_*")):
-        m = json.loads((step_dir / "manifest.json").read_text())
+    # Every committed step's manifest is listed by its generation's close record, and the
+    # generations do not overlap: each commit of generation 1 precedes generation 2's lease.
+    manifests = [json.loads((d / "manifest.json").read_text())
+                 for d in sorted(root.glob("step_*"))]
+    by_gen: dict[int, list[dict]] = {1: [], 2: []}
+    for m in manifests:
         gen = m["writer"]["lease_generation"]
-        assert m["save_id"] in closes[gen]["committed"], (step_dir.name, gen, closes)
-    assert closes[2]["committed"], closes
+        by_gen[gen].append(m)
+        assert m["save_id"] in closes[gen]["committed"], (m["step"], gen, closes)
+    assert by_gen[1] and by_gen[2], {g: [m["step"] for m in ms] for g, ms in by_gen.items()}
+    assert max(m["step"] for m in by_gen[1]) <= resumed["step"] < min(m["step"] for m in by_gen[2])
+    assert max(m["created_unix"] for m in by_gen[1]) < lease["acquired_unix"], lease
+    assert {m["writer"]["owner"] for m in by_gen[2]} == {lease["holder"]}, lease
+    assert len({m["writer"]["owner"] for m in by_gen[1]}) == 1
+    # Taken over from a dead holder: the taker closed generation 1 (listing its manifests)
+    # before writing; released by a live one: the holder closed it itself.
+    gen1_holder = by_gen[1][0]["writer"]["owner"]
+    expected_closer = lease["holder"] if killed == "rank0-node" else gen1_holder
+    assert closes[1]["closed_by"] == expected_closer, (closes[1], lease, gen1_holder)
+    assert closes[2]["closed_by"] == lease["holder"], (closes[2], lease)

@@ -3,7 +3,9 @@
 A 2-node job (two ``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d`` launchers
 meeting at one rendezvous endpoint, one worker each: dp2, FSDP2, the tiny config) is run
 with checkpoints every 5 steps. Shortly after a commit, one node's launcher and worker are
-SIGKILLed together (a machine failure); the surviving node's worker fails, its agent
+SIGKILLed together (a machine failure: ``Job.kill_all`` signals the agent and each worker,
+since torchrun starts its workers in sessions of their own); the surviving node's worker
+fails, its agent
 restarts it (``--max-restarts``) and waits in the rendezvous until the killed node's
 launcher, started again with the same command, joins. Both resume from the newest
 checkpoint, and the job ends where an uninterrupted 2-rank run ends: the same loss at every

@@ -97,7 +97,8 @@ class Model:
                     (p + "feed_forward.w1.weight", (self.ffn_dim, self.dim), "col"),
                     (p + "feed_forward.w2.weight", (self.dim, self.ffn_dim), "row"),
                     (p + "feed_forward.w3.weight", (self.ffn_dim, self.dim), "col")]
-        out += [("norm.weight", (self.dim,), "rep"), ("output.weight", (self.vocab, self.dim), "col")]
+        out += [("norm.weight", (self.dim,), "rep"),
+                ("output.weight", (self.vocab, self.dim), "col")]
         return out
 
     def num_params(self) -> int:
@@ -224,13 +225,18 @@ def write_results(final_plans: list[SavePlan]) -> list[list[WriteResult]]:
     return out
 
 
-def _timed(fn):
-    """CPU seconds of ``fn()`` (this process; the work is single-threaded, and CPU time is
-    far steadier than wall time on a shared machine)."""
+def _timed(fn, *args):
+    """CPU seconds of ``fn(*args)`` (this process; the work is single-threaded, and CPU time
+    is far steadier than wall time on a shared machine)."""
     gc.collect()
     t0 = time.process_time()
-    value = fn()
+    value = fn(*args)
     return time.process_time() - t0, value
+
+
+def _chain_merge(plans: list[SavePlan]) -> dict:
+    """DCP's merge of the flatten mappings (``DefaultSavePlanner._create_global_plan``)."""
+    return dict(ChainMap(*[p.planner_data for p in plans]))
 
 
 def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict:
@@ -244,20 +250,19 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         # DCP's pieces alone, on the plans without our checksums (as our planner hands them on).
         cleaned = [SavePlan(p.items, planner_data={k: v for k, v in p.planner_data.items()
                                                    if not k.startswith("__ckpt")}) for p in plans]
-        row["t_dedup"], deduped = _timed(lambda: dedup_save_plans(cleaned, False))
-        row["t_global"], (gp, md) = _timed(lambda: create_default_global_save_plan(deduped))
-        row["t_merge"], merged = _timed(lambda: dict(ChainMap(*[p.planner_data for p in gp])))
-        row["t_validate"], _ = _timed(lambda: _validate_global_plan(gp, md))
+        row["t_dedup"], deduped = _timed(dedup_save_plans, cleaned, False)
+        row["t_global"], (gp, md) = _timed(create_default_global_save_plan, deduped)
+        row["t_merge"], merged = _timed(_chain_merge, gp)
+        row["t_validate"], _ = _timed(_validate_global_plan, gp, md)
         del deduped, gp, md, merged, cleaned
         planner = SafeSavePlanner()
-        row["t_plan"], (global_plans, metadata) = _timed(
-            lambda: planner.create_global_plan(plans))
+        row["t_plan"], (global_plans, metadata) = _timed(planner.create_global_plan, plans)
         storage = Storage(root)
         step = int(time.time() * 1e6) % 10**9  # a new step folder every time
         writer = CkptWriter(storage, step, f"step_{step:09d}", lifecycle=Lifecycle(storage))
         marks = {}
         writer.before_commit = lambda: marks.setdefault("built", time.process_time())
-        row["t_prepare"], final = _timed(lambda: writer.prepare_global_plan(global_plans))
+        row["t_prepare"], final = _timed(writer.prepare_global_plan, global_plans)
         results = write_results(final)
         gc.collect()
         t0 = time.process_time()
@@ -269,7 +274,7 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         row["manifest_bytes"] = len(data)
         row["num_chunks"] = sum(len(t["chunks"]) for t in writer.manifest.tensors.values())
         del results, final, global_plans, metadata, plans, writer
-        row["t_read"], _ = _timed(lambda: Manifest.from_json_bytes(data, "bench"))
+        row["t_read"], _ = _timed(Manifest.from_json_bytes, data, "bench")
     finally:
         gc.enable()
     row["t_coord"] = row["t_plan"] + row["t_prepare"] + row["t_build"] + row["t_commit"]
@@ -339,7 +344,7 @@ def run_scale(args) -> None:
             print()
     print("### Log-log slopes against the number of ranks (1.0 = linear): over all world "
           "sizes / over the three largest\n")
-    print("| model | coordinator total | plan | of it: DCP validate | of it: DCP merge | "
+    print("| model | coordinator total | plan | of it: DCP validate | DCP ChainMap merge (not on our path) | "
           "manifest build | serialize + commit | manifest bytes | read + validate |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, f in fits:

@@ -109,10 +109,20 @@ class SafeSavePlanner(DefaultSavePlanner):
                 f"several ranks is saved once, from one rank, as a replica; give per-rank "
                 f"values a per-rank key (wrap the object in ckpt.stateful.PerRankState, or "
                 f"nest it under f'rank{{rank}}'; docs/store.md, 'Per-rank state').")
-        cleaned = [dataclasses.replace(p, planner_data={
-            k: v for k, v in (p.planner_data or {}).items() if not k.startswith(_HASH_KEY)})
-            for p in all_plans]
-        return super().create_global_plan(cleaned)
+        # The flatten mappings are merged here, not by DCP: its ``dict(ChainMap(*mappings))``
+        # looks each rank's own keys (per-rank state) up through every earlier rank's map,
+        # which is quadratic in the ranks (bench/bench_scale.py). Same result: the first
+        # plan holding a key gives its path, keys in the same order.
+        merged: dict = {}
+        for p in reversed(all_plans):
+            merged.update((k, v) for k, v in (p.planner_data or {}).items()
+                          if not k.startswith(_HASH_KEY))
+        cleaned = [dataclasses.replace(p, planner_data={}) for p in all_plans]
+        global_plan, metadata = super().create_global_plan(cleaned)
+        if self.flatten_state_dict:
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+            self.metadata = metadata
+        return global_plan, metadata
 
     def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
         if write_item.type == WriteItemType.BYTE_IO:

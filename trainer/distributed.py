@@ -68,11 +68,29 @@ def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> Di
     backend = "nccl" if dev.type == "cuda" else "gloo"
     store, rank, world = next(dist.rendezvous("env://", rank=rank, world_size=world,
                                               timeout=datetime.timedelta(seconds=timeout_seconds)))
-    store = dist.PrefixStore(f"attempt_{restart}", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # The agent's store outlives attempts: key each attempt apart. Without sharing
+        # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts a new store every round, and
+        # restart counts differ between nodes (a replaced node's agent starts at 0), so a
+        # prefix from them would split the ranks of one round.
+        store = dist.PrefixStore(f"attempt_{restart}", store)
+        if (rank == 0 and _env_int("GROUP_WORLD_SIZE") > 1
+                and _env_int("TORCHELASTIC_MAX_RESTARTS") > 0):
+            log.warning("a multi-node job with restarts shares the agents' store: a node that "
+                        "is started again cannot rejoin it; set "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (docs/trainer.md, "
+                        "'Multi-node')")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_seconds),
                             device_id=dev if dev.type == "cuda" else None)
     return DistEnv(rank, world, local_rank, dev, backend, restart)
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0") or 0)
+    except ValueError:
+        return 0
 
 
 def shutdown(env: DistEnv, code: int, *, barrier: bool = True) -> NoReturn:

@@ -39,7 +39,8 @@ COMMON = (f"--training.steps={STEPS}", f"--checkpoint.interval={INTERVAL}",
 
 __all__ = ["ROOT", "TINY", "STEPS", "INTERVAL", "COMMON", "ABORT_MARK", "Job", "base_env",
            "trainer_argv", "straight_run", "loss_history", "all_losses",
-           "assert_same_checkpoint", "flat_checkpoint"]
+           "assert_same_checkpoint", "flat_checkpoint", "free_port", "node_argv",
+           "multinode_env"]
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -339,3 +340,34 @@ def straight_run(overrides: tuple[str, ...], nproc: int | None = 2,
         assert ABORT_MARK not in job.stderr, job.tails()
         _STRAIGHT[key] = (root, job.events())
     return _STRAIGHT[key]
+
+
+# -- several nodes on loopback ------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_argv(*overrides: str, nnodes: int, port: int, run_id: str, local_addr: str,
+              max_restarts: int = 3, is_host: bool | None = None,
+              config: Path = TINY) -> list[str]:
+    """The command line of one node of an ``nnodes``-node job (one worker per node) that
+    meets at the c10d rendezvous ``127.0.0.1:port``. ``local_addr`` names the node (nodes
+    are ranked by it: the lowest gets group rank 0); ``is_host`` says whether this launcher
+    serves the rendezvous store (None: the first one to bind)."""
+    conf = [] if is_host is None else ["--rdzv-conf", f"is_host={str(is_host).lower()}"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, *conf,
+            "--local-addr", local_addr, "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.5", "-m", "trainer", "--config", str(config), *overrides]
+
+
+def multinode_env(**extra: str) -> dict[str, str]:
+    """``base_env`` for a node of a multi-node job: the agents' shared store off (each
+    rendezvous round gets a new store; see docs/trainer.md, "Multi-node")."""
+    return base_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **extra)

@@ -1,0 +1,430 @@
+"""Scale of a save: coordinator time and manifest size against the number of ranks.
+
+No processes and no tensor data: for each simulated world size this program builds the
+local ``SavePlan`` every rank would send (what ``ckpt.planners.SafeSavePlanner`` produces for
+the trainer's state: FSDP2 shards on dim 0 over ``dp``, TP column/row splits over ``tp``,
+AdamW moments sharded like their parameters, replicated ``step`` tensors and param-group
+values, per-rank RNG state, the flatten mappings and replica checksums in ``planner_data``),
+then runs what the coordinator runs at a save, timed:
+
+* ``plan``: ``SafeSavePlanner.create_global_plan`` (the replica check, DCP's dedup, global
+  plan, mapping merge and validation), with DCP's pieces also timed alone to attribute cost
+  (``merge`` is DCP's own ``dict(ChainMap(...))`` of the mappings, which our planner no longer
+  calls: it merges them in one pass);
+* ``finish``: ``CkptWriter.prepare_global_plan`` and ``CkptWriter.finish`` on per-rank
+  ``WriteResult``s as ``write_data`` returns them (4 files per rank): the manifest built,
+  serialised (``Manifest.to_json_bytes``) and committed on a local temp root;
+* ``read``: ``Manifest.from_json_bytes`` (digest, parse, validation), which every load pays.
+
+It fits the log-log slope of each against the number of ranks (1 = linear). Layers are
+identical, so both grow linearly in the layer count: ``--layers`` (default 1) keeps the sweep
+small and the tables scale the measured numbers to the whole model (``--check-layers``
+measures the layer scaling too).
+
+``--sizing`` prints, instead, bytes per rank and per node for 7B/70B/405B on common layouts,
+the stall at a host-copy bandwidth, persist time at 1/5/20 GB/s per node and the interval
+``ckpt.cadence.optimal_interval`` recommends for an assumed MTBF.
+
+    python3 bench/bench_scale.py                         # 7B and 70B, 8..4096 ranks
+    python3 bench/bench_scale.py --models 7b --ranks 8,64,512
+    python3 bench/bench_scale.py --sizing --node-mtbf-hours 6000 --copy-gbps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import sys
+import tempfile
+import time
+from collections import ChainMap
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans  # noqa: E402
+from torch.distributed.checkpoint.default_planner import (  # noqa: E402
+    _validate_global_plan,
+    create_default_global_save_plan,
+)
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (  # noqa: E402
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
+
+from ckpt.cadence import optimal_interval  # noqa: E402
+from ckpt.commit import Lifecycle  # noqa: E402
+from ckpt.dcp_io import CkptWriter  # noqa: E402
+from ckpt.manifest import FileRecord, ItemLocation, Manifest  # noqa: E402
+from ckpt.planners import SafeSavePlanner  # noqa: E402
+from ckpt.storage import Storage  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab: int
+
+    def params(self, n_layers: int | None = None) -> list[tuple[str, tuple[int, ...], str]]:
+        """``(name, shape, tp style)``: 'col' splits dim 0 over tp, 'row' dim 1, 'rep'
+        replicates; FSDP2 then shards dim 0 of each tp-local piece over dp."""
+        hd = self.dim // self.n_heads
+        out = [("tok_embeddings.weight", (self.vocab, self.dim), "col")]  # rowwise on vocab
+        for i in range(self.n_layers if n_layers is None else n_layers):
+            p = f"layers.{i}."
+            out += [(p + "attention_norm.weight", (self.dim,), "rep"),
+                    (p + "attention.wq.weight", (self.n_heads * hd, self.dim), "col"),
+                    (p + "attention.wk.weight", (self.n_kv_heads * hd, self.dim), "col"),
+                    (p + "attention.wv.weight", (self.n_kv_heads * hd, self.dim), "col"),
+                    (p + "attention.wo.weight", (self.dim, self.n_heads * hd), "row"),
+                    (p + "ffn_norm.weight", (self.dim,), "rep"),
+                    (p + "feed_forward.w1.weight", (self.ffn_dim, self.dim), "col"),
+                    (p + "feed_forward.w2.weight", (self.dim, self.ffn_dim), "row"),
+                    (p + "feed_forward.w3.weight", (self.ffn_dim, self.dim), "col")]
+        out += [("norm.weight", (self.dim,), "rep"),
+                ("output.weight", (self.vocab, self.dim), "col")]
+        return out
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for _, s, _ in self.params())
+
+
+MODELS = {
+    "7b": Model("7b", 4096, 32, 32, 32, 11008, 32000),       # Llama 2 7B
+    "70b": Model("70b", 8192, 80, 64, 8, 28672, 32000),      # Llama 2 70B (GQA, 8 kv heads)
+    "405b": Model("405b", 16384, 126, 128, 8, 53248, 128256),  # Llama 3.1 405B
+}
+# The values torch's AdamW keeps per parameter group; the trainer's state has one group
+# per parameter, flattened to one object each.
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+               "capturable", "differentiable", "fused", "decoupled_weight_decay", "initial_lr")
+_MISC_KEYS = ("sched.0.base_lrs", "sched.0.last_epoch", "sched.0._step_count",
+              "sched.0._is_initial", "sched.0._get_lr_called_within_step", "sched.0._last_lr",
+              "sched.0.lr_lambdas", "data.format", "data.next_batch", "data.samples_consumed",
+              "data.global_batch_size", "data.seed", "data.dataset", "trainer.step",
+              "trainer.fingerprint", "trainer.guard.window", "trainer.num_skipped")
+_F32 = TensorProperties(dtype=torch.float32)
+_U8 = TensorProperties(dtype=torch.uint8)
+_RNG_BYTES = 5056  # torch's CPU generator state
+_FILES_PER_RANK = 4  # CkptWriter's default num_threads on local disk
+
+
+def _split(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(offset, size)`` of piece ``i`` of ``n`` split like ``torch.chunk`` (DTensor's Shard)."""
+    c = -(-n // parts)
+    start = min(n, i * c)
+    return start, max(0, min(n, start + c) - start)
+
+
+def _chunk(shape: tuple[int, ...], style: str, d: int, dp: int, t: int, tp: int):
+    offs, sizes = [0] * len(shape), list(shape)
+    if style == "row" and tp > 1:
+        offs[1], sizes[1] = _split(shape[1], tp, t)
+    if style == "col" and tp > 1:
+        offs[0], sizes[0] = _split(shape[0], tp, t)
+    o, s = _split(sizes[0], dp, d)  # FSDP2: dim 0 of the tp-local piece
+    # An empty shard (more dp ranks than rows) is placed at the tensor's end, so that its
+    # index never equals a neighbour's real chunk (DCP dedups items by fqn and offsets).
+    offs[0] = offs[0] + o if s else shape[0]
+    sizes[0] = s
+    return torch.Size(offs), torch.Size(sizes)
+
+
+def _crc(*parts) -> int:
+    return hash(parts) & 0xFFFFFFFF
+
+
+def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]:
+    """Every rank's local plan as ``SafeSavePlanner.create_local_plan`` returns it."""
+    params = model.params(n_layers)
+    plans = []
+    scalar = torch.Size([])
+    for rank in range(dp * tp):
+        d, t = divmod(rank, tp)  # mesh ("dp", "tp"): tp innermost
+        items, mappings, digests = [], {}, {}
+        for name, shape, style in params:
+            offs, sizes = _chunk(shape, style, d, dp, t, tp)
+            size = torch.Size(shape)
+            for fqn in (f"app.model.{name}", f"app.optim.state.{name}.exp_avg",
+                        f"app.optim.state.{name}.exp_avg_sq"):
+                items.append(WriteItem(MetadataIndex(fqn, offs), WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(
+                                           ChunkStorageMetadata(offs, sizes), _F32, size)))
+                mappings[fqn] = tuple(fqn.split(".", 2))
+            fqn = f"app.optim.state.{name}.step"
+            items.append(WriteItem(MetadataIndex(fqn, scalar), WriteItemType.TENSOR,
+                                   tensor_data=TensorWriteData(
+                                       ChunkStorageMetadata(scalar, scalar), _F32, scalar)))
+            mappings[fqn] = tuple(fqn.split(".", 2))
+            digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn), "torch.float32", "[]"]
+            for key in _GROUP_KEYS:
+                fqn = f"app.optim.param_groups.{name}.{key}"
+                items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+                mappings[fqn] = tuple(fqn.split(".", 2))
+                digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn)]
+        for fqn in _MISC_KEYS:
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+            mappings[fqn] = tuple(fqn.split(".", 1))
+            digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn)]
+        # Per-rank state under per-rank keys (ckpt.stateful.PerRankState).
+        fqn = f"rng.rank{rank}.cpu"
+        rng = torch.Size([_RNG_BYTES])
+        items.append(WriteItem(MetadataIndex(fqn, torch.Size([0])), WriteItemType.TENSOR,
+                               tensor_data=TensorWriteData(
+                                   ChunkStorageMetadata(torch.Size([0]), rng), _U8, rng)))
+        mappings[fqn] = ("rng", f"rank{rank}", "cpu")
+        digests[SafeSavePlanner.digest_key(fqn)] = [_crc(rank), "torch.uint8", f"[{_RNG_BYTES}]"]
+        fqn = f"rng.rank{rank}.python"
+        items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+        mappings[fqn] = ("rng", f"rank{rank}", "python")
+        digests[SafeSavePlanner.digest_key(fqn)] = [_crc(rank, "py")]
+        plans.append(SavePlan(items, planner_data={**mappings, **digests}))
+    return plans
+
+
+def write_results(final_plans: list[SavePlan]) -> list[list[WriteResult]]:
+    """What each rank's ``CkptWriter.write_data`` returns for its final plan."""
+    out = []
+    for plan in final_plans:
+        prefix = plan.storage_data.prefix
+        rank = int(prefix[1:6])
+        offsets = [0] * _FILES_PER_RANK
+        results = []
+        for k, item in enumerate(plan.items):
+            f = k % _FILES_PER_RANK
+            if item.type == WriteItemType.BYTE_IO:
+                length = 64
+            else:
+                length = math.prod(item.tensor_data.chunk.sizes) * (
+                    1 if item.tensor_data.properties.dtype == torch.uint8 else 4)
+            name = f"{prefix}_{f}.bin"
+            results.append(WriteResult(item.index, length,
+                                       ItemLocation(name, offsets[f], length, _crc(rank, k))))
+            offsets[f] += length
+        for f, size in enumerate(offsets):
+            name = f"{prefix}_{f}.bin"
+            results.append(WriteResult(MetadataIndex("__file__:" + name), size,
+                                       FileRecord(size, _crc(name), rank)))
+        out.append(results)
+    return out
+
+
+def _timed(fn, *args):
+    """CPU seconds of ``fn(*args)`` (this process; the work is single-threaded, and CPU time
+    is far steadier than wall time on a shared machine)."""
+    gc.collect()
+    t0 = time.process_time()
+    value = fn(*args)
+    return time.process_time() - t0, value
+
+
+def _chain_merge(plans: list[SavePlan]) -> dict:
+    """DCP's merge of the flatten mappings (``DefaultSavePlanner._create_global_plan``)."""
+    return dict(ChainMap(*[p.planner_data for p in plans]))
+
+
+def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict:
+    dp = world // tp
+    plans = local_plans(model, n_layers, dp, tp)
+    num_items = sum(len(p.items) for p in plans)
+    row: dict = {"model": model.name, "ranks": world, "dp": dp, "tp": tp, "layers": n_layers,
+                 "items": num_items}
+    gc.disable()  # the coordinator's allocations would otherwise trigger full collections
+    try:
+        # DCP's pieces alone, on the plans without our checksums (as our planner hands them on).
+        cleaned = [SavePlan(p.items, planner_data={k: v for k, v in p.planner_data.items()
+                                                   if not k.startswith("__ckpt")}) for p in plans]
+        row["t_dedup"], deduped = _timed(dedup_save_plans, cleaned, False)
+        row["t_global"], (gp, md) = _timed(create_default_global_save_plan, deduped)
+        row["t_merge"], merged = _timed(_chain_merge, gp)
+        row["t_validate"], _ = _timed(_validate_global_plan, gp, md)
+        del deduped, gp, md, merged, cleaned
+        planner = SafeSavePlanner()
+        row["t_plan"], (global_plans, metadata) = _timed(planner.create_global_plan, plans)
+        storage = Storage(root)
+        step = int(time.time() * 1e6) % 10**9  # a new step folder every time
+        writer = CkptWriter(storage, step, f"step_{step:09d}", lifecycle=Lifecycle(storage))
+        marks = {}
+        writer.before_commit = lambda: marks.setdefault("built", time.process_time())
+        row["t_prepare"], final = _timed(writer.prepare_global_plan, global_plans)
+        results = write_results(final)
+        gc.collect()
+        t0 = time.process_time()
+        writer.finish(metadata, results)
+        t1 = time.process_time()
+        row["t_build"] = marks["built"] - t0
+        row["t_commit"] = t1 - marks["built"]
+        row["t_serialize"], data = _timed(writer.manifest.to_json_bytes)
+        row["manifest_bytes"] = len(data)
+        row["num_chunks"] = sum(len(t["chunks"]) for t in writer.manifest.tensors.values())
+        del results, final, global_plans, metadata, plans, writer
+        row["t_read"], _ = _timed(Manifest.from_json_bytes, data, "bench")
+    finally:
+        gc.enable()
+    row["t_coord"] = row["t_plan"] + row["t_prepare"] + row["t_build"] + row["t_commit"]
+    return row
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x)."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-9)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return (sum((a - mx) * (b - my) for a, b in zip(lx, ly))
+            / sum((a - mx) ** 2 for a in lx))
+
+
+def _fmt_s(s: float) -> str:
+    if s < 0.1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
+def _fmt_b(b: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def run_scale(args) -> None:
+    ranks = [int(r) for r in args.ranks.split(",")]
+    print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
+          f"CPU seconds; {args.layers} layer(s) simulated (plus embeddings, output and every "
+          f"rank's own state); the last column scales to the whole model (x n_layers/"
+          f"{args.layers}, an upper estimate); tp={args.tp} where ranks >= tp\n")
+    fits = []
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as root:
+        for name in args.models.split(","):
+            model = MODELS[name]
+            scale = model.n_layers / args.layers
+            rows = []
+            print(f"### {name}: {model.num_params() / 1e9:.1f}B parameters, {model.n_layers} "
+                  f"layers\n")
+            print("| ranks | layout | write items | chunks | plan | of it, DCP alone: dedup / "
+                  "global / ChainMap merge / validate | manifest build | serialize + commit | "
+                  "coordinator | manifest | read + validate | whole model (est.): "
+                  "coordinator, manifest |")
+            print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+            for world in ranks:
+                tp = args.tp if world >= args.tp else 1
+                r = measure(model, args.layers, world, tp, root)
+                rows.append(r)
+                print(f"| {world} | dp{r['dp']}xtp{tp} | {r['items']:,} | {r['num_chunks']:,} | "
+                      f"{_fmt_s(r['t_plan'])} | {_fmt_s(r['t_dedup'])} / "
+                      f"{_fmt_s(r['t_global'])} / {_fmt_s(r['t_merge'])} / "
+                      f"{_fmt_s(r['t_validate'])} | {_fmt_s(r['t_build'])} | "
+                      f"{_fmt_s(r['t_commit'])} | {_fmt_s(r['t_coord'])} | "
+                      f"{_fmt_b(r['manifest_bytes'])} | {_fmt_s(r['t_read'])} | "
+                      f"{_fmt_s(r['t_coord'] * scale)}, {_fmt_b(r['manifest_bytes'] * scale)} |",
+                      flush=True)
+            xs = [r["ranks"] for r in rows]
+            top = rows[-3:]  # the largest world sizes: where a super-linear term shows
+            fit = {k: (slope(xs, [r[k] for r in rows]),
+                       slope([r["ranks"] for r in top], [r[k] for r in top]))
+                   for k in ("t_plan", "t_validate", "t_merge", "t_build", "t_commit",
+                             "t_coord", "manifest_bytes", "t_read")}
+            fits.append((name, fit))
+            print()
+    print("### Log-log slopes against the number of ranks (1.0 = linear): over all world "
+          "sizes / over the three largest\n")
+    print("| model | coordinator total | plan | of it: DCP validate | DCP ChainMap merge (not on our path) | "
+          "manifest build | serialize + commit | manifest bytes | read + validate |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, f in fits:
+        cells = " | ".join(f"{f[k][0]:.2f} / {f[k][1]:.2f}" for k in (
+            "t_coord", "t_plan", "t_validate", "t_merge", "t_build", "t_commit",
+            "manifest_bytes", "t_read"))
+        print(f"| {name} | {cells} |")
+    if args.check_layers:
+        print("\n### Layer scaling at 64 ranks (dp8xtp8): time and size per simulated layer\n")
+        for name in args.models.split(","):
+            a = measure(MODELS[name], 1, 64, 8, root=tempfile.mkdtemp())
+            b = measure(MODELS[name], 4, 64, 8, root=tempfile.mkdtemp())
+            print(f"- {name}: 4 layers / 1 layer: coordinator x{b['t_coord'] / a['t_coord']:.2f}, "
+                  f"manifest x{b['manifest_bytes'] / a['manifest_bytes']:.2f}")
+
+
+# -- sizing ---------------------------------------------------------------------------------
+LAYOUTS = {
+    "7b": [(8, 1), (8, 8), (64, 1), (32, 8)],
+    "70b": [(8, 8), (32, 8), (128, 8), (512, 8)],
+    "405b": [(16, 8), (64, 8), (256, 8), (1024, 8)],
+}
+BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (what the trainer saves)
+
+
+def run_sizing(args) -> None:
+    gpus = args.gpus_per_node
+    print(f"Checkpoint = {BYTES_PER_PARAM} bytes/parameter (fp32 weights + two fp32 AdamW "
+          f"moments); {gpus} ranks per node; stall = bytes per rank / {args.copy_gbps:g} GB/s "
+          f"host copy (the device-to-host staging copy, per rank, all ranks in parallel); "
+          f"persist = bytes per node / node bandwidth; job MTBF = {args.node_mtbf_hours:g} h per "
+          f"node / nodes; recommended interval = ckpt.cadence.optimal_interval(delta=stall, "
+          f"mtbf=job MTBF, persist_seconds=persist at 5 GB/s per node), no overhead budget.\n")
+    print("| model | layout | ranks | nodes | checkpoint | per rank | per node | stall | "
+          "persist @1 GB/s | @5 GB/s | @20 GB/s | job MTBF | interval (bound) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name in args.models.split(","):
+        model = MODELS[name]
+        total = model.num_params() * BYTES_PER_PARAM
+        for dp, tp in LAYOUTS[name]:
+            world = dp * tp
+            nodes = max(1, world // gpus)
+            per_rank = total / world
+            per_node = per_rank * min(world, gpus)
+            stall = per_rank / (args.copy_gbps * 1e9)
+            persist = {bw: per_node / (bw * 1e9) for bw in (1, 5, 20)}
+            mtbf_s = args.node_mtbf_hours * 3600.0 / nodes
+            interval, bound = optimal_interval(stall, mtbf_s, persist_seconds=persist[5])
+            layout = f"fsdp{dp}" + (f"xtp{tp}" if tp > 1 else "")
+            print(f"| {name} | {layout} | {world} | {nodes} | {_fmt_b(total)} | "
+                  f"{_fmt_b(per_rank)} | {_fmt_b(per_node)} | {_fmt_s(stall)} | "
+                  f"{_fmt_s(persist[1])} | {_fmt_s(persist[5])} | {_fmt_s(persist[20])} | "
+                  f"{mtbf_s / 3600:.1f} h | {interval / 60:.1f} min ({bound}) |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="7b,70b", help="comma list of 7b, 70b, 405b")
+    ap.add_argument("--ranks", default="8,16,32,64,128,256,512,1024,2048,4096")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (dp = ranks/tp)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="transformer layers simulated (results are scaled to the model's)")
+    ap.add_argument("--check-layers", action="store_true",
+                    help="also measure how cost grows with the layer count")
+    ap.add_argument("--sizing", action="store_true", help="print the sizing table instead")
+    ap.add_argument("--copy-gbps", type=float, default=10.0,
+                    help="host-copy bandwidth per rank for the stall (GB/s)")
+    ap.add_argument("--node-mtbf-hours", type=float, default=6000.0,
+                    help="mean time between failures of one node (hours); the job's is this "
+                         "over the number of nodes")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.sizing:
+        if args.models == "7b,70b":
+            args.models = "7b,70b,405b"
+        run_sizing(args)
+    else:
+        run_scale(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from ckpt.api import load, load_latest, save  # noqa: E402
+from ckpt.distributed import init_distributed  # noqa: E402
 from ckpt.errors import (  # noqa: E402
     AllCheckpointsDamagedError,
     CheckpointError,
@@ -24,6 +25,7 @@ __all__ = [
     "save",
     "load",
     "load_latest",
+    "init_distributed",
     "Storage",
     "CheckpointStore",
     "CheckpointInfo",

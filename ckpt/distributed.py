@@ -13,11 +13,13 @@ over the agent's store; every group created later (the ``CheckpointManager``'s t
 under it. (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the launcher's environment, which
 makes the workers start a fresh store per attempt, also works; this needs no setting.)
 
+Only a shared store gets the prefix: with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0
+hosts a new store every round and none is needed. Restart counts are each node's agent's own
+(a replaced node's starts at 0 while the survivors' are higher), so a job on several nodes
+that must survive the loss of a node turns sharing off (docs/trainer.md, *Multi-node*).
+
 Which ranks call what: every worker calls ``init_distributed`` once, where it would call
-``dist.init_process_group``, before any other collective. Limit: ``TORCHELASTIC_RESTART_COUNT``
-is counted by each node's agent; on several nodes, a node whose agent restarted a different
-number of times than the others' (a replaced machine) gets another key space, and the
-group forms only once the counts agree again.
+``dist.init_process_group``, before any other collective.
 """
 
 from __future__ import annotations
@@ -38,8 +40,15 @@ _scoped_group = None  # the default group init_distributed created, while it liv
 _warned = False
 
 
+def _shared_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def attempt_store(store: dist.Store) -> dist.Store:
-    """``store`` narrowed to this torchrun attempt's key space (attempt 0 outside torchrun)."""
+    """``store`` narrowed to this torchrun attempt's key space when it is the agent's store,
+    shared by every attempt; otherwise (a store of this round only) ``store`` itself."""
+    if not _shared_agent_store():
+        return store
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     return dist.PrefixStore(f"attempt_{restart}", store)
 
@@ -85,7 +94,7 @@ def warn_if_not_attempt_scoped() -> None:
     global _warned
     if _warned or is_attempt_scoped():
         return
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not _shared_agent_store():
         return
     if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) <= 0:
         return

@@ -58,10 +58,11 @@ def _missing(need: str) -> str | None:
 
 def _env(bin_dir: Path) -> dict[str, str]:
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python").symlink_to(sys.executable)
-    ckpt = bin_dir / "ckpt"
-    ckpt.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckpt.cli "$@"\n')
-    ckpt.chmod(0o755)
+    # Scripts, not links: a link to a virtualenv's python elsewhere loses the virtualenv.
+    for name, args in (("python", ""), ("ckpt", " -m ckpt.cli")):
+        shim = bin_dir / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        shim.chmod(0o755)
     env = base_env()
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     return env

@@ -139,9 +139,11 @@ def _fixes(missing: list[str], unexpected: list[str], mismatched: list[str]) -> 
                    "(sizes, vocabulary, layers); a different layout of the same model reshards "
                    "by itself. strict=False does not skip a mismatched key.")
     if "dtype" in kinds:
-        out.append("  Fix (dtype): give the state the checkpoint's dtype before loading (e.g. "
-                   "model.to(torch.float32)) and cast after. strict=False does not skip a "
-                   "mismatched key.")
+        saved = next(m.split(": dtype ", 1)[1].split(" ", 1)[0] for m in mismatched
+                     if ": dtype " in m)
+        out.append(f"  Fix (dtype): give the state the checkpoint's dtype before loading (e.g. "
+                   f"model.to(torch.{saved})) and cast after. strict=False does not skip a "
+                   f"mismatched key.")
     if "checkpoint" in kinds:
         out.append("  Fix (tensor/object): the key holds another kind of value than when "
                    "saved; rename the new value's key. strict=False does not skip a "

@@ -4,7 +4,6 @@ The restarts themselves are tested end to end in tests/e2e/test_torchrun_restart
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest

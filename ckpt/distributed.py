@@ -16,7 +16,7 @@ makes the workers start a fresh store per attempt, also works; this needs no set
 Only a shared store gets the prefix: with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` rank 0
 hosts a new store every round and none is needed. Restart counts are each node's agent's own
 (a replaced node's starts at 0 while the survivors' are higher), so a job on several nodes
-that must survive the loss of a node turns sharing off (docs/trainer.md, *Multi-node*).
+that must survive the loss of a node turns sharing off (docs/trainer.md, *Restarts*).
 
 Which ranks call what: every worker calls ``init_distributed`` once, where it would call
 ``dist.init_process_group``, before any other collective.

@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from ckpt.api import load, load_latest, save  # noqa: E402
 from ckpt.attachments import list_attachments, read_attachment  # noqa: E402
+from ckpt.distributed import init_distributed  # noqa: E402
 from ckpt.errors import (  # noqa: E402
     AllCheckpointsDamagedError,
     CheckpointError,
@@ -27,6 +28,7 @@ __all__ = [
     "load_latest",
     "read_attachment",
     "list_attachments",
+    "init_distributed",
     "Storage",
     "CheckpointStore",
     "CheckpointInfo",

@@ -36,6 +36,7 @@ from ckpt import api
 from ckpt.agreement import Agreement
 from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
+from ckpt.distributed import warn_if_not_attempt_scoped
 from ckpt.errors import CheckpointError
 from ckpt.cadence import CadencePolicy
 from ckpt.events import EventBus
@@ -125,9 +126,12 @@ class CheckpointManager:
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
+        # They live in the default group's key space: per torchrun attempt when it was
+        # started by ckpt.init_distributed (ckpt.distributed says why that matters).
         if self.distributed:
-            self._ctl_group = dist.new_group(backend="gloo")
-            self._bg_group = dist.new_group(backend="gloo")
+            warn_if_not_attempt_scoped()
+            self._ctl_group = dist.new_group(backend="gloo", group_desc="ckpt_control")
+            self._bg_group = dist.new_group(backend="gloo", group_desc="ckpt_persist")
         else:
             self._ctl_group = self._bg_group = None
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only

@@ -134,6 +134,33 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
+def _fixes(missing: list[str], unexpected: list[str], mismatched: list[str]) -> list[str]:
+    """One "Fix:" line per kind of problem found (a mismatch's kind is the word after its
+    key: "shape", "dtype", or "checkpoint" for a tensor/object swap)."""
+    kinds = {m.split(": ", 1)[1].split(" ", 1)[0] for m in mismatched}
+    out = []
+    if missing or unexpected:
+        out.append("  Fix (keys): load into the model/optimizer the checkpoint was saved from, "
+                   "or pass strict=False to load only the keys both have"
+                   + (", or ignore_keys=(prefix, ...) to leave the checkpoint keys under "
+                      "those prefixes unloaded" if unexpected and not missing else "") + ".")
+    if "shape" in kinds:
+        out.append("  Fix (shape): build the model with the configuration it was saved with "
+                   "(sizes, vocabulary, layers); a different layout of the same model reshards "
+                   "by itself. strict=False does not skip a mismatched key.")
+    if "dtype" in kinds:
+        saved = next(m.split(": dtype ", 1)[1].split(" ", 1)[0] for m in mismatched
+                     if ": dtype " in m)
+        out.append(f"  Fix (dtype): give the state the checkpoint's dtype before loading (e.g. "
+                   f"model.to(torch.{saved})) and cast after. strict=False does not skip a "
+                   f"mismatched key.")
+    if "checkpoint" in kinds:
+        out.append("  Fix (tensor/object): the key holds another kind of value than when "
+                   "saved; rename the new value's key. strict=False does not skip a "
+                   "mismatched key.")
+    return out
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that decodes JSON objects and checks the whole state first.
 
@@ -215,9 +242,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                              f"state: {', '.join(unexpected)}")
             for m in mismatched:
                 lines.append(f"  mismatch: {m}")
-            lines.append("  Fix: load into the model/optimizer the checkpoint was saved from, "
-                         "or pass strict=False to load only the keys both have (mismatched "
-                         "keys are never loaded).")
+            lines.extend(_fixes(missing_list, unexpected, mismatched))
             raise StateMismatchError("\n".join(lines), missing=missing_list,
                                      unexpected=unexpected, mismatched=mismatched)
         return [dataclasses.replace(p, planner_data=None) for p in global_plan]

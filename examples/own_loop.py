@@ -1,18 +1,23 @@
 """Sharded checkpoints and resume-from-latest in your own training loop (DDP here).
 
-Run: torchrun --nproc-per-node 2 examples/own_loop.py /tmp/own_loop_ckpt
+Run: torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/own_loop.py /tmp/ckpt
+
+``ckpt.init_distributed()`` stands where ``dist.init_process_group("gloo")`` would: the same
+group, with a key space of its own per torchrun attempt, so that a restart after a failure
+finds its peers (and not the dead attempt's addresses) and resumes.
 """
 import sys
 
 import torch
 import torch.distributed as dist
 
+import ckpt
 from ckpt.manager import CheckpointManager
 from ckpt.stateful import ModelState, RNGState
 
 
 def train(root: str, steps: int = 30) -> None:
-    dist.init_process_group("gloo")
+    ckpt.init_distributed("gloo")                     # not dist.init_process_group: restarts
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -2,8 +2,8 @@
 
 Restarts: with ``torchrun --max-restarts``, restarted gloo workers can read the dead
 attempt's addresses from the shared rendezvous store and hang or fail in
-``connectFullMesh``. Every attempt therefore uses its own key space, a
-``PrefixStore("attempt_<TORCHELASTIC_RESTART_COUNT>")`` over the rendezvous store.
+``connectFullMesh``. The group is therefore started by ``ckpt.init_distributed``, which
+gives every attempt its own key space (``ckpt.distributed`` explains).
 
 Exit: a gloo worker thread releasing a tensor while Python finalises can abort the process
 (``terminate called without an active exception``). ``shutdown`` barriers, destroys the
@@ -12,7 +12,6 @@ group, flushes and leaves with ``os._exit`` so the exit code is the one we meant
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import sys
@@ -21,6 +20,8 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from ckpt import distributed as ckpt_distributed
 
 __all__ = ["DistEnv", "init_distributed", "shutdown", "EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG",
            "EXIT_PREEMPTED", "EXIT_HANG", "EXIT_NOT_CHECKPOINTED", "EXIT_LEASE_LOST"]
@@ -53,7 +54,6 @@ class DistEnv:
 def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> DistEnv:
     """Join the job's process group (torchrun's env://) or stay a single process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if device == "auto":
@@ -66,24 +66,15 @@ def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> Di
     if world <= 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(0, 1, 0, dev, None, restart)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    store, rank, world = next(dist.rendezvous("env://", rank=rank, world_size=world,
-                                              timeout=datetime.timedelta(seconds=timeout_seconds)))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # The agent's store outlives attempts: key each attempt apart. Without sharing
-        # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) rank 0 hosts a new store every round, and
-        # restart counts differ between nodes (a replaced node's agent starts at 0), so a
-        # prefix from them would split the ranks of one round.
-        store = dist.PrefixStore(f"attempt_{restart}", store)
-        if (rank == 0 and _env_int("GROUP_WORLD_SIZE") > 1
-                and _env_int("TORCHELASTIC_MAX_RESTARTS") > 0):
-            log.warning("a multi-node job with restarts shares the agents' store: a node that "
-                        "is started again cannot rejoin it; set "
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (docs/trainer.md, "
-                        "'Multi-node')")
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_seconds),
-                            device_id=dev if dev.type == "cuda" else None)
-    return DistEnv(rank, world, local_rank, dev, backend, restart)
+    ckpt_distributed.init_distributed(backend, timeout_seconds=timeout_seconds,
+                                      device_id=dev if dev.type == "cuda" else None)
+    if (dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and _env_int("GROUP_WORLD_SIZE") > 1 and _env_int("TORCHELASTIC_MAX_RESTARTS") > 0):
+        log.warning("a multi-node job with restarts shares the agents' store: a node that "
+                    "is started again cannot rejoin it; set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node (docs/trainer.md, "
+                    "'Multi-node')")
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev, backend, restart)
 
 
 def _env_int(name: str) -> int:

@@ -16,7 +16,7 @@ EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def _torchrun(root: Path, steps: int) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(EXAMPLE), str(root), str(steps)],

@@ -11,8 +11,6 @@ PY=.venv/bin/python
 RUN=${RUN_DIR:-runs/demo}
 STEPS=${STEPS:-120}
 rm -rf "$RUN" && mkdir -p "$RUN"
-# Each restart attempt gets its own rendezvous keys (see docs/resume.md).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 train() {
   .venv/bin/torchrun --standalone --nproc-per-node 2 -m trainer --config configs/tiny.toml \
     --training.steps="$STEPS" --checkpoint.root="$RUN/ckpt" --checkpoint.interval=20 \

@@ -181,14 +181,15 @@ def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          verify: str = "full", strict: bool = True, process_group=None,
          storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
-         ignore_keys: tuple[str, ...] = (), scratch: StagingBuffers | None = None) -> Manifest:
+         ignore_keys: tuple[str, ...] = (), scratch: StagingBuffers | None = None,
+         on_bytes_read: Callable[[int], None] | None = None) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
     Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
     'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
     ``ignore_keys`` may be left unloaded without counting as unexpected. Raises
     ``CorruptCheckpointError`` (naming the file) on any corruption, ``StateMismatchError``
-    listing every key/shape/dtype mismatch.
+    listing every key/shape/dtype mismatch. ``on_bytes_read(n)``: progress, from any thread.
 
     Transactional: every rank first reads and verifies its whole part into scratch memory
     (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
@@ -204,7 +205,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     sd = resolve_state(state)
     where = storage.describe(step_dirname(manifest.step))
     reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
-                        num_threads=num_threads, scratch=scratch)
+                        num_threads=num_threads, scratch=scratch, on_bytes_read=on_bytes_read)
     planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
     error: BaseException | None = None
     try:

@@ -444,7 +444,9 @@ def cmd_export(args) -> int:
                 check_out_file(args.out)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+    progress = _Progress("export", args.progress or sys.stderr.isatty())
     m = export(_open_store(args).storage, args.step, args.out, select=args.select,
+               progress=progress if args.out is not None else None,
                dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
                force=args.force, attachments_dir=args.attachments)
     if args.out is not None:
@@ -552,6 +554,14 @@ def cmd_gc(args) -> int:
         return life.leftovers(), rolled
 
     def show(leftovers, rolled, verb: str) -> None:
+        if args.json:
+            print(jsonio.dumps({
+                "dry_run": not args.yes,
+                "leftovers": [{"step": step, "files": names} for step, names in leftovers],
+                "rolled_back": [{"step": e.step, "id": e.id,
+                                 "bytes": e.manifest.total_bytes} for e in rolled]},
+                indent=1).decode())
+            return
         for step, names in leftovers:
             print(f"step {step}: {verb} {len(names)} leftover file(s) of aborted saves")
         for e in rolled:
@@ -572,7 +582,7 @@ def cmd_gc(args) -> int:
                                  f"in flight would look like leftovers. Run gc when it stops.")
         leftovers, rolled = plan(Lifecycle(storage))
         show(leftovers, rolled, "would remove")
-        if leftovers or rolled:
+        if (leftovers or rolled) and not args.json:
             print("dry run: nothing removed; pass --yes to remove these")
         return 0
     with _writer(args, "gc", force=args.force) as life:
@@ -653,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace a non-empty --out folder / existing attachment files")
     sp.add_argument("--attachments", metavar="DIR",
                     help="also write the checkpoint's attachments into DIR")
+    sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_export)
     sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")
     sp.add_argument("--step", type=int, required=True)
@@ -682,6 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--yes", action="store_true", help="remove (default: dry run)")
     sp.add_argument("--force", action="store_true",
                     help="take the write lease from a live job (its later saves stop counting)")
+    sp.add_argument("--json", action="store_true", help="print a JSON object")
     sp.set_defaults(fn=cmd_gc)
     try:
         from ckpt.plan import add_plan_arguments, run_plan

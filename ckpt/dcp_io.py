@@ -88,7 +88,6 @@ class CkptWriter(StorageWriter):
     def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
                  num_threads: int | None = None, lifecycle: Lifecycle | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
-                 on_file_written: Callable[[str, int], None] | None = None,
                  before_commit: Callable[[], None] | None = None,
                  attachments: dict[str, bytes | str] | None = None):
         super().__init__()
@@ -104,7 +103,6 @@ class CkptWriter(StorageWriter):
         self.num_threads = max(1, num_threads or default_threads(storage))
         self.extra = dict(manifest_extra or {})
         self.durable = durable
-        self.on_file_written = on_file_written
         self.is_coordinator = True
         self.manifest: Manifest | None = None
 
@@ -179,8 +177,6 @@ class CkptWriter(StorageWriter):
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=ItemLocation(name, offset, length, item_crc)))
                 offset += length
-            if self.on_file_written is not None:
-                self.on_file_written(name, offset)
             out.append(WriteResult(index=MetadataIndex(_FILE_KEY + name), size_in_bytes=offset,
                                    storage_data=FileRecord(offset, crc, rank)))
             return out

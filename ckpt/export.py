@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
@@ -163,11 +164,14 @@ def _manifest(storage: Storage, step: int | Manifest | None) -> Manifest:
 def consolidate(root: str | Storage, step: int | Manifest | None = None, *,
                 verify: str = "full", storage_options: dict[str, Any] | None = None,
                 nested: bool = True, select: Sequence[str] | None = None,
+                progress: Callable[[int, int], None] | None = None,
                 ) -> tuple[dict[str, Any], Manifest]:
     """Load checkpoint ``step`` (default: newest committed) as full, unsharded values.
 
     ``select``: only the keys under these prefixes are read, returned flat with the prefix
-    stripped (see :func:`select_keys`); ``nested`` is then ignored.
+    stripped (see :func:`select_keys`); ``nested`` is then ignored. ``progress(done,
+    total)``: bytes read so far out of the checkpoint's bytes (at most; a selection reads
+    fewer).
     """
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     manifest = _manifest(storage, step)
@@ -188,11 +192,27 @@ def consolidate(root: str | Storage, step: int | Manifest | None = None, *,
         if renamed is None or fqn in wanted:
             flat[fqn] = None
     # Objects too; with a selection, the keys left out are not read at all.
+    on_read = None if progress is None else _ByteCounter(progress, manifest.total_bytes)
     api.load(flat, storage, manifest, verify=verify, process_group=None,
-             strict=renamed is None)
+             strict=renamed is None, on_bytes_read=on_read)
+    if progress is not None:
+        progress(manifest.total_bytes, manifest.total_bytes)
     if renamed is not None:
         return {new: flat[old] for new, old in renamed.items()}, manifest
     return (_nest(flat, manifest, source) if nested else flat), manifest
+
+
+class _ByteCounter:
+    """``progress(done, total)`` from byte counts reported by the reader's threads."""
+
+    def __init__(self, progress: Callable[[int, int], None], total: int):
+        self.progress, self.total, self.done = progress, total, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self.lock:
+            self.done += n
+            self.progress(self.done, self.total)
 
 
 def _nest(flat: dict[str, Any], manifest: Manifest, source: str) -> dict[str, Any]:
@@ -396,7 +416,7 @@ def _format_of(out: str, fmt: str | None) -> str:
 
 def export(root: str | Storage, step: int | None, out: str | None, *, verify: str = "full",
            storage_options: dict[str, Any] | None = None,
-           progress: Callable[[str], None] | None = None,
+           progress: Callable[[int, int], None] | None = None,
            select: Sequence[str] | None = None, dtype: str | torch.dtype | None = None,
            format: str | None = None, max_shard_size: str | int = "5GB",
            force: bool = False, attachments_dir: str | None = None) -> Manifest:
@@ -408,7 +428,8 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
     floating tensors (``"bf16"``, ``torch.float16`` ...). ``max_shard_size`` (hf only): the
     largest shard, e.g. ``"5GB"`` (powers of 1000) or ``"512MiB"``. ``attachments_dir``:
     also write the checkpoint's attachments into that folder. ``out`` may be None when
-    only attachments are wanted.
+    only attachments are wanted. ``progress(done, total)``: bytes read (as for
+    :func:`consolidate`).
     """
     if out is None and attachments_dir is None:
         raise ValueError("nothing to export: give --out, --attachments DIR, or both")
@@ -440,7 +461,7 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
     if out is not None:
         _export_weights(storage, manifest, out, fmt, verify=verify, select=select,
                         cast_to=cast_to, attached=attached, max_shard_bytes=max_shard_bytes,
-                        force=force)
+                        force=force, progress=progress)
     if attachments_dir is not None:
         _write_attachment_files(attached, attachments_dir, force)
     return manifest
@@ -448,9 +469,10 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
 
 def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *, verify: str,
                     select: Sequence[str] | None, cast_to: torch.dtype | None,
-                    attached: dict[str, bytes], max_shard_bytes: int, force: bool) -> None:
+                    attached: dict[str, bytes], max_shard_bytes: int, force: bool,
+                    progress: Callable[[int, int], None] | None = None) -> None:
     state, manifest = consolidate(storage, manifest, verify=verify, select=select,
-                                  nested=False)
+                                  nested=False, progress=progress)
     state = _cast(state, cast_to)
     if fmt == "hf":
         _write_hf(out, state, attached, max_shard_bytes, force)

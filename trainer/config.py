@@ -61,9 +61,9 @@ from trainer.config_schema import (  # the types (trainer/config_schema.py), re-
     ModelConfig,
     ParallelConfig,
     TrainingConfig,
-    _SECTIONS,
-    _coerce,
-    _type_name,
+    SECTIONS,
+    coerce,
+    type_name,
 )
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -84,7 +84,7 @@ def _parse_text(text: str, tp: Any, key: str) -> Any:
                 raise ValueError(text)
             return tuple(_parse_text(s, a, key) for s, a in zip(parts, args))
         if origin is dict:
-            return _coerce(json.loads(text), tp, key)
+            return coerce(json.loads(text), tp, key)
         if tp is bool:
             low = text.strip().lower()
             if low in _TRUE or low in _FALSE:
@@ -97,7 +97,7 @@ def _parse_text(text: str, tp: Any, key: str) -> Any:
         return text
     except (ValueError, json.JSONDecodeError, RecursionError):
         shown = text if len(text) <= 80 else f"{text[:77]}..."
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {shown!r}", key=key) from None
+        raise ConfigError(f"{key}: expected {type_name(tp)}, got {shown!r}", key=key) from None
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -106,10 +106,10 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
 
 
 def _field_of(section: str, key: str) -> dataclasses.Field:
-    if section not in _SECTIONS:
-        raise ConfigError(f"unknown section '{section}'{_suggest(section, _SECTIONS)}; "
-                          f"sections are {', '.join(_SECTIONS)}", key=section)
-    fields = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section '{section}'{_suggest(section, SECTIONS)}; "
+                          f"sections are {', '.join(SECTIONS)}", key=section)
+    fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
     if key not in fields:
         dotted = [f"{section}.{k}" for k in fields]
         raise ConfigError(f"unknown key '{section}.{key}'{_suggest(f'{section}.{key}', dotted)}",
@@ -118,7 +118,7 @@ def _field_of(section: str, key: str) -> dataclasses.Field:
 
 
 def _hint(section: str, key: str) -> Any:
-    return typing.get_type_hints(_SECTIONS[section])[key]
+    return typing.get_type_hints(SECTIONS[section])[key]
 
 
 def _build(raw: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config:
@@ -130,11 +130,11 @@ def _build(raw: dict[str, dict[str, Any]], origins: dict[str, str]) -> Config:
                                   key=section)
             for key in table:
                 _field_of(section, key)
-        return Config(**{s: cls(**raw.get(s, {})) for s, cls in _SECTIONS.items()})
+        return Config(**{s: cls(**raw.get(s, {})) for s, cls in SECTIONS.items()})
     except ConfigError as e:
         where = origins.get(e.key or "") or origins.get((e.key or "").split(".")[0], "")
         if where:
-            raise ConfigError(f"{e} (set {where})", key=e.key) from None
+            raise ConfigError(f"{e} (set {where})", key=e.key, located=True) from None
         raise
 
 
@@ -164,7 +164,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
 def _apply_override(raw: dict, origins: dict, key: str, text: str | None) -> None:
     parts = key.split(".")
     if len(parts) < 2:
-        owners = [f"{s}.{key}" for s, c in _SECTIONS.items()
+        owners = [f"{s}.{key}" for s, c in SECTIONS.items()
                   if key in {f.name for f in dataclasses.fields(c)}]
         raise ConfigError(f"override '--{key}' needs a section, like --training.steps=100"
                           + (f" (did you mean '--{owners[0]}'?)" if owners else ""), key=key)
@@ -188,7 +188,7 @@ def _apply_override(raw: dict, origins: dict, key: str, text: str | None) -> Non
                               key=key) from None
     elif text is None:
         if tp is not bool:
-            raise ConfigError(f"--{key} needs a value ({_type_name(tp)})", key=key)
+            raise ConfigError(f"--{key} needs a value ({type_name(tp)})", key=key)
         table[name] = True
     else:
         table[name] = _parse_text(text, tp, f"{section}.{name}")
@@ -231,7 +231,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         raw = _read_toml(path)
         for section, table in raw.items():
             if not isinstance(table, dict):
-                owners = [s for s, c in _SECTIONS.items()
+                owners = [s for s, c in SECTIONS.items()
                           if section in {f.name for f in dataclasses.fields(c)}]
                 guess = f" (did you mean to put it under [{owners[0]}]?)" if owners else ""
                 raise ConfigError(f"{path}: top-level key '{section}': every key belongs to a "
@@ -248,8 +248,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     try:
         return _build(raw, origins)
     except ConfigError as e:
-        if path is not None and "(set " not in str(e) and not str(e).startswith(path):
-            raise ConfigError(f"{path}: {e}", key=e.key) from None
+        if path is not None and not e.located:
+            raise ConfigError(f"{path}: {e}", key=e.key, located=True) from None
         raise
 
 
@@ -340,7 +340,7 @@ def config_fingerprint(cfg: Config) -> str:
 def field_docs() -> list[tuple[str, str, Any, str]]:
     """``(dotted key, type, default, help)`` for every field, in declaration order."""
     out = []
-    for section, cls in _SECTIONS.items():
+    for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -37,9 +37,10 @@ __all__ = [
 class ConfigError(ValueError):
     """A config file, override or value is invalid. ``key`` is the dotted key at fault."""
 
-    def __init__(self, message: str, *, key: str | None = None):
+    def __init__(self, message: str, *, key: str | None = None, located: bool = False):
         super().__init__(message)
         self.key = key
+        self.located = located  # the message already says where the value was set
 
 
 def _f(default: Any, help: str) -> Any:
@@ -57,7 +58,7 @@ class _Section:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             key = f"{self._section}.{f.name}"
-            setattr(self, f.name, _coerce(getattr(self, f.name), hints[f.name], key))
+            setattr(self, f.name, coerce(getattr(self, f.name), hints[f.name], key))
         self._validate()
 
     def _validate(self) -> None:
@@ -436,7 +437,7 @@ class FaultConfig(_Section):
         self._at_least("inject_nan_step", 0, "use 0 to disable")
 
 
-_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
     "model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig,
     "data": DataConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig,
     "fault": FaultConfig,
@@ -494,24 +495,24 @@ def _raise(key: str, problem: str, fix: str) -> typing.NoReturn:
 # ---------------------------------------------------------------- typing and parsing
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         tp, str(tp).replace("typing.", ""))
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp``; widen int->float and list->tuple."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, key)
+        return coerce(value, inner, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}",
                               key=key)
-        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+        return tuple(coerce(v, a, key) for v, a in zip(value, args))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {value!r}", key=key)
@@ -523,5 +524,5 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return str(value)  # `interval = 50` in TOML means 50 steps
     if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r} "
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} "
                       f"({type(value).__name__})", key=key)

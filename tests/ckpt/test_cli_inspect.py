@@ -20,7 +20,7 @@ from ckpt.cli import format_table
 from ckpt.cli import main as cli_main
 from ckpt.history import HISTORY_NAME
 from tests.ckpt._helpers import flip_byte
-from tests.ckpt._launch import run_ranks
+from tests.dist import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -21,7 +21,7 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.store import COMMITTED, CORRUPT, CheckpointStore
 from tests.ckpt import _crash_child as states
 from tests.ckpt._helpers import assert_same, flip_byte
-from tests.ckpt._launch import run_ranks
+from tests.dist import run_ranks
 
 STEP2 = "step_000000002"
 

@@ -461,3 +461,17 @@ def test_a_checkpoint_copied_from_another_root_counts(tmp_path):
     job.cleanup()
     release_lease(job)
     assert store.committed_steps() == [1, 7] and store.latest(check="full").step == 7
+
+
+def test_gc_json_and_export_progress(tmp_path, capsys):
+    url = str(tmp_path / "root")
+    for step in (10, 20):
+        ckpt.save(_state(float(step)), url, step)
+    assert _cli(capsys, "rollback", url, "--step", "10")[0] == 0
+    code, out, _ = _cli(capsys, "gc", url, "--rolled-back", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["dry_run"] is True and doc["leftovers"] == []
+    assert [(r["step"], r["bytes"] > 0) for r in doc["rolled_back"]] == [(20, True)]
+    code, out, err = _cli(capsys, "export", url, "--out", str(tmp_path / "m.safetensors"),
+                          "--progress")
+    assert code == 0 and "export [" in err and "100.0%" in err, err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ckpt._helpers import assert_same, pack, unpack
-from tests.ckpt._launch import run_ranks
+from tests.dist import run_ranks
 
 STEP = 1
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.ckpt._helpers import assert_same, snapshot
-from tests.ckpt._launch import run_ranks
+from tests.dist import run_ranks
 
 from ckpt.storage import Storage
 

@@ -127,11 +127,18 @@ class Fence:
 
     def write_close(self, generation: int, committed: Iterable[str], holder: str | None, *,
                     closed_by: str | None) -> None:
-        """The close record (after the closing marker). An existing record stands."""
-        self.mark(generation, "closing", holder)
+        """The close record, then the closing marker (a no-op when ``close`` made it first).
+
+        A holder closing its own generation at release knows every commit it made (none is
+        in flight any more), so the record can come first: readers never see the marker
+        without the record, and its checkpoints never look in doubt, not even for a moment.
+        An existing record stands.
+        """
         doc = {"generation": generation, "holder": holder, "committed": sorted(committed),
                "closed_unix": time.time(), "closed_by": closed_by}
+        self.storage.makedirs(FENCE_DIR)
         try:
             self.storage.create_exclusive(self._rel(generation, "json"), jsonio.dumps(doc))
         except FileExistsError:
             pass  # closed by someone else first; theirs stands
+        self.mark(generation, "closing", holder)

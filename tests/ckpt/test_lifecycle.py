@@ -475,3 +475,31 @@ def test_gc_json_and_export_progress(tmp_path, capsys):
     code, out, err = _cli(capsys, "export", url, "--out", str(tmp_path / "m.safetensors"),
                           "--progress")
     assert code == 0 and "export [" in err and "100.0%" in err, err
+
+
+def test_a_clean_release_never_hides_its_checkpoints(tmp_path):
+    """Readers polling while a holder releases never see its checkpoints in doubt."""
+    url = str(tmp_path / "root")
+    Storage(url).makedirs("")
+    stop, seen = threading.Event(), []
+
+    def poll():
+        store = CheckpointStore(Storage(url))
+        while not stop.is_set():
+            for step in store.committed_steps():
+                try:
+                    store.read_manifest(step)
+                except FencedCheckpointError as exc:
+                    seen.append(str(exc))
+                except CheckpointError:
+                    pass
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        for step in range(1, 16):
+            ckpt.save(_state(float(step)), url, step)  # acquire, commit, release each time
+    finally:
+        stop.set()
+        t.join(30)
+    assert not seen, seen[:2]

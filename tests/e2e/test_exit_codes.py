@@ -42,7 +42,8 @@ def test_final_save_that_does_not_commit_is_not_exit_0(tmp_path, nproc):
     assert "trained to step 20 but its checkpoint did not commit" in job.stderr, job.tails()
     if nproc is None:  # (torchrun prints its own traceback for a failed worker)
         assert "Traceback" not in job.stderr.split("did not commit")[-1], job.tails()
-    assert CheckpointStore(root).committed_steps() == [5, 10, 15]
+    committed = CheckpointStore(root).committed_steps()  # a save may be skipped while
+    assert committed and 20 not in committed and committed[0] == 5, committed  # one persists
 
 
 def test_lost_lease_stops_the_job_with_its_own_code(tmp_path):

@@ -35,30 +35,34 @@ command line) adds the traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import shutil
 import sys
-import textwrap
-import time
 import traceback
-from typing import Any, Sequence
+from typing import Sequence
 
 from ckpt import jsonio
+from ckpt.cli_admin import cmd_gc, cmd_pin, cmd_restore, cmd_rollback
+from ckpt.cli_common import (
+    Progress,
+    UsageError,
+    fmt_bytes,
+    fmt_loss,
+    fmt_seconds,
+    fmt_time,
+    format_table,
+    info_row,
+    json_safe,
+    open_store,
+    terminal_width,
+)
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    LeaseHeldError,
 )
-from ckpt.manifest import step_dirname
-from ckpt.store import CORRUPT, CheckpointInfo, CheckpointStore
+from ckpt.store import CheckpointStore
 
 __all__ = ["main", "UsageError", "error_line", "format_table", "OneLineArgumentParser"]
-
-
-class UsageError(ValueError):
-    """Bad input found by the command line itself; the message names it and the fix."""
 
 
 def error_line(exc: BaseException, explained: tuple[type, ...] = ()) -> str:
@@ -81,163 +85,43 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _storage_options(args) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    if getattr(args, "endpoint_url", None):
-        opts["client_kwargs"] = {"endpoint_url": args.endpoint_url}
-    return opts
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _fmt_time(t: float | None) -> str:
-    """Local time of ``t``; "-" when unset, "invalid" when not a representable time."""
-    if not t:
-        return "-"
-    try:
-        if not math.isfinite(t):
-            return "invalid"
-        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-    except (OverflowError, OSError, ValueError, TypeError):
-        return "invalid"
-
-
-def _json_safe(row: dict[str, Any]) -> dict[str, Any]:
-    """A listing row for JSON: an unusable ``created`` time is null; other non-finite
-    numbers (a NaN loss) use the format's encoding (``jsonio``)."""
-    created = row.get("created")
-    if isinstance(created, float) and not math.isfinite(created):
-        row = {**row, "created": None}
-    return row
-
-
-def _open_store(args) -> CheckpointStore:
-    """The store at ``args.url``, which must exist: a missing root is a typo, not "empty".
-
-    On S3 a prefix exists only through its objects, so there only the bucket must exist
-    (listing a missing bucket raises StorageUnavailableError naming it)."""
-    store = CheckpointStore(args.url, _storage_options(args))
-    storage = store.storage
-    if not storage.is_s3:
-        if not storage.exists(""):
-            raise UsageError(f"checkpoint root {args.url} does not exist; check the path "
-                             f"(the folder that holds the step_* folders)")
-        if not storage.fs.isdir(storage.path()):
-            raise UsageError(f"checkpoint root {args.url} is a file, not a folder; pass the "
-                             f"folder that holds the step_* folders")
-    return store
-
-
-class _Progress:
-    """A one-line progress bar on stderr (only when stderr is a terminal or forced)."""
-
-    def __init__(self, label: str, enabled: bool):
-        self.label, self.enabled, self.last = label, enabled, 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if now - self.last < 0.1 and done < total:
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}%")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def _info(store: CheckpointStore, step: int, check: str) -> CheckpointInfo:
-    """``store.info``, except that a checkpoint whose manifest breaks the reader in an
-    unforeseen way is listed as corrupt instead of ending the listing."""
-    try:
-        return store.info(step, check=check)
-    except CheckpointError:
-        raise  # storage unreachable: says so itself
-    except Exception as exc:  # noqa: BLE001 - e.g. OverflowError on a damaged number
-        return CheckpointInfo(step, CORRUPT, store.storage.describe(step_dirname(step)), 0,
-                              problem=f"manifest cannot be read: {type(exc).__name__}: {exc}")
-
-
 def cmd_list(args) -> int:
-    store = _open_store(args)
+    store = open_store(args)
     if args.all:
         infos = store.list(check=args.check, all_versions=True)
     else:
-        infos = [_info(store, step, args.check) for step in store.steps()]
+        infos = [info_row(store, step, args.check) for step in store.steps()]
     if args.json:
-        print(jsonio.dumps([_json_safe(i.to_json()) for i in infos], indent=1).decode())
+        print(jsonio.dumps([json_safe(i.to_json()) for i in infos], indent=1).decode())
         return 0
     if not infos:
         print(f"no checkpoints under {args.url}")
         return 0
     rows = [("STEP", "ID", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE")]
     for i in infos:
-        rows.append((str(i.step), i.id or "-", i.status, _fmt_bytes(i.bytes),
-                     _fmt_time(i.created), _fmt_loss((i.user_metadata or {}).get("loss")),
+        rows.append((str(i.step), i.id or "-", i.status, fmt_bytes(i.bytes),
+                     fmt_time(i.created), fmt_loss((i.user_metadata or {}).get("loss")),
                      " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
-    for line in format_table(rows, _terminal_width()):
+    for line in format_table(rows, terminal_width()):
         print(line)
     return 0
 
 
-def _fmt_loss(loss: Any) -> str:
-    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
-        return "-"
-    return f"{loss:.4g}"
-
-
-def _terminal_width() -> int | None:
-    """Columns of the terminal stdout is, or None when it is not one (a pipe, a file)."""
-    if not sys.stdout.isatty():
-        return None
-    return shutil.get_terminal_size().columns
-
-
-def format_table(rows: list[tuple[str, ...]], width: int | None) -> list[str]:
-    """Rows as aligned columns. The last column is free text: on a terminal of ``width``
-    columns it wraps under itself rather than past the edge, so nothing is cut; piped
-    output keeps every row on one line (for grep and scripts)."""
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
-    room = (width - indent - 1) if width else 0
-    out = []
-    for r in rows:
-        head = "  ".join(v.ljust(w) for v, w in zip(r[:-1], widths))
-        last = r[-1]
-        if width and room >= 20 and len(head) + 2 + len(last) > width - 1:
-            parts = textwrap.wrap(last, room, break_long_words=True,
-                                  break_on_hyphens=False) or [""]
-            out.append(f"{head}  {parts[0]}".rstrip())
-            out.extend(" " * indent + p for p in parts[1:])
-        else:
-            out.append(f"{head}  {last}".rstrip())
-    return out
-
-
 def cmd_verify(args) -> int:
-    store = _open_store(args)
+    store = open_store(args)
     if args.id is not None:
         entry = store.life.find(args.id)
         if entry.manifest is None:
             print(f"id {args.id} (step {entry.step}): {entry.status}: {entry.problem}")
             return 1
-        progress = _Progress(f"id {args.id}", args.progress or sys.stderr.isatty())
+        progress = Progress(f"id {args.id}", args.progress or sys.stderr.isatty())
         try:
             store.verify_manifest(entry.manifest, full=not args.size_only, progress=progress)
         except CheckpointError as exc:
             print(f"id {args.id} (step {entry.step}, {entry.status}): CORRUPT: {exc}")
             return 1
         print(f"id {args.id} (step {entry.step}, {entry.status}): ok "
-              f"({len(entry.manifest.files)} files, {_fmt_bytes(entry.manifest.total_bytes)})")
+              f"({len(entry.manifest.files)} files, {fmt_bytes(entry.manifest.total_bytes)})")
         return 0
     steps = [args.step] if args.step is not None else store.committed_steps()
     if not steps:
@@ -245,10 +129,10 @@ def cmd_verify(args) -> int:
         return 1
     bad = 0
     for step in steps:
-        progress = _Progress(f"step {step}", args.progress or sys.stderr.isatty())
+        progress = Progress(f"step {step}", args.progress or sys.stderr.isatty())
         try:
             m = store.verify(step, full=not args.size_only, progress=progress)
-            print(f"step {step}: ok ({len(m.files)} files, {_fmt_bytes(m.total_bytes)})")
+            print(f"step {step}: ok ({len(m.files)} files, {fmt_bytes(m.total_bytes)})")
         except CheckpointError as exc:
             bad += 1
             print(f"step {step}: CORRUPT: {exc}")
@@ -276,11 +160,11 @@ def _select(store: CheckpointStore, text: str | None = None, *, step: int | None
 def cmd_show(args) -> int:
     from ckpt import inspect
 
-    store = _open_store(args)
+    store = open_store(args)
     info = inspect.show(store, _select(store, step=args.step, save_id=args.id),
                         with_tensors=args.tensors)
     if args.json:
-        print(jsonio.dumps(_json_safe(info), indent=1).decode())
+        print(jsonio.dumps(json_safe(info), indent=1).decode())
         return 0
     layout = info["layout"] or {}
     shown = " ".join(f"{k}={v}" for k, v in layout.items() if k != "world_size")
@@ -288,11 +172,11 @@ def cmd_show(args) -> int:
     w = info["writer"] or {}
     lines = [
         ("url", info["url"]),
-        ("created", _fmt_time(info["created_unix"])),
+        ("created", fmt_time(info["created_unix"])),
         ("layout", f"{shown or '-'} (world size {info['world_size']})"),
-        ("tensors", f"{info['num_tensors']} ({_fmt_bytes(info['tensor_bytes'])}); "
+        ("tensors", f"{info['num_tensors']} ({fmt_bytes(info['tensor_bytes'])}); "
                     f"{info['num_objects']} other values"),
-        ("files", f"{info['num_files']} ({_fmt_bytes(info['total_bytes'])})"),
+        ("files", f"{info['num_files']} ({fmt_bytes(info['total_bytes'])})"),
         ("fingerprint", info["config_fingerprint"] or "-"),
         ("writer", f"owner {w.get('owner', '-')}, lease generation "
                    f"{w.get('lease_generation', '-')}, job {w.get('job', '-')}"),
@@ -322,10 +206,10 @@ def cmd_diff(args) -> int:
     input): as with diff(1), 1 means "different" only."""
     from ckpt import inspect
 
-    store = _open_store(args)
+    store = open_store(args)
     try:
         a, b = _select(store, args.a), _select(store, args.b)
-        progress = _Progress("diff", args.progress or sys.stderr.isatty())
+        progress = Progress("diff", args.progress or sys.stderr.isatty())
         result = inspect.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
                               progress=progress)
     except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
@@ -354,7 +238,7 @@ def cmd_diff(args) -> int:
             detail = f"{r['a']} -> {r['b']}" if "a" in r else ""
             rows.append((r["status"], r["key"], detail))
         if len(rows) > 1:
-            for line in format_table(rows, _terminal_width()):
+            for line in format_table(rows, terminal_width()):
                 print(line)
         counts = ", ".join(f"{n} {k.replace('_', ' ')}"
                            for k, n in sorted(result["counts"].items()))
@@ -369,25 +253,13 @@ def cmd_diff(args) -> int:
     return 0 if result["identical"] else 1
 
 
-def _fmt_seconds(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
-        return "-"
-    if s < 120:
-        return f"{s:.0f}s"
-    if s < 2 * 3600:
-        return f"{s / 60:.1f}m"
-    if s < 2 * 86400:
-        return f"{s / 3600:.1f}h"
-    return f"{s / 86400:.1f}d"
-
-
 def cmd_history(args) -> int:
     from ckpt import inspect
 
     if not (math.isfinite(args.mtbf_hours) and args.mtbf_hours > 0):
         raise UsageError(f"--mtbf-hours {args.mtbf_hours}: pass the prior MTBF in hours, > 0 "
                          f"(the job's checkpoint.mtbf_hours)")
-    store = _open_store(args)
+    store = open_store(args)
     try:
         info = inspect.history(store, mtbf_prior_seconds=args.mtbf_hours * 3600.0)
     except CheckpointError:
@@ -404,12 +276,12 @@ def cmd_history(args) -> int:
         print(f"failure history: {info['file']}")
         print(f"  failures     {info['num_failures']}")
         for f in info["failures"]:
-            print(f"    {_fmt_time(f['unix'])}")
-        print(f"  uptime       {_fmt_seconds(info['uptime_seconds'])}")
-        print(f"  MTBF         {_fmt_seconds(info['mtbf_seconds'])} used by the auto cadence "
-              f"(prior {_fmt_seconds(info['mtbf_prior_seconds'])} with weight "
+            print(f"    {fmt_time(f['unix'])}")
+        print(f"  uptime       {fmt_seconds(info['uptime_seconds'])}")
+        print(f"  MTBF         {fmt_seconds(info['mtbf_seconds'])} used by the auto cadence "
+              f"(prior {fmt_seconds(info['mtbf_prior_seconds'])} with weight "
               f"{info['prior_weight']:g}; observed "
-              f"{_fmt_seconds(info['mtbf_observed_seconds'])})")
+              f"{fmt_seconds(info['mtbf_observed_seconds'])})")
     lease = info["lease"]
     if lease is None:
         print("  lease        none (no job has written here)")
@@ -420,7 +292,7 @@ def cmd_history(args) -> int:
         print(f"  lease        {state}, generation {lease.get('generation', '-')}, holder "
               f"{lease.get('holder', '-')} (job {lease.get('job', '-')}, host "
               f"{lease.get('host', '-')}, pid {lease.get('pid', '-')}), last heartbeat "
-              f"{_fmt_time(lease.get('heartbeat_unix'))}")
+              f"{fmt_time(lease.get('heartbeat_unix'))}")
     return 0
 
 
@@ -444,8 +316,8 @@ def cmd_export(args) -> int:
                 check_out_file(args.out)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-    progress = _Progress("export", args.progress or sys.stderr.isatty())
-    m = export(_open_store(args).storage, args.step, args.out, select=args.select,
+    progress = Progress("export", args.progress or sys.stderr.isatty())
+    m = export(open_store(args).storage, args.step, args.out, select=args.select,
                progress=progress if args.out is not None else None,
                dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
                force=args.force, attachments_dir=args.attachments)
@@ -456,141 +328,6 @@ def cmd_export(args) -> int:
         names = ", ".join(sorted(m.attachments)) or "none"
         print(f"wrote {len(m.attachments)} attachment(s) of step {m.step} to "
               f"{args.attachments}: {names}")
-    return 0
-
-
-def cmd_pin(args, pinned: bool) -> int:
-    """Pin after a full verification (a pin keeps a checkpoint for good: it must be one
-    worth keeping), or anyway with ``--force``. Unpin needs no readable checkpoint."""
-    from ckpt.retention import read_pins, set_pinned
-
-    store = _open_store(args)
-    if pinned and not args.force:
-        progress = _Progress(f"verifying step {args.step}", sys.stderr.isatty())
-        try:
-            store.verify(args.step, full=True, progress=progress)
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(
-                f"refusing to pin step {args.step}: {exc} (pass --force to pin it anyway)",
-                path=exc.path) from exc
-    elif pinned or args.step not in read_pins(store, strict=True):
-        try:
-            store.read_manifest(args.step)  # must exist
-        except CorruptCheckpointError:
-            pass  # --force, or unpin: a damaged manifest is no reason to refuse
-    with _writer(args, "pin" if pinned else "unpin"):
-        pins = set_pinned(store, args.step, pinned)
-    print(f"pinned steps: {sorted(pins) or 'none'}")
-    return 0
-
-
-@contextlib.contextmanager
-def _writer(args, command: str, *, force: bool = False):
-    """Hold the root's write lease for one command, under the rules every writer follows.
-
-    A live job's lease is refused (``--force`` takes it over and fences that job off); a
-    dead holder's is taken at once when its death is certain (same host, pid gone), else
-    after its TTL.
-    """
-    from ckpt.commit import acquire_lease, release_lease
-    from ckpt.storage import Storage
-
-    storage = Storage(args.url, _storage_options(args))
-    if not storage.exists("") and not storage.is_s3:
-        raise CheckpointNotFoundError(f"checkpoint root {args.url} does not exist")
-    try:
-        life = acquire_lease(storage, ttl_seconds=30.0, job_name=f"ckpt {command}",
-                             force=force)
-    except LeaseHeldError as exc:
-        raise LeaseHeldError(f"{exc} `ckpt {command}` changes the root and needs its write "
-                             f"lease: stop that job first, or pass --force to take the lease "
-                             f"over (that job's later saves will not count).") from None
-    try:
-        yield life
-    finally:
-        release_lease(life)
-
-
-def cmd_rollback(args) -> int:
-    with _writer(args, "rollback", force=args.force) as life:
-        store = CheckpointStore(life.storage, lifecycle=life)
-        store.verify(args.step, full=True)
-        for s in reversed([s for s in store.committed_steps() if s > args.step]):
-            try:
-                kept = life.uncommit(s)
-            except CheckpointError as exc:
-                print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
-                continue
-            print(f"step {s}: rolled back (id {kept}; `ckpt restore {args.url} --id {kept}` "
-                  f"re-commits it)")
-    print(f"step {args.step} is now the latest checkpoint; a resumed job starts from it")
-    return 0
-
-
-def cmd_restore(args) -> int:
-    with _writer(args, "restore", force=args.force) as life:
-        m = life.restore(args.id, replace=args.replace)
-    print(f"step {m.step}: restored id {m.save_id}; it is committed again")
-    return 0
-
-
-def cmd_gc(args) -> int:
-    """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
-    ``--yes``; either way the root's lease is respected."""
-    from ckpt.cadence import parse_duration
-    from ckpt.commit import ROLLED_BACK, Lifecycle
-
-    older = parse_duration(args.older_than) if args.older_than else 0.0
-
-    def plan(life) -> tuple[list, list]:
-        rolled = []
-        if args.rolled_back:
-            now = time.time()
-            for step in life.steps():
-                for e in life.entries(step):
-                    if e.status == ROLLED_BACK and e.manifest is not None and \
-                            now - e.manifest.created_unix >= older:
-                        rolled.append(e)
-        return life.leftovers(), rolled
-
-    def show(leftovers, rolled, verb: str) -> None:
-        if args.json:
-            print(jsonio.dumps({
-                "dry_run": not args.yes,
-                "leftovers": [{"step": step, "files": names} for step, names in leftovers],
-                "rolled_back": [{"step": e.step, "id": e.id,
-                                 "bytes": e.manifest.total_bytes} for e in rolled]},
-                indent=1).decode())
-            return
-        for step, names in leftovers:
-            print(f"step {step}: {verb} {len(names)} leftover file(s) of aborted saves")
-        for e in rolled:
-            print(f"step {e.step}: {verb} rolled-back checkpoint id {e.id} "
-                  f"({_fmt_bytes(e.manifest.total_bytes)})")
-        if not leftovers and not rolled:
-            print("nothing to remove")
-
-    if not args.yes:
-        from ckpt.lease import Lease
-        from ckpt.storage import Storage
-
-        storage = Storage(args.url, _storage_options(args))
-        info, _ = Lease(storage).read()
-        if info is not None and Lease(storage).expired_because(info) is None:
-            raise LeaseHeldError(f"{args.url} is being written by job {info.get('job')!r} "
-                                 f"(host {info.get('host')}, pid {info.get('pid')}): its save "
-                                 f"in flight would look like leftovers. Run gc when it stops.")
-        leftovers, rolled = plan(Lifecycle(storage))
-        show(leftovers, rolled, "would remove")
-        if (leftovers or rolled) and not args.json:
-            print("dry run: nothing removed; pass --yes to remove these")
-        return 0
-    with _writer(args, "gc", force=args.force) as life:
-        leftovers, rolled = plan(life)
-        life.cleanup()
-        for e in rolled:
-            life.delete_entry(e)
-        show(leftovers, rolled, "removed")
     return 0
 
 

@@ -243,3 +243,72 @@ def test_every_fault_brings_its_alert(tmp_path):
         for job in jobs:
             job.kill_all()
         prom.stop()
+
+
+FAULTY = ROOT / "tests" / "e2e" / "_faulty_storage.py"
+STAGE_DELAY = 5.5  # seconds added to every staging copy: p90 stall above the 5 s of the rule
+TRANSIENT_FAILS = 4  # failed attempts of every data-file write (RetryPolicy allows 4 retries)
+
+
+def _faulty_env(**switches: str) -> dict[str, str]:
+    from tests.e2e._jobs import base_env
+    return base_env(**switches)
+
+
+def test_checkpoint_faults_bring_their_alerts(tmp_path):
+    """Flaky, slow storage that cannot delete, then a lease takeover; a worker in a restart
+    loop; at last no trainer at all."""
+    faults_base, loop_base = _port_pair(), _port_pair()
+    prom = Prom(tmp_path, {"faults": faults_base, "loop": loop_base})
+    jobs: list[Job] = []
+    try:
+        # Every data-file write fails 4 times with a dropped connection before it succeeds
+        # (4 retries per save and rank, ~3 s of backoff), staging is 5.5 s slow, old
+        # checkpoints cannot be deleted; saves are due every second.
+        steal = tmp_path / "steal-now"
+        f_jsonl = tmp_path / "faults.jsonl"
+        f = Job(trainer_argv("--training.steps=1000000", "--checkpoint.interval=1s",
+                             "--checkpoint.keep_last=1",
+                             f"--checkpoint.root={tmp_path / 'faults-ckpt'}",
+                             *_metrics_args(faults_base), f"--metrics.jsonl_path={f_jsonl}",
+                             nproc=2, script=FAULTY),
+                tmp_path, "faults", f_jsonl,
+                env=_faulty_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
+                                E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
+                                E2E_LINGER_SECONDS="8", E2E_STEAL_LEASE_WHEN=str(steal)))
+        jobs.append(f)
+        # Every worker dies 3 s after its metrics endpoint is up; torchrun restarts the group
+        # 3 times: 4 start times per rank.
+        loop = Job(trainer_argv("--training.steps=1000000",
+                                f"--checkpoint.root={tmp_path / 'loop-ckpt'}",
+                                *_metrics_args(loop_base), nproc=2, max_restarts=3,
+                                script=FAULTY),
+                   tmp_path, "loop", env=_faulty_env(E2E_CRASH_AFTER_SECONDS="3"))
+        jobs.append(loop)
+
+        for r in (0, 1):
+            prom.wait_alert("TrainingRestartLoop", 180, job="loop", rank=str(r))
+        assert loop.wait(120) != 0
+
+        f.wait_event(lambda e: e["kind"] == "retention_failed", 180, "a failed deletion")
+        prom.wait_alert("CheckpointRetentionFailing", ALERT_SLACK, job="faults")
+        for r in (0, 1):
+            prom.wait_alert("CheckpointStorageRetries", 120, job="faults", rank=str(r))
+        prom.wait_alert("CheckpointStallHigh", 60, job="faults")
+        prom.wait_alert("CheckpointSavesSkipped", 120, job="faults")
+
+        # Another job takes the root's write lease over: this one stops saving, exits 4.
+        steal.write_text("")
+        f.wait_event(lambda e: e["kind"] == "lease_lost", 120, "the lease lost")
+        prom.wait_alert("CheckpointLeaseLost", ALERT_SLACK, job="faults")
+        f.wait(120)
+        assert "took over the write lease" in f.stderr, f.tails()
+
+        # No trainer left: nothing exports its metrics.
+        for job in jobs:
+            job.kill_all()
+        prom.wait_alert("TrainingJobAbsent", ALERT_SLACK + 5)
+    finally:
+        for job in jobs:
+            job.kill_all()
+        prom.stop()

@@ -46,6 +46,7 @@ SCRAPE = 1.0
 STALL_MIN = 5.0
 AGE_SLACK = 3.0
 INTERVAL = 2.0  # checkpoint.interval of the storage job, seconds
+HANG = 30.0  # the nanhang job's hang watchdog: it exits then, after the metrics linger
 ALERT_SLACK = 10.0  # scrape + evaluation + query latency on a loaded 2-core machine
 
 
@@ -156,7 +157,8 @@ def test_every_fault_brings_its_alert(tmp_path):
         # Job 1 trains on, metrics on; its loss at step 60 becomes NaN.
         a_jsonl = tmp_path / "a.jsonl"
         a = Job(trainer_argv("--training.steps=1000000", "--fault.inject_nan_step=60",
-                             "--fault.hang_timeout_seconds=600", *_metrics_args(nan_base),
+                             f"--fault.hang_timeout_seconds={HANG:g}",
+                             *_metrics_args(nan_base),
                              f"--metrics.jsonl_path={a_jsonl}", nproc=2),
                 tmp_path, "nanhang", a_jsonl)
         jobs.append(a)
@@ -216,6 +218,9 @@ def test_every_fault_brings_its_alert(tmp_path):
         assert waited >= threshold - 2 * SCRAPE, f"stalled alert after {waited:.1f}s only"
         prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="nanhang",
                         instance=f"127.0.0.1:{nan_base + 1}")
+        # The hang watchdog of rank 0 counts the hang, lingers one scrape long and exits.
+        prom.wait_alert("TrainingFailures", HANG + ALERT_SLACK, job="nanhang", rank="0",
+                        kind="hang")
 
         # Unwritable root: the link now points at a file; saves fail, the checkpoint ages.
         last = _committed_since(b, b.last_index + 1)

@@ -14,7 +14,27 @@ rank (``metrics.port + LOCAL_RANK``):
   slack after the last commit, ``CheckpointTooOld``; then the job is killed ->
   ``TrainingJobDown`` (pending).
 
-Rules are the shipped file unchanged: thresholds come from the exporter's gauges, set small
+The ``nanhang`` job's hang watchdog (30 s) then catches rank 0 waiting for the frozen rank:
+it counts the hang, keeps serving ``metrics.linger_seconds`` and exits ->
+``TrainingFailures{kind="hang"}``.
+
+A second test runs two more jobs under another Prometheus, the trainer wrapped by
+``tests/e2e/_faulty_storage.py``:
+
+- ``faults``: every data-file write fails 4 times with ECONNRESET before it succeeds (4
+  counted retries per save and rank) -> ``CheckpointStorageRetries`` on each rank; every
+  staging copy is 5.5 s slower -> ``CheckpointStallHigh`` (pending); saves due every second
+  while the slow, retried one persists -> ``CheckpointSavesSkipped``; checkpoints cannot be
+  deleted, ``keep_last=1`` -> ``CheckpointRetentionFailing``; then another job takes the
+  write lease over -> ``CheckpointLeaseLost`` (the trainer exits 4; its metrics are served
+  8 s longer so the count is scraped first).
+- ``loop``: every worker dies 3 s after its metrics endpoint is up, under torchrun with 3
+  restarts -> ``TrainingRestartLoop`` on each rank.
+
+When every job is stopped -> ``TrainingJobAbsent`` (pending).
+
+Every alert of the shipped file is brought to pending or firing. Rules are the shipped file
+unchanged: thresholds come from the exporter's gauges, set small
 through the metrics config keys; ``for:`` durations are met by "pending".
 """
 
@@ -34,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import free_port
-from tests.e2e._jobs import Job, trainer_argv
+from tests.e2e._jobs import Job, base_env, trainer_argv
 from tests.monitoring.test_rules import dashboard_exprs
 
 pytestmark = pytest.mark.slow
@@ -253,11 +273,23 @@ def test_every_fault_brings_its_alert(tmp_path):
 FAULTY = ROOT / "tests" / "e2e" / "_faulty_storage.py"
 STAGE_DELAY = 5.5  # seconds added to every staging copy: p90 stall above the 5 s of the rule
 TRANSIENT_FAILS = 4  # failed attempts of every data-file write (RetryPolicy allows 4 retries)
+# Every alert of the shipped file and the test above that brings it.
+BROUGHT = {
+    "test_every_fault_brings_its_alert": {
+        "TrainingLossNotFinite", "TrainingStalled", "TrainingJobDown", "TrainingFailures",
+        "CheckpointLoadFellBack", "CheckpointSaveFailures", "CheckpointTooOld"},
+    "test_checkpoint_faults_bring_their_alerts": {
+        "CheckpointStorageRetries", "CheckpointStallHigh", "CheckpointSavesSkipped",
+        "CheckpointRetentionFailing", "CheckpointLeaseLost", "TrainingRestartLoop",
+        "TrainingJobAbsent"},
+}
 
 
-def _faulty_env(**switches: str) -> dict[str, str]:
-    from tests.e2e._jobs import base_env
-    return base_env(**switches)
+def test_every_shipped_alert_has_a_fault():
+    import yaml
+    shipped = {r["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"]
+               for r in g["rules"] if "alert" in r}
+    assert set().union(*BROUGHT.values()) == shipped
 
 
 def test_checkpoint_faults_bring_their_alerts(tmp_path):
@@ -278,9 +310,9 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
                              *_metrics_args(faults_base), f"--metrics.jsonl_path={f_jsonl}",
                              nproc=2, script=FAULTY),
                 tmp_path, "faults", f_jsonl,
-                env=_faulty_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
-                                E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
-                                E2E_LINGER_SECONDS="8", E2E_STEAL_LEASE_WHEN=str(steal)))
+                env=base_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
+                             E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
+                             E2E_LINGER_SECONDS="8", E2E_STEAL_LEASE_WHEN=str(steal)))
         jobs.append(f)
         # Every worker dies 3 s after its metrics endpoint is up; torchrun restarts the group
         # 3 times: 4 start times per rank.
@@ -288,7 +320,7 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
                                 f"--checkpoint.root={tmp_path / 'loop-ckpt'}",
                                 *_metrics_args(loop_base), nproc=2, max_restarts=3,
                                 script=FAULTY),
-                   tmp_path, "loop", env=_faulty_env(E2E_CRASH_AFTER_SECONDS="3"))
+                   tmp_path, "loop", env=base_env(E2E_CRASH_AFTER_SECONDS="3"))
         jobs.append(loop)
 
         for r in (0, 1):

@@ -14,7 +14,27 @@ rank (``metrics.port + LOCAL_RANK``):
   slack after the last commit, ``CheckpointTooOld``; then the job is killed ->
   ``TrainingJobDown`` (pending).
 
-Rules are the shipped file unchanged: thresholds come from the exporter's gauges, set small
+The ``nanhang`` job's hang watchdog (30 s) then catches rank 0 waiting for the frozen rank:
+it counts the hang, keeps serving ``metrics.linger_seconds`` and exits ->
+``TrainingFailures{kind="hang"}``.
+
+A second test runs two more jobs under another Prometheus, the trainer wrapped by
+``tests/e2e/_faulty_storage.py``:
+
+- ``faults``: every data-file write fails 4 times with ECONNRESET before it succeeds (4
+  counted retries per save and rank) -> ``CheckpointStorageRetries`` on each rank; every
+  staging copy is 5.5 s slower -> ``CheckpointStallHigh`` (pending); saves due every second
+  while the slow, retried one persists -> ``CheckpointSavesSkipped``; checkpoints cannot be
+  deleted, ``keep_last=1`` -> ``CheckpointRetentionFailing``; then another job takes the
+  write lease over -> ``CheckpointLeaseLost`` (the trainer exits 4; its metrics are served
+  8 s longer so the count is scraped first).
+- ``loop``: every worker dies 3 s after its metrics endpoint is up, under torchrun with 3
+  restarts -> ``TrainingRestartLoop`` on each rank.
+
+When every job is stopped -> ``TrainingJobAbsent`` (pending).
+
+Every alert of the shipped file is brought to pending or firing. Rules are the shipped file
+unchanged: thresholds come from the exporter's gauges, set small
 through the metrics config keys; ``for:`` durations are met by "pending".
 """
 
@@ -34,7 +54,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import free_port
-from tests.e2e._jobs import Job, trainer_argv
+from tests.e2e._jobs import Job, base_env, trainer_argv
 from tests.monitoring.test_rules import dashboard_exprs
 
 pytestmark = pytest.mark.slow
@@ -46,6 +66,7 @@ SCRAPE = 1.0
 STALL_MIN = 5.0
 AGE_SLACK = 3.0
 INTERVAL = 2.0  # checkpoint.interval of the storage job, seconds
+HANG = 30.0  # the nanhang job's hang watchdog: it exits then, after the metrics linger
 ALERT_SLACK = 10.0  # scrape + evaluation + query latency on a loaded 2-core machine
 
 
@@ -156,7 +177,8 @@ def test_every_fault_brings_its_alert(tmp_path):
         # Job 1 trains on, metrics on; its loss at step 60 becomes NaN.
         a_jsonl = tmp_path / "a.jsonl"
         a = Job(trainer_argv("--training.steps=1000000", "--fault.inject_nan_step=60",
-                             "--fault.hang_timeout_seconds=600", *_metrics_args(nan_base),
+                             f"--fault.hang_timeout_seconds={HANG:g}",
+                             *_metrics_args(nan_base),
                              f"--metrics.jsonl_path={a_jsonl}", nproc=2),
                 tmp_path, "nanhang", a_jsonl)
         jobs.append(a)
@@ -216,6 +238,9 @@ def test_every_fault_brings_its_alert(tmp_path):
         assert waited >= threshold - 2 * SCRAPE, f"stalled alert after {waited:.1f}s only"
         prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="nanhang",
                         instance=f"127.0.0.1:{nan_base + 1}")
+        # The hang watchdog of rank 0 counts the hang, lingers one scrape long and exits.
+        prom.wait_alert("TrainingFailures", HANG + ALERT_SLACK, job="nanhang", rank="0",
+                        kind="hang")
 
         # Unwritable root: the link now points at a file; saves fail, the checkpoint ages.
         last = _committed_since(b, b.last_index + 1)
@@ -239,6 +264,87 @@ def test_every_fault_brings_its_alert(tmp_path):
         for r in (0, 1):
             prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="storage",
                             instance=f"127.0.0.1:{storage_base + r}")
+    finally:
+        for job in jobs:
+            job.kill_all()
+        prom.stop()
+
+
+FAULTY = ROOT / "tests" / "e2e" / "_faulty_storage.py"
+STAGE_DELAY = 5.5  # seconds added to every staging copy: p90 stall above the 5 s of the rule
+TRANSIENT_FAILS = 4  # failed attempts of every data-file write (RetryPolicy allows 4 retries)
+# Every alert of the shipped file and the test above that brings it.
+BROUGHT = {
+    "test_every_fault_brings_its_alert": {
+        "TrainingLossNotFinite", "TrainingStalled", "TrainingJobDown", "TrainingFailures",
+        "CheckpointLoadFellBack", "CheckpointSaveFailures", "CheckpointTooOld"},
+    "test_checkpoint_faults_bring_their_alerts": {
+        "CheckpointStorageRetries", "CheckpointStallHigh", "CheckpointSavesSkipped",
+        "CheckpointRetentionFailing", "CheckpointLeaseLost", "TrainingRestartLoop",
+        "TrainingJobAbsent"},
+}
+
+
+def test_every_shipped_alert_has_a_fault():
+    import yaml
+    shipped = {r["alert"] for g in yaml.safe_load(ALERTS.read_text())["groups"]
+               for r in g["rules"] if "alert" in r}
+    assert set().union(*BROUGHT.values()) == shipped
+
+
+def test_checkpoint_faults_bring_their_alerts(tmp_path):
+    """Flaky, slow storage that cannot delete, then a lease takeover; a worker in a restart
+    loop; at last no trainer at all."""
+    faults_base, loop_base = _port_pair(), _port_pair()
+    prom = Prom(tmp_path, {"faults": faults_base, "loop": loop_base})
+    jobs: list[Job] = []
+    try:
+        # Every data-file write fails 4 times with a dropped connection before it succeeds
+        # (4 retries per save and rank, ~3 s of backoff), staging is 5.5 s slow, old
+        # checkpoints cannot be deleted; saves are due every second.
+        steal = tmp_path / "steal-now"
+        f_jsonl = tmp_path / "faults.jsonl"
+        f = Job(trainer_argv("--training.steps=1000000", "--checkpoint.interval=1s",
+                             "--checkpoint.keep_last=1",
+                             f"--checkpoint.root={tmp_path / 'faults-ckpt'}",
+                             *_metrics_args(faults_base), f"--metrics.jsonl_path={f_jsonl}",
+                             nproc=2, script=FAULTY),
+                tmp_path, "faults", f_jsonl,
+                env=base_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
+                             E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
+                             E2E_LINGER_SECONDS="8", E2E_STEAL_LEASE_WHEN=str(steal)))
+        jobs.append(f)
+        # Every worker dies 3 s after its metrics endpoint is up; torchrun restarts the group
+        # 3 times: 4 start times per rank.
+        loop = Job(trainer_argv("--training.steps=1000000",
+                                f"--checkpoint.root={tmp_path / 'loop-ckpt'}",
+                                *_metrics_args(loop_base), nproc=2, max_restarts=3,
+                                script=FAULTY),
+                   tmp_path, "loop", env=base_env(E2E_CRASH_AFTER_SECONDS="3"))
+        jobs.append(loop)
+
+        for r in (0, 1):
+            prom.wait_alert("TrainingRestartLoop", 180, job="loop", rank=str(r))
+        assert loop.wait(120) != 0
+
+        f.wait_event(lambda e: e["kind"] == "retention_failed", 180, "a failed deletion")
+        prom.wait_alert("CheckpointRetentionFailing", ALERT_SLACK, job="faults")
+        for r in (0, 1):
+            prom.wait_alert("CheckpointStorageRetries", 120, job="faults", rank=str(r))
+        prom.wait_alert("CheckpointStallHigh", 60, job="faults")
+        prom.wait_alert("CheckpointSavesSkipped", 120, job="faults")
+
+        # Another job takes the root's write lease over: this one stops saving, exits 4.
+        steal.write_text("")
+        f.wait_event(lambda e: e["kind"] == "lease_lost", 120, "the lease lost")
+        prom.wait_alert("CheckpointLeaseLost", ALERT_SLACK, job="faults")
+        f.wait(120)
+        assert "took over the write lease" in f.stderr, f.tails()
+
+        # No trainer left: nothing exports its metrics.
+        for job in jobs:
+            job.kill_all()
+        prom.wait_alert("TrainingJobAbsent", ALERT_SLACK + 5)
     finally:
         for job in jobs:
             job.kill_all()

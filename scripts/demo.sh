@@ -19,17 +19,17 @@ train() {
 }
 
 echo "== 1. training; it will be killed (SIGKILL) once two checkpoints are committed"
-set -m  # the background job gets its own process group: killed whole, and only it
 train > "$RUN/run1.log" 2>&1 &
 pid=$!
-set +m
 for _ in $(seq 600); do
   n=$( (ls -d "$RUN"/ckpt/step_*/manifest.json 2>/dev/null || true) | wc -l)
   [ "$n" -ge 2 ] && break
   kill -0 $pid 2>/dev/null || break
   sleep 0.2
 done
-kill -9 -- "-$pid" 2>/dev/null || true  # torchrun and its workers: the job's process group
+# torchrun starts its workers in sessions of their own: kill the whole tree, by pid.
+descendants() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done; }
+kill -9 $(descendants "$pid") "$pid" 2>/dev/null || true
 wait $pid 2>/dev/null || true
 grep -E "step +[0-9]+ \|" "$RUN/run1.log" | tail -3 || true
 echo "   killed. checkpoints left behind:"

@@ -56,7 +56,7 @@ from ckpt.errors import (
 )
 from ckpt.fence import Fence
 from ckpt.lease import Lease
-from ckpt.manifest import Manifest, parse_step_dirname, step_dirname
+from ckpt.manifest import MANIFEST_NAME, Manifest, parse_step_dirname, step_dirname
 from ckpt.storage import Storage
 
 __all__ = [
@@ -70,7 +70,6 @@ log = logging.getLogger(__name__)
 COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED = (
     "committed", "incomplete", "corrupt", "rolled-back", "fenced")
 
-MANIFEST_NAME = "manifest.json"
 _ID = r"[0-9a-f]{6,64}"
 _MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
 _ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
@@ -123,10 +122,6 @@ class Entry:
 class _Folder:
     step: int
     files: dict[str, int] = field(default_factory=dict)  # name -> size
-
-
-def _loads(data: bytes, source: str) -> Any:
-    return jsonio.loads(data, source, max_bytes=16 << 20)
 
 
 def parse_marker(data: bytes, source: str) -> dict[str, Any]:
@@ -605,7 +600,6 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
         for g in sorted(opened - closed):
             if g < lease.generation:
                 life.fence.close(g, life.manifests(), closed_by=lease.holder_id)
-        lease.set_closed_through(lease.generation - 1)
     except BaseException:
         lease.release()
         raise
@@ -637,17 +631,15 @@ def release_lease(life: Lifecycle) -> None:
     lease = life.lease
     if lease is None:
         return
-    closed = False
     if lease.held:
         try:
             lease.stop_heartbeat()
             life.fence.write_close(lease.generation, lease.committed_ids, lease.holder_id,
                                    closed_by=lease.holder_id)
-            closed = True
         except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
             log.warning("could not close lease generation %d on %s: %s", lease.generation,
                         life.storage.url, exc)
-    lease.release(closed=closed)
+    lease.release()
 
 
 __all__ += ["marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME"]

@@ -321,7 +321,7 @@ def history(store: CheckpointStore, *, mtbf_prior_seconds: float = 86400.0,
     lease = read_lease(store.storage)
     if lease is not None:
         keep = ("holder", "job", "host", "pid", "generation", "released", "acquired_unix",
-                "heartbeat_unix", "closed_through", "damaged")
+                "heartbeat_unix", "damaged")
         lease = {k: lease[k] for k in keep if k in lease}
         for k in ("acquired_unix", "heartbeat_unix"):
             if k in lease:

@@ -64,8 +64,7 @@ def _num(v: Any, default: float = 0.0) -> float:
 class Lease:
     """The write lease on one checkpoint root. Only one process of a job (rank 0) holds it.
 
-    ``generation`` is this holding's number (1, 2, ...); ``previous`` is the record found
-    when acquiring (None on a fresh root); ``committed_ids`` collects the save ids this
+    ``generation`` is this holding's number (1, 2, ...); ``committed_ids`` collects the save ids this
     holder committed (written into the generation's close record at release).
     """
 
@@ -82,10 +81,8 @@ class Lease:
         self.fingerprint = fingerprint
         self.on_lost = on_lost
         self.took_over: dict[str, Any] | None = None  # the dead holder's record, if any
-        self.previous: dict[str, Any] | None = None
         self.generation = 0
         self.committed_ids: set[str] = set()
-        self._closed_through = 0
         self._acquired = 0.0
         self._current: bytes | None = None
         self._stop = threading.Event()
@@ -102,7 +99,7 @@ class Lease:
             "pid": os.getpid(), "acquired_unix": self._acquired, "heartbeat_unix": time.time(),
             "ttl_seconds": self.ttl_seconds, "run_id": _run_id(), "boot_id": _boot_id(),
             "attempt": _attempt(), "fingerprint": self.fingerprint,
-            "generation": self.generation, "closed_through": self._closed_through,
+            "generation": self.generation,
             "released": released,
         })
 
@@ -139,14 +136,12 @@ class Lease:
             info, raw = self.read()
             if info is None:
                 self.generation = max(1, min_generation)
-                self._closed_through = self.generation - 1
                 mine = self._record()
                 try:
                     self.storage.create_exclusive(LEASE_NAME, mine)
                 except FileExistsError:
                     continue
                 self._current = mine
-                self.previous = None
                 break
             why = self.expired_because(info, force=force)
             if why is None:
@@ -158,11 +153,9 @@ class Lease:
                     f"expires after {_num(info.get('ttl_seconds')):.0f}s without one). Stop that "
                     f"job, wait for its lease to expire, or use another checkpoint root.")
             self.generation = max(_int(info.get("generation")) + 1, min_generation, 1)
-            self._closed_through = min(_int(info.get("closed_through")), self.generation - 1)
             mine = self._record()
             if self.storage.replace_if_unchanged(LEASE_NAME, mine, raw):
                 self._current = mine
-                self.previous = info
                 if why != "released":
                     self.took_over = info
                     log.warning("took over the lease on %s from %s (%s)", self.storage.url,
@@ -223,11 +216,6 @@ class Lease:
                 pass
         return ""
 
-    def set_closed_through(self, generation: int) -> None:
-        """Every generation up to ``generation`` is closed; record it at the next renewal."""
-        self._closed_through = max(self._closed_through, generation)
-        self.heartbeat()
-
     def heartbeat(self) -> bool:
         """Renew the lease now. Returns False (and marks it lost) if someone else took it.
 
@@ -276,17 +264,15 @@ class Lease:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
 
-    def release(self, *, closed: bool = False) -> None:
+    def release(self) -> None:
         """Stop the heartbeat and mark the lease released if it is still ours.
 
         The record stays (released) so that the next holder continues the generation
-        count; ``closed``: this holder wrote its generation's close record.
+        count.
         """
         self.stop_heartbeat()
         with self._lock:
             if self._current is not None and not self.lost:
-                if closed:
-                    self._closed_through = self.generation
                 try:
                     self.storage.replace_if_unchanged(LEASE_NAME, self._record(released=True),
                                                       self._current)

@@ -124,6 +124,21 @@ class _Folder:
     files: dict[str, int] = field(default_factory=dict)  # name -> size
 
 
+def _dead_files(folder: _Folder, entries: list[Entry]) -> list[str]:
+    """Names in ``folder`` that belong to dead attempts: ours, and referenced by no manifest
+    or rolled-back manifest that counts (a fenced one's files are dead too)."""
+    keep: set[str] = set()
+    for e in entries:
+        if e.manifest is not None and e.status != FENCED:
+            keep |= set(e.manifest.files)
+    return sorted(
+        name for name in folder.files
+        if name not in keep and name != MANIFEST_NAME and not _ROLLED_RE.match(name)
+        and name != _LEGACY_ROLLED
+        and (data_file_id(name) or _MARKER_RE.match(name) or _FENCED_RE.match(name)
+             or name == _LEGACY_MARKER or _TMP_RE.search(name)))
+
+
 def parse_marker(data: bytes, source: str) -> dict[str, Any]:
     """An attempt marker (``pending-<id>.json``) as a dict (``save_id``, ``owner``, ...).
 
@@ -196,10 +211,10 @@ class Lifecycle:
     def _read_doc(self, rel: str) -> Manifest:
         return Manifest.from_json_bytes(self.storage.read_bytes(rel), self.storage.describe(rel))
 
-    def entries(self, step: int) -> list[Entry]:
+    def entries(self, step: int, folder: _Folder | None = None) -> list[Entry]:
         """Every version of ``step``: committed (or fenced/corrupt), rolled back, incomplete."""
         d = step_dirname(step)
-        folder = self._folder(step)
+        folder = folder or self._folder(step)
         out: list[Entry] = []
         referenced: set[str] = set()
         committed_id = None
@@ -530,40 +545,33 @@ class Lifecycle:
         out = []
         for step in (self.steps() if steps is None else steps):
             folder = self._folder(step)
-            keep = self._referenced(step)
-            dead = []
-            for name in folder.files:
-                if name in keep or name == MANIFEST_NAME or _ROLLED_RE.match(name) \
-                        or name == _LEGACY_ROLLED:
-                    continue
-                if (data_file_id(name) or _MARKER_RE.match(name) or _FENCED_RE.match(name)
-                        or name == _LEGACY_MARKER or _TMP_RE.search(name)):
-                    dead.append(name)
+            dead = _dead_files(folder, self.entries(step, folder))
             if dead:
-                out.append((step, sorted(dead)))
+                out.append((step, dead))
         return out
 
     def cleanup(self, on_removed: Callable[[int, list[str]], None] | None = None) -> list[int]:
         """Remove every dead attempt's files (see ``leftovers``); returns the steps touched.
 
         A fenced-off manifest is moved aside first, which makes its data files leftovers.
+        A corrupt manifest is never removed silently (`ckpt list` shows it, gc leaves it).
         """
         self._require_lease(renew=True)
-        for step in self.steps():
-            if self.has_manifest(step):
-                try:
-                    self.read_committed(step)
-                except FencedCheckpointError:
-                    sid = self._read_doc(self._rel(step)).save_id
-                    self._move(step, MANIFEST_NAME, f"fenced-{sid}.json")
-                except CorruptCheckpointError:
-                    pass  # never deleted silently: `ckpt list` shows it, gc leaves it
         touched = []
-        for step, names in self.leftovers():
-            self._remove(step, names)
-            touched.append(step)
-            if on_removed is not None:
-                on_removed(step, names)
+        for step in self.steps():
+            folder = self._folder(step)
+            entries = self.entries(step, folder)
+            for e in entries:
+                if e.status == FENCED and e.name == MANIFEST_NAME:
+                    aside = f"fenced-{e.id}.json"
+                    self._move(step, MANIFEST_NAME, aside)
+                    folder.files[aside] = folder.files.pop(MANIFEST_NAME)
+            dead = _dead_files(folder, entries)
+            if dead:
+                self._remove(step, dead)
+                touched.append(step)
+                if on_removed is not None:
+                    on_removed(step, dead)
         return touched
 
     def manifests(self) -> Iterator[Manifest]:

@@ -27,9 +27,20 @@ class Agreement:
     def __init__(self, group=None):
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
+        self._closed = False
+
+    def close(self) -> None:
+        """Drop the group (its owner destroyed it); any later use is an error, never a
+        silent fall back to the world group."""
+        self.group, self._closed = None, True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("Agreement used after close(): its process group is gone")
 
     def max(self, *values: int) -> list[int]:
         """Element-wise MAX of ``values`` over all ranks."""
+        self._check_open()
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.int64)
@@ -46,6 +57,7 @@ class Agreement:
 
     def broadcast(self, value: Any) -> Any:
         """The group's first rank's ``value``, on every rank (JSON-like values only)."""
+        self._check_open()
         if not self.distributed:
             return value
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,11 @@ __all__ = ["init_distributed", "attempt_store", "is_attempt_scoped", "warn_if_no
 
 log = logging.getLogger(__name__)
 
-_scoped_group = None  # the default group init_distributed created, while it lives
+# The default group init_distributed created, by weak reference: a strong one would keep the
+# group's gloo threads alive after dist.destroy_process_group(), until the interpreter's
+# teardown, where a worker thread still releasing a finished collective's tensors aborts the
+# process ("terminate called without an active exception").
+_scoped_group: weakref.ref | None = None
 _warned = False
 
 
@@ -78,14 +83,14 @@ def init_distributed(backend: str | None = None, *, timeout_seconds: float | Non
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world,
                             timeout=timeout, device_id=device_id)
-    _scoped_group = dist.group.WORLD
+    _scoped_group = weakref.ref(dist.group.WORLD)
     return True
 
 
 def is_attempt_scoped() -> bool:
     """Whether the current default group was started by :func:`init_distributed`."""
     return dist.is_initialized() and _scoped_group is not None and \
-        dist.group.WORLD is _scoped_group
+        dist.group.WORLD is _scoped_group()
 
 
 def warn_if_not_attempt_scoped() -> None:

@@ -24,8 +24,10 @@ releases the lease and frees the two private groups.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -53,6 +55,15 @@ from ckpt.store import CheckpointStore
 __all__ = ["CheckpointManager", "SaveAbandoned", "HISTORY_NAME"]
 
 log = logging.getLogger(__name__)
+
+# Managers whose process groups are not freed yet (see CheckpointManager._destroy_groups).
+_open_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _free_groups_at_exit() -> None:
+    for manager in list(_open_managers):
+        manager._destroy_groups()
 
 
 class CheckpointManager:
@@ -141,6 +152,8 @@ class CheckpointManager:
                                     retry_backoff_seconds=retry_backoff_seconds,
                                     num_threads=num_threads, layout=self.layout,
                                     abandon=self._abandon)
+        if self.distributed:
+            _open_managers.add(self)  # its groups are freed at exit if close() is never called
         self.lease: Lease | None = None
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
@@ -446,6 +459,8 @@ class CheckpointManager:
         Returns the manifest loaded, or None when there is nothing to resume from
         (``raise_if_all_damaged``, ``extra_state``: see :func:`ckpt.api.load_latest`).
         """
+        if self._closed:
+            raise RuntimeError("CheckpointManager.load_latest() called after close()")
         t0 = time.monotonic()
         fallbacks: list[int] = []
 
@@ -509,8 +524,19 @@ class CheckpointManager:
             self._raise_pending_failure()
 
     def _destroy_groups(self) -> None:
-        """Free the two private groups (a job may build several managers over its life)."""
+        """Free the two private groups (a job may build several managers over its life).
+
+        Destroying is not enough: a gloo group's worker threads stop only when the last
+        reference to the group goes, so every holder lets go here. A group still alive at
+        the interpreter's teardown can abort the process: a worker thread that releases a
+        finished collective's tensors then needs the interpreter ("terminate called without
+        an active exception"). That is also why an unclosed manager does this at exit.
+        """
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
+        self._ctl.close()
+        self._persister.agreement.close()
+        self._persister.group = None
+        _open_managers.discard(self)
         if not self.distributed:
             return
         for group in groups:

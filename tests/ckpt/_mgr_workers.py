@@ -10,6 +10,7 @@ import io
 import json
 import time
 
+import pytest
 import torch
 
 from tests.ckpt._helpers import assert_same, snapshot
@@ -249,3 +250,39 @@ def fsdp_save_body(rank: int, world: int, root: str) -> dict:
         torch.save(sd, buf)
         blob = buf.getvalue()
     return {"state": blob, "local_numel": local_numel}
+
+
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (gloo's among them)."""
+    import os
+    import threading
+
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+def groups_freed_body(rank: int, world: int, root: str) -> dict:
+    """A manager's gloo groups leave no thread behind: after close(), and at exit for a
+    manager never closed. (A gloo group alive at the interpreter's teardown can abort the
+    process while a worker thread releases a finished collective's tensors.)"""
+    import gc
+
+    import ckpt.manager
+    from ckpt.manager import CheckpointManager
+
+    gc.collect()
+    before = _native_threads()
+    state = {"w": torch.arange(8.0) + rank, "step": 0}
+    with CheckpointManager(root, cadence=None) as mgr:
+        assert _native_threads() > before  # the two groups' gloo threads
+        mgr.save(1, {"w": torch.arange(8.0), "step": 1}, block=True)
+        assert mgr.load_latest(state).step == 1
+    closed = _native_threads()
+    with pytest.raises(RuntimeError, match="after close"):
+        mgr.load_latest(state)
+    unclosed = CheckpointManager(root, cadence=None)
+    assert unclosed.load_latest(state).step == 1
+    opened = _native_threads()
+    ckpt.manager._free_groups_at_exit()  # what the interpreter runs at exit
+    at_exit = _native_threads()
+    unclosed.close()  # still works: releases the lease
+    return {"before": before, "closed": closed, "opened": opened, "at_exit": at_exit}

@@ -91,3 +91,10 @@ def test_string_cadence_uses_ckpt_cadence(tmp_path):
         saved = [s for s in range(1, 7) if mgr.maybe_save(s, {"w": torch.ones(1)}) and
                  mgr.wait() is not None]
     assert saved == [2, 4, 6]
+
+
+def test_close_and_exit_leave_no_gloo_thread_behind(tmp_path):
+    results = run_ranks(workers.groups_freed_body, 2, str(tmp_path / "root"), timeout=120)
+    for r in results:
+        assert r["closed"] == r["before"], r
+        assert r["opened"] > r["before"] and r["at_exit"] == r["before"], r

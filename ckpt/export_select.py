@@ -13,12 +13,14 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ckpt.errors import CorruptCheckpointError
+from ckpt.manifest_schema import DTYPE_NAMES
 
 __all__ = ["parse_dtype", "select_keys", "cast_floats", "nest"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
-_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+# What a checkpoint can hold and is floating-point (complex is not cast).
+_FLOAT_DTYPES = tuple(n for n in DTYPE_NAMES if getattr(torch, n).is_floating_point)
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -29,7 +31,7 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
     else:
         name = str(value).strip().lower().removeprefix("torch.")
         name = _DTYPE_ALIASES.get(name, name)
-    if name not in _FLOAT_DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
+    if name not in _FLOAT_DTYPES:
         raise ValueError(f"--dtype {str(value)[:40]!r}: expected a floating dtype: bf16, fp16, "
                          f"fp32, fp64 or a full name ({', '.join(_FLOAT_DTYPES)})")
     return getattr(torch, name)

@@ -41,6 +41,7 @@ from ckpt.manifest_schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
+    DTYPE_NAMES,
     MAX_ATTACHMENT_BYTES,
     Attachment,
     FileRecord,
@@ -69,6 +70,7 @@ __all__ = [
     "Manifest",
     "step_dirname",
     "parse_step_dirname",
+    "DTYPE_NAMES",
     "dtype_name",
     "dtype_from_name",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "check_attachment_name",
     "step_dirname",
     "parse_step_dirname",
+    "DTYPE_NAMES",
     "dtype_name",
     "dtype_from_name",
 ]
@@ -51,6 +52,7 @@ _DTYPES: dict[str, torch.dtype] = {
     )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
+DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)  # the dtypes a manifest may hold (this torch has)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

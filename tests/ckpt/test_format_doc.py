@@ -42,7 +42,8 @@ NAMES = [
     ("`rolled-back-{ID}.json`", rf"step_\d{{9,}}/rolled-back-{_ID}\.json"),
     ("`fenced-{ID}.json`", rf"step_\d{{9,}}/fenced-{_ID}\.json"),
     ("`damaged-manifest-{HEX}.json`", r"step_\d{9,}/damaged-manifest-[0-9a-f]+\.json"),
-    ("`NAME.tmp-{HEX}`, `NAME.swap-lock`", r".*\.(tmp-[0-9a-f]+|swap-lock)"),
+    ("`NAME.tmp-{HEX}`", r".*\.tmp-[0-9a-f]+"),
+    ("`_lease.json.swap-lock/`", r"_lease\.json\.swap-lock/"),
 ]
 
 

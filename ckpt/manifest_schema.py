@@ -98,6 +98,9 @@ class ItemLocation:
 
 @dataclass(frozen=True)
 class FileRecord:
+    """A file of a version (data or attachment): its size, crc32c and writing rank (-1:
+    not recorded)."""
+
     size: int
     crc32c: int
     rank: int

@@ -18,7 +18,12 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping, Union
 
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (
+    CheckpointNotFoundError,
+    crc_mismatch_error,
+    missing_file_error,
+    size_mismatch_error,
+)
 from ckpt.manifest import (
     MAX_ATTACHMENT_BYTES,
     Manifest,
@@ -103,23 +108,17 @@ def read_from(storage: Storage, manifest: Manifest, name: str) -> bytes:
                                 f"(it has: {have})")
     rel = f"{d}/{rec.file}"
     where = storage.describe(rel)
+    context = f"attachment {name!r}: "
     try:
         actual_size = storage.size(rel)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"attachment {name!r}: {where} is missing; the checkpoint "
-                                     f"is incomplete. Load an earlier step.", path=where) from None
+        raise missing_file_error(where, context) from None
     if actual_size != rec.size:
-        raise CorruptCheckpointError(
-            f"attachment {name!r}: {where} is {actual_size} bytes, the manifest says "
-            f"{rec.size} (truncated or overwritten); load an earlier step", path=where,
-            expected=rec.size, actual=actual_size)
+        raise size_mismatch_error(where, rec.size, actual_size, context)
     data = storage.read_bytes(rel, 0, rec.size) if rec.size else b""
     crc = crc32c_of([data])
     if len(data) != rec.size or crc != rec.crc32c:
-        raise CorruptCheckpointError(
-            f"attachment {name!r}: checksum mismatch in {where}: expected crc32c "
-            f"{rec.crc32c:08x}, got {crc:08x}. The file is corrupt; load an earlier step.",
-            path=where, expected=f"{rec.crc32c:08x}", actual=f"{crc:08x}")
+        raise crc_mismatch_error(where, rec.crc32c, crc, context=context)
     return data
 
 

@@ -9,7 +9,7 @@ attempt with a new id)::
     (absent) --begin--> PENDING --commit--> COMMITTED --uncommit--> ROLLED-BACK
                           |                  |     ^                    |
                        abandon            delete    \------restore------/
-                          v                  v                      delete (gc, retention rule)
+                          v                  v                   delete (gc --rolled-back)
                       (removed)          (removed)                      v
                                                                     (removed)
     PENDING of an ended lease generation ----cleanup----> (removed)
@@ -26,6 +26,7 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
     manifest.json           the commit: created exclusively, never overwritten
     rolled-back-<id>.json   an un-committed manifest, kept and restorable
     fenced-<id>.json        a fenced-off writer's late manifest, moved aside
+    damaged-manifest-<hex>.json  a damaged manifest moved aside by ``restore(replace=True)``
 
 The fence files under ``_fence/`` (which manifests count once the lease changed hands)
 are :mod:`ckpt.fence`'s; the life-cycle asks it (``is_fenced``) and a new writer closes

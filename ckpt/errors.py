@@ -18,6 +18,9 @@ __all__ = [
     "LeaseLostError",
     "StorageUnavailableError",
     "RankFailuresError",
+    "missing_file_error",
+    "size_mismatch_error",
+    "crc_mismatch_error",
 ]
 
 
@@ -64,6 +67,36 @@ class AllCheckpointsDamagedError(CorruptCheckpointError):
 
 def _rebuild_all_damaged(root, failures, fix):
     return AllCheckpointsDamagedError(root, failures, fix=fix)
+
+
+# The three ways a file a manifest lists can be damaged, worded once for every reader.
+def missing_file_error(where: str, context: str = "") -> CorruptCheckpointError:
+    """The file ``where`` (as ``Storage.describe`` names it) that a manifest lists is absent.
+    ``context`` starts the message (e.g. ``"attachment 'config.json': "``)."""
+    return CorruptCheckpointError(
+        f"{context}data file {where} is missing; the checkpoint is incomplete. Load an "
+        f"earlier step.", path=where)
+
+
+def size_mismatch_error(where: str, expected: int, actual: int,
+                        context: str = "") -> CorruptCheckpointError:
+    """The file ``where`` holds ``actual`` bytes where its manifest says ``expected``."""
+    return CorruptCheckpointError(
+        f"{context}data file {where} is {actual} bytes, the manifest says {expected} "
+        f"(truncated or overwritten). Load an earlier step.", path=where,
+        expected=expected, actual=actual)
+
+
+def crc_mismatch_error(where: str, expected: int, actual: int, *,
+                       span: tuple[int, int] | None = None,
+                       context: str = "") -> CorruptCheckpointError:
+    """The crc32c of ``where`` (of its bytes ``[start, end)`` when ``span``) is ``actual``,
+    not the manifest's ``expected``."""
+    part = "" if span is None else f" bytes [{span[0]}, {span[1]})"
+    return CorruptCheckpointError(
+        f"{context}checksum mismatch in {where}{part}: expected crc32c {expected:08x}, got "
+        f"{actual:08x}. The file is corrupt; load an earlier step.", path=where,
+        expected=f"{expected:08x}", actual=f"{actual:08x}")
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

@@ -19,7 +19,7 @@ import torch
 
 from ckpt.codec import decode_object
 from ckpt.commit import COMMITTED
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, crc_mismatch_error
 from ckpt.manifest import ItemLocation, Manifest, dtype_from_name, step_dirname
 from ckpt.storage import crc32c_of
 from ckpt.store import CheckpointStore
@@ -97,10 +97,7 @@ def _read_item(store: CheckpointStore, m: Manifest, loc: ItemLocation, start: in
 def _crc_failed(store: CheckpointStore, m: Manifest, loc: ItemLocation, crc: int
                 ) -> CorruptCheckpointError:
     where = store.storage.describe(f"{step_dirname(m.step)}/{loc.file}")
-    return CorruptCheckpointError(
-        f"checksum mismatch in {where} bytes [{loc.offset}, {loc.offset + loc.length}): "
-        f"expected crc32c {loc.crc32c:08x}, got {crc:08x}. The file is corrupt.", path=where,
-        expected=f"{loc.crc32c:08x}", actual=f"{crc:08x}")
+    return crc_mismatch_error(where, loc.crc32c, crc, span=(loc.offset, loc.offset + loc.length))
 
 
 def _object_bytes(store: CheckpointStore, m: Manifest, fqn: str) -> bytes:

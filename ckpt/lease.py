@@ -6,7 +6,7 @@ the record there is released, stale or its holder is known dead, by a compare-an
 (``replace_if_unchanged``: ``If-Match`` on S3). The holder rewrites it every
 ``heartbeat_seconds`` by compare-and-swap. Every acquisition takes the next *generation*
 (a counter kept in the record, which is never deleted: release marks it released), so the
-writers of a root form a sequence that fencing (:mod:`ckpt.commit`) relies on.
+writers of a root form a sequence that fencing (:mod:`ckpt.fence`) relies on.
 
 Taking over before the TTL ran out needs proof that the holder is dead (``_known_dead``):
 the same process id gone on this very host and boot, or an earlier attempt of this same

@@ -24,7 +24,13 @@ from ckpt.commit import (
     Entry,
     Lifecycle,
 )
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    crc_mismatch_error,
+    missing_file_error,
+    size_mismatch_error,
+)
 from ckpt.manifest import Manifest, step_dirname
 from ckpt.storage import Storage, crc32c_of
 
@@ -142,13 +148,9 @@ class CheckpointStore:
             rel = f"{d}/{name}"
             where = self.storage.describe(rel)
             if name not in sizes:
-                raise CorruptCheckpointError(f"data file {where} is missing; load an earlier step",
-                                             path=where)
+                raise missing_file_error(where)
             if sizes[name] != rec.size:
-                raise CorruptCheckpointError(
-                    f"data file {where} is {sizes[name]} bytes, the manifest says {rec.size} "
-                    f"(truncated or overwritten); load an earlier step", path=where,
-                    expected=rec.size, actual=sizes[name])
+                raise size_mismatch_error(where, rec.size, sizes[name])
             if not full:
                 done += 1
                 if progress:
@@ -164,10 +166,7 @@ class CheckpointStore:
                 if progress:
                     progress(done, total)
             if crc != rec.crc32c:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {where}: expected crc32c {rec.crc32c:08x}, got "
-                    f"{crc:08x}. The file is corrupt; load an earlier step.", path=where,
-                    expected=f"{rec.crc32c:08x}", actual=f"{crc:08x}")
+                raise crc_mismatch_error(where, rec.crc32c, crc)
 
     def verify(self, step: int, *, full: bool = True,
                progress: Callable[[int, int], None] | None = None) -> Manifest:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from ckpt.backends.base import FsspecBackend
 from ckpt.errors import CorruptCheckpointError
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "replace_file", "write_new_file", "fsync_dir"]
 
 log = logging.getLogger("ckpt.storage")
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -96,12 +96,7 @@ class LocalBackend(FsspecBackend):
         self._check_inside_root(rel)
         p = self.path(rel)
         tmp = _tmp_name(p)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                     0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_new_file(tmp, data)
         try:
             os.link(tmp, p)
         except FileExistsError:
@@ -111,16 +106,12 @@ class LocalBackend(FsspecBackend):
                 raise
             # A filesystem without hard links: O_EXCL still makes the create exclusive.
             try:
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                write_new_file(p, data)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
         finally:
             os.unlink(tmp)
-        _fsync_dir(os.path.dirname(p))
+        fsync_dir(os.path.dirname(p))
         return True
 
     def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes,
@@ -172,7 +163,7 @@ def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = Tru
     (created exclusively, never through a link), which is synced and renamed over ``path``
     (a link planted at ``path`` is replaced, not followed); then the folder is synced."""
     tmp = _tmp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+    fd = _create_file(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -187,7 +178,22 @@ def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = Tru
             pass
         raise
     if durable:
-        _fsync_dir(os.path.dirname(path))  # the new name must survive a crash too
+        fsync_dir(os.path.dirname(path))  # the new name must survive a crash too
+
+
+def _create_file(path: str) -> int:
+    """A descriptor to write a new file at ``path``: created exclusively, never through a
+    link (``FileExistsError`` if anything, a link included, is there)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                   0o644)
+
+
+def write_new_file(path: str, data: bytes) -> None:
+    """``data`` in a new file at ``path`` (see :func:`_create_file`), fsync'd."""
+    with os.fdopen(_create_file(path), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _tmp_name(p: str) -> str:
@@ -195,7 +201,8 @@ def _tmp_name(p: str) -> str:
     return f"{p}.tmp-{uuid.uuid4().hex[:12]}"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Sync a folder's entries (best effort: a filesystem that cannot is left as it is)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

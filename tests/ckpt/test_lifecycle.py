@@ -34,7 +34,7 @@ from ckpt.commit import (
     release_lease,
 )
 from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
-from ckpt.lease import LEASE_NAME, Lease
+from ckpt.lease import LEASE_NAME
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 

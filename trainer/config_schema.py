@@ -218,8 +218,9 @@ class ParallelConfig(_Section):
     and what the layout planner evaluates. Its rules live here only: single-field rules in
     ``__post_init__``, rules against the model and the batch in :meth:`check`, rules against
     the world size in :meth:`resolved`. Every error is a :class:`ConfigError` whose message
-    starts with the dotted key at fault. ``dp = -1`` and ``n_microbatches = 0`` mean "not
-    decided yet"; :meth:`resolved` makes them concrete.
+    starts with the dotted key at fault. ``dp = -1``, ``dp_shard = -1`` and
+    ``n_microbatches = 0`` mean "not decided yet"; :meth:`resolved` makes them concrete
+    (``dp_shard`` as soon as ``dp`` is known, ``dp`` as soon as both its factors are).
     """
 
     _section: ClassVar[str] = "parallel"

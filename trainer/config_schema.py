@@ -206,18 +206,28 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 class ParallelConfig(_Section):
     """The parallel layout: a (pp, dp, tp) device mesh plus how each axis is used.
 
+    The dp axis may be split into ``dp_replicate x dp_shard`` (HSDP, hybrid sharded data
+    parallel, as torchtitan's ParallelDims): FSDP shards parameters, gradients and optimizer
+    state over the ``dp_shard`` ranks of a replica and the ``dp_replicate`` replicas hold the
+    same shards. ``dp = dp_replicate * dp_shard`` always; ``dp`` alone (the default
+    ``dp_replicate = 1``) is plain FSDP over all dp ranks, ``dp_shard = dp``. Give any two of
+    (dp, dp_replicate, dp_shard), or dp_replicate alone and let dp be the rest of the world.
+
     The one layout type of ``trainer/``: the ``[parallel]`` config section, what
     :func:`trainer.mesh.build_mesh` and :func:`trainer.parallelize.build_parallel_model` take,
     and what the layout planner evaluates. Its rules live here only: single-field rules in
     ``__post_init__``, rules against the model and the batch in :meth:`check`, rules against
     the world size in :meth:`resolved`. Every error is a :class:`ConfigError` whose message
-    starts with the dotted key at fault. ``dp = -1`` and ``n_microbatches = 0`` mean "not
-    decided yet"; :meth:`resolved` makes them concrete.
+    starts with the dotted key at fault. ``dp = -1``, ``dp_shard = -1`` and
+    ``n_microbatches = 0`` mean "not decided yet"; :meth:`resolved` makes them concrete
+    (``dp_shard`` as soon as ``dp`` is known, ``dp`` as soon as both its factors are).
     """
 
     _section: ClassVar[str] = "parallel"
     pp: int = _f(1, "Pipeline-parallel degree (stages).")
-    dp: int = _f(-1, "Data-parallel degree; -1 = world_size // (pp * tp).")
+    dp: int = _f(-1, "Data-parallel degree, dp_replicate * dp_shard; -1 = world // (pp * tp).")
+    dp_replicate: int = _f(1, "HSDP: replicas of the dp axis (e.g. nodes); > 1 needs dp_mode='fsdp'.")
+    dp_shard: int = _f(-1, "HSDP: ranks each replica shards over; -1 = dp // dp_replicate.")
     tp: int = _f(1, "Tensor-parallel degree; keep it within one node.")
     dp_mode: str = _f("fsdp", "'fsdp' (FSDP2, sharded) or 'ddp' (replicated) on the dp axis.")
     pp_schedule: str = _f("1f1b", "'gpipe', '1f1b' or 'interleaved1f1b'.")
@@ -233,6 +243,7 @@ class ParallelConfig(_Section):
                        "use -1 for the rest of the world")
         self.pp_schedule = self.pp_schedule.lower()
         self._choice("dp_mode", DP_MODES)
+        self._settle_dp_split()
         self._choice("pp_schedule", PP_SCHEDULES)
         self._at_least("n_microbatches", 0, "use 0 for 2 * pp")
         self._at_least("stages_per_rank", 1)
@@ -253,6 +264,40 @@ class ParallelConfig(_Section):
                 self._fail("n_microbatches", f"interleaved1f1b needs a multiple of "
                            f"{rounds} (= n_microbatches // pp), got {m}",
                            f"use a multiple of parallel.pp={self.pp}")
+
+    def _settle_dp_split(self) -> None:
+        """Check ``dp = dp_replicate * dp_shard`` and fill in whichever of them is derivable
+        (``dp_shard`` from dp, or ``dp`` from both factors); with both dp and dp_shard -1
+        they wait for :meth:`resolved`."""
+        self._at_least("dp_replicate", 1, "use 1 for plain FSDP/DDP over the whole dp axis")
+        if self.dp_shard != -1 and self.dp_shard < 1:
+            self._fail("dp_shard", f"must be >= 1 or -1, got {self.dp_shard}",
+                       "use -1 for parallel.dp // parallel.dp_replicate")
+        if self.dp_replicate > 1 and self.dp_mode != "fsdp":
+            self._fail("dp_replicate", f"is {self.dp_replicate} but HSDP needs "
+                       f"parallel.dp_mode='fsdp' (with {self.dp_mode!r} every dp rank already "
+                       "holds a full replica)", "set parallel.dp_mode='fsdp' or "
+                       "parallel.dp_replicate=1")
+        r, s = self.dp_replicate, self.dp_shard
+        if self.dp == -1:
+            if s != -1:
+                self.dp = r * s
+            return
+        if s == -1:
+            if self.dp % r:
+                self._fail("dp_replicate", f"{r} does not divide parallel.dp={self.dp} "
+                           "(dp = dp_replicate * dp_shard)",
+                           "pick a dp_replicate that divides dp")
+            self.dp_shard = self.dp // r
+        elif r * s != self.dp:
+            self._fail("dp", f"is {self.dp} but parallel.dp_replicate * parallel.dp_shard = "
+                       f"{r} * {s} = {r * s}", f"set parallel.dp={r * s}, or leave "
+                       "parallel.dp_shard unset (-1) to derive it from dp")
+
+    @property
+    def hsdp(self) -> bool:
+        """FSDP with replicas: the dp axis is a 2-D (dp_replicate, dp_shard) mesh."""
+        return self.dp_mode == "fsdp" and self.dp_replicate > 1
 
     @property
     def num_microbatches(self) -> int:
@@ -317,9 +362,18 @@ class ParallelConfig(_Section):
                        f"{self.pp} * {self.tp}", "launch pp * dp * tp ranks")
         dp = world_size // (self.pp * self.tp) if self.dp == -1 else self.dp
         if self.pp * dp * self.tp != world_size:
+            split = (f" (dp = dp_replicate * dp_shard = {self.dp_replicate} * {self.dp_shard})"
+                     if self.dp_shard != -1 and self.dp_replicate > 1 else "")
             self._fail("dp", f"pp * dp * tp = {self.pp} * {dp} * {self.tp} != world size "
-                       f"{world_size}", "set parallel.dp=-1 to use the rest of the world")
-        return dataclasses.replace(self, dp=dp, n_microbatches=self.num_microbatches)
+                       f"{world_size}{split}", "set parallel.dp=-1 and parallel.dp_shard=-1 "
+                       "to use the rest of the world" if split else
+                       "set parallel.dp=-1 to use the rest of the world")
+        if dp % self.dp_replicate:
+            self._fail("dp_replicate", f"{self.dp_replicate} does not divide the dp degree "
+                       f"{dp} (world size {world_size} / (pp * tp))",
+                       "pick a dp_replicate that divides it")
+        return dataclasses.replace(self, dp=dp, dp_shard=dp // self.dp_replicate,
+                                   n_microbatches=self.num_microbatches)
 
 
 @dataclass

@@ -7,7 +7,9 @@ Contract
 * Global batch ``b`` is samples ``[b * B, (b + 1) * B)`` with ``B = training.global_batch_size``.
   dp rank ``r`` of ``D`` takes the contiguous slice ``[r * B / D, (r + 1) * B / D)`` of it, so
   the concatenation over dp ranks is the same global batch for every ``D`` and a job resumed
-  on another dp degree continues the same sequence of global batches.
+  on another dp degree continues the same sequence of global batches. Under HSDP ``r`` and
+  ``D`` are the whole dp rank and degree (``dp_replicate * dp_shard``; ``trainer.mesh.dp_mesh``):
+  replicas see different data, as every DDP/FSDP rank does.
 * Inputs are ``tokens[:, :-1]``, targets ``tokens[:, 1:]`` (int64).
 * :meth:`BatchLoader.state_dict` is JSON-safe (ints and strings). Every dp rank calls
   ``next_batch`` once per optimizer step; the state is identical on every rank, so rank 0's

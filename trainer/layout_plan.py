@@ -4,7 +4,10 @@
 (:mod:`trainer.memory_model`), ranks them by a fixed preference order and recommends the
 simplest that fits:
 
-    DDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP (smallest first)
+    DDP  <  HSDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP
+
+HSDP (shard within a node, replicate across nodes) is a candidate only on several nodes; it
+comes before FSDP of the same pp and tp because its all-gathers stay inside a node.
 
 ``python -m trainer plan`` wires :func:`add_plan_arguments` and :func:`run_plan`. The formulas
 and their sources are in docs/layout-planner.md; memory is reported in GiB (2**30 bytes).
@@ -58,7 +61,10 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
                       modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Candidate]:
     """Every layout of ``num_gpus`` with TP inside a node and dividing the heads, pp at most
     n_layers, in preference order. Sharded modes need dp > 1; TP composes only with FSDP
-    (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1."""
+    (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1. With 'fsdp' and several nodes,
+    also HSDP with a node's worth of shard ranks (``dp_shard = gpus_per_node / tp``, at least
+    2) and the other dp ranks as replicas: ranks are laid out (pp, dp_replicate, dp_shard,
+    tp), so each shard group is one node."""
     out = []
     for tp in _divisors(num_gpus):
         if tp > gpus_per_node or gpus_per_node % tp or shape.n_heads % tp:
@@ -69,6 +75,10 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
             dp = num_gpus // (tp * pp)
             out += [Candidate.of(pp, dp, tp, mode) for mode in modes
                     if (mode == "ddp" or dp > 1) and (mode == "fsdp" or tp == 1)]
+            shard = gpus_per_node // tp
+            if "fsdp" in modes and num_gpus > gpus_per_node and 1 < shard < dp \
+                    and dp % shard == 0:
+                out.append(Candidate.of(pp, dp, tp, "fsdp", dp_replicate=dp // shard))
     return sorted(out, key=Candidate.preference)
 
 
@@ -142,7 +152,11 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
         if requested.tp > 1 and requested.sharding != "fsdp":
             warns.append(("tp-needs-fsdp", f"the trainer composes TP only with FSDP; use "
                           f"--parallel.dp_mode=fsdp instead of {requested.sharding}"))
-        if rec and rec[0].preference() < requested.preference() and fits(req[1]):
+        # HSDP instead of the same FSDP is the fsdp-across-nodes warning's advice, not this one.
+        only_replicas = rec is not None and rec[0].hsdp and requested.sharding == "fsdp" and \
+            (rec[0].pp, rec[0].tp) == (requested.pp, requested.tp)
+        if rec and rec[0].preference() < requested.preference() and fits(req[1]) and \
+                not only_replicas:
             what = "3D parallelism" if requested.pp > 1 and requested.tp > 1 and \
                 requested.dp > 1 else requested.name
             costs = [c for c, on in (("per-layer FSDP all-gathers", requested.sharding == "fsdp"
@@ -169,11 +183,15 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
         warns.append(("pipeline-bubble", f"pipeline bubble is {est.bubble:.0%} of each step "
                       f"(pp={lay.pp}, {est.num_microbatches} micro-batches, (pp-1)/(m+pp-1)); "
                       f"use >= {4 * lay.pp} micro-batches or the interleaved1f1b schedule"))
-    if rec and rec[0].sharding == "fsdp" and num_gpus > gpus_per_node and rec[0].tp == 1 and \
-            rec[0].pp == 1 and fits(estimate_memory(work, Candidate.of(1, gpus_per_node, 1, "fsdp"))):
-        warns.append(("fsdp-across-nodes", f"FSDP all-gathers cross nodes every layer; sharding "
-                      f"within a node ({gpus_per_node} GPUs) also fits, so HSDP (shard in-node, "
-                      "replicate across nodes) would keep them on NVLink"))
+    if requested is not None and requested.sharding == "fsdp" and not requested.hsdp and \
+            requested.dp * requested.tp > gpus_per_node:
+        hsdp = next(((lay, e) for lay, e in rows if lay.hsdp and lay.pp == requested.pp
+                     and lay.tp == requested.tp and lay.dp == requested.dp), None)
+        if hsdp and fits(hsdp[1]):
+            warns.append(("fsdp-across-nodes", f"FSDP dp={requested.dp} all-gathers cross "
+                          f"nodes every layer; {hsdp[0].name} (shard within a node, replicate "
+                          f"across nodes) also fits ({_gib(hsdp[1].total)} per GPU) and keeps "
+                          f"them on NVLink: add --parallel.dp_replicate={hsdp[0].dp_replicate}"))
     if rec is None:
         hint = ""
         if work.recompute != "full":
@@ -228,6 +246,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--dp", type=int)
     r.add_argument("--tp", type=int)
     r.add_argument("--dp-mode", choices=SHARDINGS)
+    r.add_argument("--dp-replicate", type=int,
+                   help="HSDP replicas of the dp axis (with --dp-mode fsdp; default 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--all", action="store_true", help="list every candidate layout")
 
@@ -257,11 +277,17 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
     requested = None
     p = cfg.parallel if cfg else None
     pp, tp = args.pp or (p.pp if p else None), args.tp or (p.tp if p else None)
-    if any(x is not None for x in (args.pp, args.tp, args.dp, args.dp_mode)) or cfg:
+    if any(x is not None for x in (args.pp, args.tp, args.dp, args.dp_mode,
+                                   args.dp_replicate)) or cfg:
         pp, tp = pp or 1, tp or 1
         dp = args.dp or (p.dp if p and p.dp != -1 else num_gpus // (pp * tp))
-        mode = args.dp_mode or (p.dp_mode if p else ("fsdp" if tp > 1 else "ddp"))
-        requested = Candidate.of(pp, dp, tp, mode)
+        replicate = args.dp_replicate or (p.dp_replicate if p else 1)
+        mode = args.dp_mode or (p.dp_mode if p else ("fsdp" if tp > 1 or replicate > 1
+                                                     else "ddp"))
+        if replicate < 1 or dp % replicate:
+            raise ValueError(f"--dp-replicate: {replicate} does not divide dp={dp}; pick a "
+                             "divisor of dp (dp = dp_replicate * dp_shard)")
+        requested = Candidate.of(pp, dp, tp, mode, dp_replicate=replicate)
     micro, m_count, gbatch = args.micro_batch, args.microbatches, args.global_batch
     if cfg and requested and requested.num_gpus == num_gpus and micro is None:
         m_count = m_count or (p.num_microbatches if requested.pp > 1 else None)

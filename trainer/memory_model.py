@@ -25,7 +25,8 @@ __all__ = [
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp")
 """How the dp axis holds model state, least to most sharded: 'ddp' replicates everything,
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, 'fsdp' (ZeRO-3) also the
-weights. Only 'ddp' and 'fsdp' are trainer modes (``parallel.dp_mode``)."""
+weights. Only 'ddp' and 'fsdp' are trainer modes (``parallel.dp_mode``). 'fsdp' on a layout
+with ``dp_replicate > 1`` is HSDP: everything is sharded over ``dp_shard`` ranks only."""
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,23 @@ def shape_from_params(num_params: int, vocab_size: int = 32000) -> ModelShape:
 class Candidate:
     """A layout the planner evaluates: the trainer layout and the sharding (one of
     :data:`SHARDINGS`) its memory is estimated with. ZeRO-1/2 have no trainer mode; their
-    ``layout.dp_mode`` is 'fsdp', the mode that would run them."""
+    ``layout.dp_mode`` is 'fsdp', the mode that would run them. HSDP is 'fsdp' with
+    ``layout.dp_replicate > 1``."""
 
     layout: ParallelConfig
     sharding: str
 
     @classmethod
-    def of(cls, pp: int, dp: int, tp: int, sharding: str = "ddp") -> Candidate:
+    def of(cls, pp: int, dp: int, tp: int, sharding: str = "ddp",
+           dp_replicate: int = 1) -> Candidate:
         if sharding not in SHARDINGS:
             raise ValueError(f"--dp-mode: {sharding!r} is not one of {', '.join(SHARDINGS)}")
+        if dp_replicate > 1 and sharding != "fsdp":
+            raise ValueError(f"--dp-replicate: HSDP ({dp_replicate} replicas) shards like "
+                             f"FSDP; use --dp-mode fsdp instead of {sharding}")
         mode = "ddp" if sharding == "ddp" else "fsdp"
-        return cls(ParallelConfig(pp=pp, dp=dp, tp=tp, dp_mode=mode), sharding)
+        return cls(ParallelConfig(pp=pp, dp=dp, tp=tp, dp_mode=mode,
+                                  dp_replicate=dp_replicate), sharding)
 
     @property
     def pp(self) -> int:
@@ -103,28 +110,43 @@ class Candidate:
         return self.layout.tp
 
     @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def hsdp(self) -> bool:
+        return self.layout.hsdp
+
+    @property
     def num_gpus(self) -> int:
         return self.layout.world_size
 
     @property
     def name(self) -> str:
-        parts = [f"{self.sharding.upper()} dp={self.dp}"] * (self.dp > 1)
+        if self.hsdp:
+            parts = [f"HSDP dp={self.dp_replicate}x{self.layout.dp_shard}"]
+        else:
+            parts = [f"{self.sharding.upper()} dp={self.dp}"] * (self.dp > 1)
         parts += [f"TP{self.tp}"] * (self.tp > 1) + [f"PP{self.pp}"] * (self.pp > 1)
         return " + ".join(parts) or "single GPU"
 
     def preference(self) -> tuple:
-        """Sort key of the documented preference order (simplest first)."""
-        return (self.pp > 1, self.tp > 1, self.pp, self.tp, SHARDINGS.index(self.sharding))
+        """Sort key of the documented preference order (simplest first); HSDP (more
+        replicas first) comes just before FSDP of the same pp and tp."""
+        return (self.pp > 1, self.tp > 1, self.pp, self.tp, SHARDINGS.index(self.sharding),
+                -self.dp_replicate)
 
     def overrides(self, sequence_parallel: bool = True) -> str:
         """The trainer flags that run this layout."""
         lay = self.layout
         out = " ".join(f"--parallel.{k}={getattr(lay, k)}" for k in ("pp", "dp", "tp", "dp_mode"))
+        out += f" --parallel.dp_replicate={lay.dp_replicate}" if self.hsdp else ""
         return out + (" --parallel.sequence_parallel=true" if lay.tp > 1 and sequence_parallel
                       else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_mode": self.sharding}
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_mode": self.sharding,
+                "dp_replicate": self.dp_replicate, "dp_shard": self.layout.dp_shard}
 
 
 @dataclass(frozen=True)
@@ -213,7 +235,8 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
     act_layer = activation_bytes_per_layer(work.seq_len, work.micro_batch, sh.dim, sh.n_heads, t,
                                            work.sequence_parallel, work.recompute,
                                            pc.activation_bytes)
-    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (dp, dp, dp)}
+    ds = layout.dp_shard  # = dp, except under HSDP: replicas hold the same shards
+    shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (ds, ds, ds)}
     w_div, g_div, o_div = shard[cand.sharding]
     best: MemoryEstimate | None = None
     for st in sorted({0, pp - 1}):
@@ -230,7 +253,7 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
             optimizer=params * (pc.master_bytes + n_states * pc.state_bytes) / o_div,
             # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
             fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
-                          if cand.sharding == "fsdp" and dp > 1 else 0.0),
+                          if cand.sharding == "fsdp" and ds > 1 else 0.0),
             activations=layers * act_layer * in_flight,
             # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
             logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size

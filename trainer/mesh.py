@@ -8,19 +8,29 @@ the one ``DeviceMesh`` every other part of ``trainer/`` uses.
 Rank order: ranks are laid out row-major over ``(pp, dp, tp)``, so tp neighbours are
 adjacent ranks (on GPUs: the same node, where the all-reduces of TP are cheapest) and pp is
 the outermost axis (its point-to-point traffic is the lightest).
+
+HSDP (``par.hsdp``): the dp axis is split row-major into ``(dp_replicate, dp_shard)``, so the
+mesh has the axes :data:`HSDP_MESH_AXES`, and :func:`dp_mesh` is the two flattened back into
+one (dp rank = replicate rank * dp_shard + shard rank, the same rank order as without the
+split). A shard group is ``dp_shard * tp`` adjacent ranks: a node, when that is its size.
+Everything that needs "the data-parallel group" (data slices, loss means, DDP) uses
+:func:`dp_mesh` on every layout; only FSDP uses ``mesh["dp_replicate", "dp_shard"]``.
 """
 
 from __future__ import annotations
 
 from trainer.config_schema import ParallelConfig
 
-__all__ = ["ParallelConfig", "build_mesh", "MESH_AXES"]
+__all__ = ["ParallelConfig", "build_mesh", "dp_mesh", "MESH_AXES", "HSDP_MESH_AXES"]
 
 MESH_AXES = ("pp", "dp", "tp")
+HSDP_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(par: ParallelConfig, device_type: str = "cpu"):
-    """Create the ``DeviceMesh`` with axes ``("pp", "dp", "tp")`` over the whole world.
+    """Create the ``DeviceMesh`` with axes ``("pp", "dp", "tp")`` over the whole world; under
+    HSDP with axes ``("pp", "dp_replicate", "dp_shard", "tp")`` (take the dp axis with
+    :func:`dp_mesh`, on either).
 
     Contract: every rank of an initialised default process group calls this once, with the
     same arguments, in the same order relative to other collectives (``init_device_mesh``
@@ -38,4 +48,24 @@ def build_mesh(par: ParallelConfig, device_type: str = "cpu"):
             f"{par.pp} * {par.dp} * {par.tp} = {par.world_size}; change the degrees or the "
             "number of processes so they match"
         )
-    return init_device_mesh(device_type, (par.pp, par.dp, par.tp), mesh_dim_names=MESH_AXES)
+    if not par.hsdp:
+        return init_device_mesh(device_type, (par.pp, par.dp, par.tp), mesh_dim_names=MESH_AXES)
+    mesh = init_device_mesh(device_type, (par.pp, par.dp_replicate, par.dp_shard, par.tp),
+                            mesh_dim_names=HSDP_MESH_AXES)
+    dp_mesh(mesh)  # creates the flattened dp group now, while every rank is here
+    return mesh
+
+
+def dp_mesh(mesh):
+    """The 1-D data-parallel sub-mesh of a :func:`build_mesh` mesh: its ``"dp"`` axis, or
+    under HSDP ``dp_replicate x dp_shard`` flattened (made once, then cached by the mesh).
+
+    Collective the first time on an HSDP mesh (it creates a process group): :func:`build_mesh`
+    calls it, so later calls on any rank are local.
+    """
+    if "dp" in (mesh.mesh_dim_names or ()):
+        return mesh["dp"]
+    # torch 2.13 keeps flattening private (torchtitan builds its dp axes the same way);
+    # slicing "dp" from the root mesh instead is deprecated, so the flattened mesh is
+    # always reached through this call.
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")

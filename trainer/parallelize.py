@@ -1,7 +1,9 @@
 """Apply TP, FSDP2/DDP and pipeline parallelism to the reference transformer.
 
 Order, per pipeline stage module (all built on the meta device, so no rank ever holds
-the full model): tensor parallel on ``mesh["tp"]`` -> FSDP2 on ``mesh["dp"]`` ->
+the full model): tensor parallel on ``mesh["tp"]`` -> FSDP2 on ``mesh["dp"]`` (HSDP:
+on the 2-D ``mesh["dp_replicate", "dp_shard"]``, sharded over dp_shard, replicated over
+dp_replicate; FSDP2 reduce-scatters within a replica and all-reduces across them) ->
 ``to_empty`` + ``init_weights(seed)`` (layout-independent values, see ``trainer.model``)
 -> DDP wrapper when ``dp_mode == "ddp"`` (pp == 1; with pp > 1 the gradients are
 all-reduced once per step instead, see ``build_parallel_model``) -> ``PipelineStage`` +
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.config_schema import ParallelConfig
+from trainer.mesh import dp_mesh
 from trainer.model import ModelConfig, Transformer, cross_entropy_loss
 from trainer.pipeline import (
     build_pipeline_stages,
@@ -100,6 +103,9 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 on one (stage) module: one group per block, one for the remaining root params.
 
+    ``dp_mesh`` is 1-D (FSDP: shard over all of it) or 2-D (HSDP: replicate over its first
+    axis, shard over the second).
+
     Under pipelining pass ``reshard_after_forward=False``: a stage runs forward for every
     micro-batch before the matching backwards, and resharding would all-gather per
     micro-batch. Gradients are reduced in fp32 whatever the compute dtype.
@@ -119,7 +125,8 @@ class ParallelModel:
     Attributes:
         model_parts: this rank's stage modules (one, or ``stages_per_rank`` with
             interleaved pipelining), never wrapped: parameter names equal the full model's.
-        mesh: the (pp, dp, tp) DeviceMesh, or None for a plain single process.
+        mesh: the (pp, dp, tp) DeviceMesh (HSDP: (pp, dp_replicate, dp_shard, tp) with a
+            flattened "dp"; see ``trainer.mesh``), or None for a plain single process.
     """
 
     def __init__(self, model_cfg, par, mesh, parts, runners, stages, schedule, device,
@@ -173,7 +180,7 @@ class ParallelModel:
 
     def _allreduce_grads(self) -> None:
         """Average plain-tensor gradients over the dp group, one flat buffer per dtype."""
-        group = self.mesh["dp"].get_group()
+        group = dp_mesh(self.mesh).get_group()
         by_dtype: dict = {}
         for p in self.parameters():
             if p.grad is not None:
@@ -402,13 +409,14 @@ def build_parallel_model(
         if par.tp > 1:
             apply_tp(module, mesh["tp"], par.sequence_parallel)
         if par.dp > 1 and par.dp_mode == "fsdp":
-            apply_fsdp(module, mesh["dp"], param_dtype, reshard_after_forward=par.pp == 1)
+            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if par.hsdp else mesh["dp"]
+            apply_fsdp(module, fsdp_mesh, param_dtype, reshard_after_forward=par.pp == 1)
         module.to_empty(device=device)
         module.init_weights(seed)
         parts.append(module)
         if par.dp > 1 and par.dp_mode == "ddp" and par.pp == 1:
             runners.append(
-                nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
+                nn.parallel.DistributedDataParallel(module, process_group=dp_mesh(mesh).get_group())
             )
         else:
             # DDP under a pipeline schedule trips the reducer's first-iteration bucket

@@ -162,7 +162,8 @@ class Trainer:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(
             o, lambda s: self.lr_schedule.lr_at(s) / self.lr_schedule.lr)
             for o in self.optimizers]
-        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        # The whole dp rank (under HSDP replicate and shard ranks both): each its own slice.
+        dp_rank = mesh_mod.dp_mesh(self.mesh).get_local_rank() if self.mesh is not None else 0
         self.loader = build_loader(cfg, dp_rank, p.dp)
         self.step = 0
         self.num_skipped_steps = 0
@@ -210,6 +211,7 @@ class Trainer:
             if c.keep_every > 0:
                 retention.append(KeepEvery(c.keep_every))
         layout = {"pp": self.par.pp, "dp": self.par.dp, "tp": self.par.tp,
+                  "dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard,
                   "dp_mode": self.par.dp_mode, "world_size": self.env.world_size}
         mgr = CheckpointManager(c.root, storage_options=c.storage_options or None,
                                 cadence=cadence, retention=retention, async_save=c.async_save,
@@ -280,9 +282,11 @@ class Trainer:
         return manifest.step
 
     def _same_layout(self, manifest) -> bool:
+        # Checkpoints written before HSDP carry no dp_replicate: they were not hybrid.
         return manifest.world_size == self.env.world_size and all(
-            manifest.layout.get(k) == v for k, v in
-            (("pp", self.par.pp), ("dp", self.par.dp), ("tp", self.par.tp)))
+            manifest.layout.get(k, default) == v for k, v, default in
+            (("pp", self.par.pp, None), ("dp", self.par.dp, None), ("tp", self.par.tp, None),
+             ("dp_replicate", self.par.dp_replicate, 1)))
 
     def _rng_if_same_layout(self, manifest) -> dict[str, Any]:
         """RNG streams resume only on the same layout (another layout draws differently);

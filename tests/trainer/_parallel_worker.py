@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from trainer.mesh import ParallelConfig, build_mesh
+from trainer.mesh import ParallelConfig, build_mesh, dp_mesh
 from trainer.model import ModelConfig
 from trainer.parallelize import build_parallel_model
 
@@ -24,9 +24,11 @@ MAX_NORM = 1.0
 
 
 def layout(**kwargs) -> ParallelConfig:
-    """The layout for ``kwargs`` (dp defaults to 1, not the config's -1), checked against
-    MODEL and the test batch the way ``Config.resolved`` checks a job's."""
-    par = ParallelConfig(**{"dp": 1, **kwargs})
+    """The layout for ``kwargs`` (dp defaults to dp_replicate * dp_shard, or 1; not the
+    config's -1), checked against MODEL and the test batch the way ``Config.resolved``
+    checks a job's."""
+    dp = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1)
+    par = ParallelConfig(**{"dp": dp, **kwargs})
     par = par.resolved(par.world_size)
     par.check(MODEL, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN)
     return par
@@ -139,7 +141,7 @@ def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1, che
     par = layout(**par_kwargs)
     mesh = build_mesh(par, "cpu")
     pm = build_parallel_model(MODEL, par, mesh, SEED)
-    result = train(pm, mesh["dp"].get_local_rank(), par.dp, accum, check_keys)
+    result = train(pm, dp_mesh(mesh).get_local_rank(), par.dp, accum, check_keys)
     if check_keys:
         check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)
     return result

@@ -228,3 +228,63 @@ def test_cli_bad_layout_names_the_field(capsys):
     add_plan_arguments(parser)
     assert run_plan(parser.parse_args(["--params", "7B", "--dp", "-3"])) == 2
     assert "plan: error: parallel.dp: must be >= 1 or -1, got -3" in capsys.readouterr().err
+
+
+# --- HSDP: shard within a node, replicate across nodes -------------------------------------
+
+
+def test_hsdp_shards_state_over_dp_shard_only():
+    work = Workload(shape_from_params(7_000_000_000))
+    ddp = estimate_memory(work, Candidate.of(1, 16, 1, "ddp"))
+    fsdp = estimate_memory(work, Candidate.of(1, 16, 1, "fsdp"))
+    hsdp = estimate_memory(work, Candidate.of(1, 16, 1, "fsdp", dp_replicate=2))
+    for part in ("weights", "grads", "optimizer"):
+        assert getattr(hsdp, part) == pytest.approx(getattr(ddp, part) / 8)   # dp_shard = 8
+        assert getattr(fsdp, part) == pytest.approx(getattr(ddp, part) / 16)
+    assert hsdp.fsdp_buffers == fsdp.fsdp_buffers > 0
+    lay = Candidate.of(1, 16, 1, "fsdp", dp_replicate=2)
+    assert lay.name == "HSDP dp=2x8" and lay.to_dict()["dp_shard"] == 8
+    with pytest.raises(ValueError, match="--dp-replicate: HSDP"):
+        Candidate.of(1, 16, 1, "zero1", dp_replicate=2)
+
+
+def test_hsdp_candidates_on_several_nodes_only_with_a_node_per_shard_group():
+    shape = shape_from_params(7_000_000_000)
+    assert not any(c.hsdp for c in candidate_layouts(8, 8, shape))  # one node: no HSDP
+    layouts = candidate_layouts(32, 8, shape)
+    hsdp = [c for c in layouts if c.hsdp]
+    assert {(c.pp, c.tp, c.dp_replicate, c.layout.dp_shard) for c in hsdp} >= {
+        (1, 1, 4, 8), (1, 2, 4, 4), (2, 1, 2, 8)}
+    for c in hsdp:
+        assert c.layout.dp_shard * c.tp == 8  # a shard group is exactly one node
+        # Just before FSDP of the same pp and tp: the first sharded layout worth trying.
+        fsdp = layouts.index(Candidate.of(c.pp, c.dp, c.tp, "fsdp"))
+        assert layouts.index(c) == fsdp - 1
+
+
+def test_hsdp_recommended_across_nodes_and_fsdp_there_warned():
+    work = Workload(shape_from_params(7_000_000_000))
+    plan = plan_layout(work, 16, 8, H100)
+    assert plan.recommended[0] == Candidate.of(1, 16, 1, "fsdp", dp_replicate=2)
+    asked = plan_layout(work, 16, 8, H100, requested=Candidate.of(1, 16, 1, "fsdp"))
+    assert "fsdp-across-nodes" in _codes(asked)
+    assert "needless-parallelism" not in _codes(asked)  # one piece of advice, not two
+    assert any("--parallel.dp_replicate=2" in m for _, m in asked.warnings)
+    # FSDP inside one node is not warned about.
+    assert "fsdp-across-nodes" not in _codes(plan_layout(work, 8, 8, H100,
+                                                         requested=Candidate.of(1, 8, 1, "fsdp")))
+
+
+def test_cli_hsdp_layout_and_its_flags(capsys):
+    from trainer.config import load_config
+
+    rc, out = _run(capsys, "--params", "7B", "--nodes", "2", "--dp", "16", "--dp-replicate", "2")
+    assert rc == 0 and "Requested:   HSDP dp=2x8  (fits)" in out
+    flags = next(line.split() for line in out.splitlines() if "--parallel.dp_replicate=2" in line)
+    par = load_config(None, flags).parallel
+    assert (par.dp, par.dp_replicate, par.dp_shard, par.dp_mode) == (16, 2, 8, "fsdp")
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--params", "7B", "--nodes", "2", "--dp", "16",
+                                       "--dp-replicate", "3"])) == 2
+    assert "plan: error: --dp-replicate: 3 does not divide dp=16" in capsys.readouterr().err

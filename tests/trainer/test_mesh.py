@@ -33,6 +33,8 @@ def check(par: ParallelConfig, world_size=None, batch=8, seq_len=16, model=MODEL
         dict(dp=1, tp=4, sequence_parallel=True),
         dict(pp=4, dp=1, pp_schedule="gpipe", n_microbatches=2),
         dict(pp=2, tp=2),  # dp = -1: the rest of the world
+        dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True),  # HSDP x TP
+        dict(pp=2, dp_replicate=2, n_microbatches=2),  # HSDP x PP, dp = the rest
     ],
 )
 def test_valid_layouts_pass(kwargs):
@@ -58,6 +60,11 @@ INVALID = [
     (dict(dp=1, tp=4, sequence_parallel=True), dict(seq_len=14), "parallel.sequence_parallel",
      ["training.seq_len=14"]),
     (dict(dp=1, sequence_parallel=True), {}, "parallel.sequence_parallel", ["needs parallel.tp > 1"]),
+    # HSDP: the batch splits over the whole dp degree, replicas and shards both.
+    (dict(dp_replicate=2, dp_shard=3), {}, "training.global_batch_size",
+     ["8 is not divisible by dp * grad_accum_steps = 6 * 1"]),
+    (dict(dp_replicate=4, pp=2), dict(world_size=4), "parallel.dp_replicate",
+     ["4 does not divide the dp degree 2"]),
 ]
 
 

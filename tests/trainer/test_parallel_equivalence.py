@@ -4,7 +4,9 @@ One ``run_ranks`` launch per layout (20 AdamW steps inside), compared against a
 single-process reference computed once in the test process. Between them the layouts
 cover FSDP2, DDP (with and without a pipeline), TP with and without sequence parallel,
 the three schedules (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank),
-gradient accumulation, and the 3D mesh (2, 2, 2) on 8 processes.
+gradient accumulation, the 3D mesh (2, 2, 2) on 8 processes, and HSDP (dp_replicate x
+dp_shard) with TP + sequence parallel on 8 processes and under a pipeline. (HSDP against
+DDP on the same ranks, and HSDP checkpoints: test_hsdp.py.)
 
 Tolerance: losses and gradient norms must agree with the reference to rtol 1e-4. Layouts
 do not compute bit-identical sums (TP splits matmul reductions, FSDP/DDP sum gradients
@@ -45,6 +47,8 @@ LAYOUTS = [
     ("pp2xtp2-gpipe", dict(pp=2, tp=2, pp_schedule="gpipe", n_microbatches=2), 1, False),
     ("pp2xdp2-ddp-gpipe-accum2", dict(pp=2, dp=2, dp_mode="ddp", pp_schedule="gpipe", n_microbatches=2), 2, False),
     ("pp2xdp2xtp2-1f1b", dict(pp=2, dp=2, tp=2, pp_schedule="1f1b", n_microbatches=2), 1, True),
+    ("hsdp2x2xtp2-seqpar", dict(dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True), 1, False),
+    ("pp2xhsdp2x1-1f1b", dict(pp=2, dp_replicate=2, dp_shard=1, n_microbatches=2), 1, False),
 ]
 
 

@@ -167,6 +167,10 @@ class TieredCheckpointManager:
         return self.durable.storage
 
     @property
+    def retention(self) -> list[RetentionPolicy]:
+        return self.durable.retention
+
+    @property
     def cadence(self):
         return self.durable.cadence
 

@@ -201,9 +201,12 @@ class Trainer:
         from ckpt.store import CheckpointStore
 
         c = self.cfg.checkpoint
-        cadence = parse_interval(c.interval, mtbf_seconds=c.mtbf_hours * 3600.0,
-                                 overhead_budget=c.overhead_budget,
-                                 initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        auto = dict(overhead_budget=c.overhead_budget,
+                    initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        # With a local tier, root's checkpoints are lost only with a node: its 'auto' uses
+        # the node-loss MTBF; the local tier's uses every failure's (docs/cadence.md).
+        durable_mtbf = (c.node_loss_mtbf_hours or c.mtbf_hours) if c.local_root else c.mtbf_hours
+        cadence = parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **auto)
         retention = []
         if c.keep_last > 0:
             retention.append(KeepLast(c.keep_last))
@@ -211,11 +214,19 @@ class Trainer:
                 retention.append(KeepEvery(c.keep_every))
         layout = {"pp": self.par.pp, "dp": self.par.dp, "tp": self.par.tp,
                   "dp_mode": self.par.dp_mode, "world_size": self.env.world_size}
-        mgr = CheckpointManager(c.root, storage_options=c.storage_options or None,
-                                cadence=cadence, retention=retention, async_save=c.async_save,
-                                verify=c.verify, layout=layout, events=self.events,
-                                raise_on_failure=c.fail_on_error,
-                                job_fingerprint=self.fingerprint)
+        options = dict(storage_options=c.storage_options or None, cadence=cadence,
+                       retention=retention, async_save=c.async_save, verify=c.verify,
+                       layout=layout, events=self.events, raise_on_failure=c.fail_on_error,
+                       job_fingerprint=self.fingerprint)
+        if c.local_root:
+            from ckpt.tiers import TieredCheckpointManager
+
+            mgr = TieredCheckpointManager(
+                c.root, c.local_root, local_cadence=parse_interval(
+                    c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0, **auto),
+                local_retention=[KeepLast(c.local_keep_last)], **options)
+        else:
+            mgr = CheckpointManager(c.root, **options)
         if retention:
             mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
         return mgr
@@ -273,7 +284,9 @@ class Trainer:
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
         self._reconcile_config(manifest)
         if self.env.rank == 0:
-            log.info("resumed from %s step %d%s", c.root, manifest.step,
+            tier = getattr(self.manager, "resumed_tier", None)
+            log.info("resumed from %s step %d%s", c.root if tier != "local" else
+                     f"the local tier ({c.local_root})", manifest.step,
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
             self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)
@@ -555,6 +568,20 @@ def check_startup(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.root: cannot create {path}: {existing} is not "
                               f"writable; fix its permissions or choose another root",
                               key="checkpoint.root")
+    if c.local_root and "://" not in c.local_root:
+        from ckpt.tiers import node_local_root
+
+        path = os.path.abspath(os.path.expanduser(
+            node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0") or 0))))
+        existing = path
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"checkpoint.local_root: cannot use {path}: {existing} is "
+                              f"{'not writable' if os.path.isdir(existing) else 'a file'}; "
+                              f"set --checkpoint.local_root to a writable folder on fast "
+                              f"node-local storage (created if missing)",
+                              key="checkpoint.local_root")
     if c.resume and c.load_step is not None:
         try:
             store.read_manifest(c.load_step)

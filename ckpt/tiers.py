@@ -85,7 +85,8 @@ class TieredCheckpointManager:
         retention / local_retention: each tier's retention (local default: keep the last 2).
         node_rank: this process's node (default: torchrun's ``GROUP_RANK``, else 0). Ranks
             with the same ``node_rank`` share a local root.
-        events: one bus for both tiers; the local tier's events carry ``tier="local"``.
+        events: one bus for both tiers; the local tier's are named ``local_<kind>``
+            (``local_save_committed`` ...) and carry ``tier="local"``.
         manager_options: the rest of ``CheckpointManager``'s options, for both tiers
             (``storage_options`` is the durable root's only).
 
@@ -136,8 +137,11 @@ class TieredCheckpointManager:
         self.resumed_tier: str | None = None  # "local" or "durable" after load_latest
 
     def _forward_local(self, ev: Event) -> None:
+        """The local tier's events, renamed ``local_<kind>`` (with ``tier="local"``): the
+        durable tier's metrics and alerts (checkpoint age, failed saves) must not be fed by
+        local saves, which would hide a durable tier that stopped committing."""
         fields = {k: v for k, v in ev.fields.items() if k != "tier"}
-        self.events.emit(ev.kind, ev.step, tier="local", **fields)
+        self.events.emit(f"local_{ev.kind}", ev.step, tier="local", **fields)
 
     def _node_group(self) -> tuple[Any, int]:
         """(this node's process group, number of nodes); None for the group when the job
@@ -367,7 +371,7 @@ class TieredCheckpointManager:
         try:
             for newer in [s for s in self.local.store.committed_steps() if s > step]:
                 self.local.store.delete(newer)
-                self.events.emit("retention_deleted", newer, tier="local",
+                self.events.emit("local_retention_deleted", newer, tier="local",
                                  reason=f"newer than the resumed step {step}")
         except Exception as exc:  # noqa: BLE001 - a later save of that step is refused
             log.warning("could not delete local steps newer than %d in %s: %s", step,

@@ -113,10 +113,11 @@ def one_node_body(rank: int, world: int, root: str, local_root: str) -> dict:
         after = (mgr.durable.num_stages, mgr.local.num_stages)
         copies.append((step, after[0] - before[0], after[1] - before[1]))
     mgr.wait()
-    staged = [(e.step, e.fields.get("tier"), e.fields["reused"])
-              for e in mgr.events.of_kind("save_staged")]
-    committed = sorted((e.step, e.fields.get("tier") or "durable")
-                       for e in mgr.events.of_kind("save_committed"))
+    events = mgr.events.of_kind("save_staged") + mgr.events.of_kind("local_save_staged")
+    staged = [(e.step, e.fields.get("tier"), e.fields["reused"]) for e in events]
+    committed = sorted([(e.step, "durable") for e in mgr.events.of_kind("save_committed")]
+                       + [(e.step, e.fields["tier"])
+                          for e in mgr.events.of_kind("local_save_committed")])
     mgr.close()
     return {"copies": copies, "staged": staged, "committed": committed,
             "local": CheckpointStore(local_root).committed_steps(),

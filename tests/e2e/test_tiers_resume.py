@@ -39,15 +39,14 @@ def test_killed_after_a_local_save_resumes_from_the_local_tier_bit_for_bit(tmp_p
     first = Job(argv, tmp_path, "killed", jsonl)
     # A local step, before the first durable one (29); a local save may be skipped while
     # the previous one persists (busy="skip"), so any local step from 6 on will do.
-    first.wait_event(lambda e: e["kind"] == "save_committed" and e.get("tier") == "local"
+    first.wait_event(lambda e: e["kind"] == "local_save_committed"
                      and e["step"] >= 6, what="a local commit from step 6 on")
     first.kill_all()
     before = first.events()
     last_logged = max(e["step"] for e in before if e["kind"] == "train_step")
     assert last_logged < DURABLE_INTERVAL
-    local_saves = sorted({e["step"] for e in before if e["kind"] == "save_committed"
-                          and e.get("tier") == "local"})
-    assert not [e for e in before if e["kind"] == "save_committed" and e.get("tier") is None]
+    local_saves = sorted({e["step"] for e in before if e["kind"] == "local_save_committed"})
+    assert not [e for e in before if e["kind"] == "save_committed"]
     assert local_saves[0] == 3 and all(s % 3 == 0 for s in local_saves), local_saves
 
     second = Job(argv, tmp_path, "resumed", jsonl).wait_ok()
@@ -68,9 +67,9 @@ def test_killed_after_a_local_save_resumes_from_the_local_tier_bit_for_bit(tmp_p
         assert all(v == ref[step] for v in values), (step, values, ref[step])
     assert_same_checkpoint(straight_root, root, STEPS)
     # The final step is due on both tiers: staged once (durable), persisted by both.
-    final = [(e.get("tier"), e["reused"]) for e in events
-             if e["kind"] == "save_staged" and e["step"] == STEPS]
-    assert sorted(final, key=str) == [("local", True), (None, False)], final
+    final = [(e["kind"], e["reused"]) for e in events
+             if e["kind"] in ("save_staged", "local_save_staged") and e["step"] == STEPS]
+    assert sorted(final) == [("local_save_staged", True), ("save_staged", False)], final
     # The local tier keeps its last 2 (a local save may be skipped while one persists).
     kept = sorted(p.name for p in local.glob("step_*"))
     assert len(kept) == 2 and kept[-1] == f"step_{STEPS:09d}", kept

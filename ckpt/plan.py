@@ -266,6 +266,10 @@ class TierPlans:
     """``1 - delta/tau_L - delta/tau_D - (1/M - 1/M_N) (rework_L + R) - (rework_D + R) / M_N``:
     a failure the local tier survives redoes the local tier's rework, a node loss the
     durable tier's. The stall is counted for both tiers (it is paid once when both are due)."""
+    durable_only_goodput: float
+    """The goodput of the durable tier alone, at every failure's MTBF (``make_plan``'s), to
+    compare: a local tier pays off when the durable persist is long and most failures keep
+    their nodes; when the stall dominates, it does not."""
 
 
 def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
@@ -292,7 +296,9 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
     goodput = (1.0 - local.overhead_fraction - durable.overhead_fraction
                - survived_rate * (local.rework_seconds_per_failure + restart)
                - (durable.rework_seconds_per_failure + restart) / node_mtbf)
-    return TierPlans(local, durable, max(0.0, goodput))
+    alone = make_plan(size_bytes, bandwidth_bytes_per_second, mtbf_seconds=mtbf_seconds,
+                      **options)
+    return TierPlans(local, durable, max(0.0, goodput), alone.goodput)
 
 
 def _arg(parse):
@@ -420,7 +426,8 @@ def format_tiers(tiers: TierPlans) -> str:
            "durable tier (node losses)", format_plan(tiers.durable), "",
            f"checkpoint.local_interval = {setting(tiers.local)}",
            f"checkpoint.interval = {setting(tiers.durable)}",
-           f"expected goodput, both tiers: {100 * tiers.goodput:.2f} %"]
+           f"expected goodput, both tiers: {100 * tiers.goodput:.2f} % (durable tier alone: "
+           f"{100 * tiers.durable_only_goodput:.2f} %)"]
     return "\n".join(out)
 
 

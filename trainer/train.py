@@ -293,7 +293,10 @@ class Trainer:
         return manifest.step
 
     def _same_layout(self, manifest) -> bool:
-        return manifest.world_size == self.env.world_size and all(
+        # The job's world size is in the layout: a node's local-tier checkpoint is written
+        # by that node's ranks only (its manifest's world_size is theirs).
+        world = manifest.layout.get("world_size", manifest.world_size)
+        return world == self.env.world_size and all(
             manifest.layout.get(k) == v for k, v in
             (("pp", self.par.pp), ("dp", self.par.dp), ("tp", self.par.tp)))
 

@@ -74,6 +74,40 @@ def _same_root(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
+def _cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str | None:
+    """The first key of ``state`` holding a DTensor whose shards (of this rank's slice of its
+    mesh) lie on several nodes, described; None if there is none."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            found = _cross_node_key(value, node_of_rank, f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    if isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            found = _cross_node_key(value, node_of_rank, f"{prefix}{i}.")
+            if found:
+                return found
+        return None
+    if not isinstance(state, torch.Tensor) or not hasattr(state, "device_mesh"):
+        return None
+    mesh, coord = state.device_mesh, state.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    for dim, placement in enumerate(state.placements):
+        if not placement.is_shard():
+            continue
+        index = list(coord)
+        index[dim] = slice(None)
+        ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()]
+        nodes = sorted({node_of_rank[r] for r in ranks})
+        if len(nodes) > 1:
+            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[dim] or f"dim {dim}"
+            return (f"'{prefix[:-1]}': mesh {name} shards it over ranks {ranks} on nodes "
+                    f"{nodes}")
+    return None
+
+
 class TieredCheckpointManager:
     """Checkpoint a job to a fast local tier often and to a durable tier less often.
 
@@ -153,7 +187,8 @@ class TieredCheckpointManager:
         nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(nodes, mine)
         by_node: dict[int, list[int]] = {}
-        for rank, node in enumerate(int(t) for t in nodes):
+        self._node_of_rank = [int(t) for t in nodes]
+        for rank, node in enumerate(self._node_of_rank):
             by_node.setdefault(node, []).append(rank)
         if len(by_node) == 1:
             return None, 1
@@ -220,6 +255,8 @@ class TieredCheckpointManager:
         tier stages and the local tier persists the same copy: one stall. ``block`` waits
         for both to commit. Returns True if either save was started."""
         started_durable = started_local = False
+        if local and not self._checked_layout:
+            self._check_node_local(state)
         if durable:
             if self._lent_to_local and self.local.in_flight():
                 # The local save of the last shared step still reads the durable buffers.
@@ -239,6 +276,28 @@ class TieredCheckpointManager:
                 if started:
                     mgr.wait(raise_errors=mgr.raise_on_failure)
         return started_durable or started_local
+
+    def _check_node_local(self, state: dict[str, Any]) -> None:
+        """Refuse (on every rank alike) a state with a tensor sharded across nodes: a node's
+        local checkpoint must hold whole tensors, or it could never be loaded (its manifest
+        would lack the other nodes' chunks). Sharding within a node (HSDP, tensor
+        parallelism in a node), replicas across nodes and pipeline stages per node are fine.
+        """
+        self._checked_layout = True
+        if self.num_nodes == 1:
+            return
+        from ckpt import api
+
+        bad = _cross_node_key(api.resolve_state(state), self._node_of_rank)
+        flags = self._world.max(int(bad is not None))
+        if flags[0]:
+            where = f" ({bad})" if bad else " (on another rank)"
+            raise ValueError(
+                f"the local tier needs every tensor whole within a node, but a tensor is "
+                f"sharded across nodes{where}: shard within a node (HSDP: replicate across "
+                f"nodes) or leave local_root unset (checkpoint.local_root)")
+
+    _checked_layout = False
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
         """Wait for both tiers' in-flight saves; returns the durable tier's ``wait()``."""

@@ -122,3 +122,55 @@ def one_node_body(rank: int, world: int, root: str, local_root: str) -> dict:
     return {"copies": copies, "staged": staged, "committed": committed,
             "local": CheckpointStore(local_root).committed_steps(),
             "durable": CheckpointStore(root).committed_steps()}
+
+
+def cross_node_shards_body(rank: int, world: int, root: str, local_root: str) -> str:
+    """FSDP2 over two "nodes" (a tensor sharded across nodes): the local tier refuses it at
+    its first save, on every rank, before anything is written."""
+    from ckpt.stateful import ModelState
+    from tests.ckpt._mgr_workers import _build
+
+    _, _, fsdp, fsdp_opt = _build(world, seed=3)
+    mgr = _mgr(root, local_root, rank)
+    try:
+        mgr.save(1, {"fsdp": ModelState(fsdp, fsdp_opt)})
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a tensor sharded across nodes was saved to the local tier")
+    mgr.close()
+    return message
+
+
+def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
+    """HSDP on 2 "nodes" x 2 ranks (shard within a node, replicate across nodes): each
+    node's local checkpoint holds whole tensors; resuming from it restores the sharded model
+    and optimizer bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckpt.api import resolve_state
+    from ckpt.stateful import ModelState
+    from tests.ckpt._helpers import assert_same, snapshot
+    from tests.ckpt._mgr_workers import _mlp, _train
+
+    torch.manual_seed(3)
+    model = _mlp()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"m": ModelState(model, opt)}
+    node = rank // 2
+    mgr = _mgr(root, local_root, node, cadence="4", local_cadence="3")
+    for step in range(1, 7):
+        _train([(model, opt)], rank // 2 * 0 + rank, step)
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    saved = snapshot(resolve_state(state))
+    _train([(model, opt)], rank, 7)  # move on, unsaved
+    mgr.close()
+    mgr = _mgr(root, local_root, node, cadence="4", local_cadence="3")
+    m = mgr.load_latest(state)
+    assert_same(saved, snapshot(resolve_state(state)), f"rank {rank}")
+    out = {"step": m.step, "tier": mgr.resumed_tier, "world_size": m.world_size}
+    mgr.close()
+    return out

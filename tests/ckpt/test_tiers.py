@@ -53,3 +53,17 @@ def test_local_root_must_differ_from_root(tmp_path):
 
     with pytest.raises(ValueError, match="local_root .* is the durable root"):
         TieredCheckpointManager(str(tmp_path / "a"), str(tmp_path / "a") + "/")
+
+
+def test_a_tensor_sharded_across_nodes_is_refused_by_the_local_tier(tmp_path):
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local-{node}")
+    for message in run_ranks(w.cross_node_shards_body, 2, root, local, timeout=240):
+        assert "sharded across nodes ('fsdp." in message and "HSDP" in message, message
+    assert not list(tmp_path.glob("local-*/step_*"))
+
+
+def test_hsdp_within_nodes_resumes_from_each_nodes_local_tier(tmp_path):
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local-{node}")
+    out = run_ranks(w.hsdp_nodes_body, 4, root, local, timeout=300)
+    # Local 6 is newer than durable 4; each node's manifest counts its own 2 ranks.
+    assert out == [{"step": 6, "tier": "local", "world_size": 2}] * 4

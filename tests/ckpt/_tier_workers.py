@@ -162,7 +162,7 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     node = rank // 2
     mgr = _mgr(root, local_root, node, cadence="4", local_cadence="3")
     for step in range(1, 7):
-        _train([(model, opt)], rank // 2 * 0 + rank, step)
+        _train([(model, opt)], rank, step)
         mgr.maybe_save(step, state)
     mgr.wait()
     saved = snapshot(resolve_state(state))

@@ -228,7 +228,10 @@ class TieredCheckpointManager:
         return self.durable.in_flight() or self.local.in_flight()
 
     def prepare(self, state: dict[str, Any]) -> None:
-        """Allocate both tiers' staging buffers now."""
+        """Allocate both tiers' staging buffers now (and check, collectively, that the local
+        tier can hold ``state``: see :meth:`save`)."""
+        if not self._checked_layout:
+            self._check_node_local(state)
         self.durable.prepare(state)
         self.local.prepare(state)
 
@@ -253,7 +256,11 @@ class TieredCheckpointManager:
              local: bool = True, durable: bool = True) -> bool:
         """Save ``step`` to the chosen tiers now (collective). When both save, the durable
         tier stages and the local tier persists the same copy: one stall. ``block`` waits
-        for both to commit. Returns True if either save was started."""
+        for both to commit. Returns True if either save was started.
+
+        On several nodes, the first local save (or :meth:`prepare`) raises ``ValueError`` on
+        every rank if a tensor of ``state`` is sharded across nodes (a node's checkpoint
+        must hold whole tensors; shard within a node instead, as HSDP does)."""
         started_durable = started_local = False
         if local and not self._checked_layout:
             self._check_node_local(state)

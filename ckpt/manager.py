@@ -306,7 +306,7 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
              force: bool = False, attachments: dict[str, Any] | None = None,
-             reuse: "StagedCopy | None" = None) -> bool:
+             reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
         Returns True when a save was started. Every rank takes the same branch: whether the
@@ -316,6 +316,9 @@ class CheckpointManager:
         taken now, a path is read when the save persists. ``reuse``: persist this copy,
         staged by another manager at this step (its ``last_staged``), instead of staging
         again: no stall. Its owner must not stage again before this save is done.
+        ``busy_elsewhere``: count as busy although this manager's previous save is done
+        (``ckpt.tiers``: another node's save of the same tier is still in flight, and every
+        node must save the same steps).
         """
         attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
@@ -323,7 +326,7 @@ class CheckpointManager:
         lease_lost = self.lease is not None and not self.lease.held
         pending_failure = self.raise_on_failure and self._failure is not None
         busy, exists, lost, failed, neg_period = self._ctl.max(
-            int(self.in_flight()), int(self._committed(step)), int(lease_lost),
+            int(self.in_flight() or busy_elsewhere), int(self._committed(step)), int(lease_lost),
             int(pending_failure), -self._proposed_check_period())
         self._check_every = max(1, -neg_period)  # the smallest any rank proposed
         if failed:

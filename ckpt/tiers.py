@@ -273,8 +273,12 @@ class TieredCheckpointManager:
                                                 force=force, attachments=attachments)
         if local:
             reuse = self.durable.last_staged if started_durable else None
+            # Every node skips (or waits) alike, or their local steps would differ and a
+            # step would be usable only when no node happened to be busy.
+            elsewhere = self.num_nodes > 1 and self._world.any(self.local.in_flight())
             started_local = self.local.save(step, state, user_metadata=user_metadata,
-                                            force=force, attachments=attachments, reuse=reuse)
+                                            force=force, attachments=attachments, reuse=reuse,
+                                            busy_elsewhere=elsewhere)
             self._lent_to_local = started_local and reuse is not None
         if local:  # a node's local lease is agreed in its node only: agree job-wide
             self._local_lease_lost = self._world.any(self.local.lease_lost)

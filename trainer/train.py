@@ -286,7 +286,7 @@ class Trainer:
         if self.env.rank == 0:
             tier = getattr(self.manager, "resumed_tier", None)
             log.info("resumed from %s step %d%s", c.root if tier != "local" else
-                     f"the local tier ({c.local_root})", manifest.step,
+                     f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
             self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)

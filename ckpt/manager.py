@@ -223,6 +223,12 @@ class CheckpointManager:
             self.cadence.history = self.history
         self._save_history()
 
+    def save_history(self) -> None:
+        """Write the failure history now (rank 0, holding the lease); saves also do. For a
+        caller that changed ``history`` (``ckpt.tiers`` takes back a failure that was not a
+        node loss)."""
+        self._save_history()
+
     def _save_history(self) -> None:
         if self.rank == 0 and (self.lease is None or self.lease.held):
             write_history(self.storage, self.history)

@@ -159,14 +159,20 @@ class TieredCheckpointManager:
                                          **manager_options)
         local_events = EventBus(rank=self.rank)
         local_events.subscribe(self._forward_local)
-        self.local = CheckpointManager(
-            self.local_root, cadence=local_cadence, events=local_events,
-            retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
-            else local_retention, process_group=node_group, **manager_options)
+        try:
+            self.local = CheckpointManager(
+                self.local_root, cadence=local_cadence, events=local_events,
+                retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
+                else local_retention, process_group=node_group, **manager_options)
+        except BaseException:
+            self.durable.close(flush=False)  # its lease is not left behind
+            self._close_group()
+            raise
         # Did the durable tier count this start as a failure? (Rank 0's history, the same
         # on every rank.) If the resume finds the local tier intact, it was no node loss.
         times = self.durable.history.failure_times
-        self._durable_failure_now = bool(times) and times[-1] >= t_start - 1.0
+        self._durable_failure_now = bool(self._world.broadcast(  # rank 0's clock recorded it
+            bool(times) and times[-1] >= t_start - 1.0))
         self._lent_to_local = False  # the local tier persists from the durable's buffers
         self.resumed_tier: str | None = None  # "local" or "durable" after load_latest
 
@@ -421,6 +427,7 @@ class TieredCheckpointManager:
             # The local tier survived the failure that restarted the job: no node was lost,
             # and the durable tier's interval follows node losses only.
             self.durable.history.failure_times.pop()
+            self.durable.save_history()
             self._durable_failure_now = False
             self.events.emit("failure_reclassified", step, tier="durable",
                              reason="local tier intact: not a node loss")
@@ -454,13 +461,16 @@ class TieredCheckpointManager:
             self.local.close(flush=flush)
         finally:
             self.durable.close(flush=flush)
-            if self._group is not None:
-                self._world.close()
-                try:
-                    dist.destroy_process_group(self._group)
-                except Exception:  # noqa: BLE001 - only a leak
-                    pass
-                self._group = None
+            self._close_group()
+
+    def _close_group(self) -> None:
+        if self._group is not None:
+            self._world.close()
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception:  # noqa: BLE001 - only a leak
+                pass
+            self._group = None
 
     def __enter__(self) -> "TieredCheckpointManager":
         return self

@@ -4,6 +4,7 @@ also a single-process TieredCheckpointManager (no process group) end to end."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def tiers(tmp_path):
         mgr.wait()
         # One process: the tier logic without a process group.
         assert mgr.local.num_stages + mgr.durable.num_stages == 4  # steps 2, 4, 6, 8
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2") as mgr:
+    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
         state = {"w": torch.zeros(4)}
         assert mgr.load_latest(state).step == 8 and mgr.resumed_tier == "local"
         assert torch.equal(state["w"], torch.full((4,), 8.0))
@@ -85,3 +86,40 @@ def test_plan_advises_both_tiers(capsys):
 def test_plan_tier_errors_are_one_line(capsys, argv, message):
     rc, _, err = cli(capsys, "plan", "--size", "1GB", "--bandwidth", "1GB/s", *argv)
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_each_tier_has_its_own_lease(tmp_path):
+    """A second job on the same local root (another durable root) is refused by the local
+    tier's lease, naming the holder; the durable root's lease is released on the way out."""
+    from ckpt.errors import LeaseHeldError
+    from ckpt.tiers import TieredCheckpointManager
+
+    local = str(tmp_path / "local")
+    with TieredCheckpointManager(str(tmp_path / "a"), local, local_cadence="1"):
+        with pytest.raises(LeaseHeldError, match="local"):
+            TieredCheckpointManager(str(tmp_path / "b"), local)
+    # The refused job's durable lease was not left behind: b is free again.
+    with TieredCheckpointManager(str(tmp_path / "b"), local):
+        pass
+
+
+def test_a_failure_the_local_tier_survived_is_no_node_loss(tmp_path, monkeypatch):
+    """A restart that resumes from the local tier is taken back from the durable tier's
+    failure history (its MTBF is the node-loss rate); the local tier keeps it."""
+    from ckpt.tiers import TieredCheckpointManager
+
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+        for step in range(1, 5):
+            mgr.maybe_save(step, {"w": torch.full((2,), float(step))})
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt
+    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+        assert mgr.durable.history.num_failures == mgr.local.history.num_failures == 1
+        assert mgr.load_latest({"w": torch.zeros(2)}).step == 4
+        assert mgr.resumed_tier == "local"
+        assert mgr.durable.history.num_failures == 0 and mgr.local.history.num_failures == 1
+        assert mgr.events.of_kind("failure_reclassified")
+    shutil.rmtree(local)  # a lost node: the next restart resumes from the durable tier
+    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+        assert mgr.load_latest({"w": torch.zeros(2)}).step == 4
+        assert mgr.resumed_tier == "durable" and mgr.durable.history.num_failures == 1

@@ -39,3 +39,16 @@ def test_local_root_needs_a_durable_root():
     with pytest.raises(ConfigError, match=r"checkpoint\.local_root: is set but root is empty; "
                                           r"the local tier sits under a durable one"):
         _load("--checkpoint.local_root=/dev/shm/x")
+
+
+def test_a_local_root_that_cannot_be_created_is_refused_at_start(tmp_path):
+    from trainer.train import check_startup
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = _load(f"--checkpoint.root={tmp_path}/ckpt", f"--checkpoint.local_root={blocker}/ckpt")
+    with pytest.raises(ConfigError, match=r"checkpoint\.local_root: cannot use .*file/ckpt: "
+                                          r".*file is a file; set --checkpoint\.local_root"):
+        check_startup(cfg)
+    check_startup(_load(f"--checkpoint.root={tmp_path}/ckpt",
+                        f"--checkpoint.local_root={tmp_path}/local-{{node}}"))  # creatable

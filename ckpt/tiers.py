@@ -249,7 +249,10 @@ class TieredCheckpointManager:
         are). Returns True if a save of either tier was started."""
         local_due = self.local.due(step, state)
         if self.num_nodes > 1 and not getattr(self.local.cadence, "deterministic", True):
-            local_due = self._world.any(local_due)  # one step on every node, or no local step
+            # One step on every node, or no local step. Agreed only every
+            # ``_local_check_every`` steps (~1/20 of the interval, agreed at each local save),
+            # as the manager does within a node: a due save waits at most that long.
+            local_due = step % self._local_check_every == 0 and self._world.any(local_due)
         durable_due = self.durable.due(step, state)
         if not (local_due or durable_due):
             return False
@@ -281,7 +284,11 @@ class TieredCheckpointManager:
             reuse = self.durable.last_staged if started_durable else None
             # Every node skips (or waits) alike, or their local steps would differ and a
             # step would be usable only when no node happened to be busy.
-            elsewhere = self.num_nodes > 1 and self._world.any(self.local.in_flight())
+            elsewhere = False
+            if self.num_nodes > 1:
+                busy, neg_period = self._world.max(int(self.local.in_flight()),
+                                                   -self._local_check_proposal())
+                elsewhere, self._local_check_every = bool(busy), max(1, -neg_period)
             started_local = self.local.save(step, state, user_metadata=user_metadata,
                                             force=force, attachments=attachments, reuse=reuse,
                                             busy_elsewhere=elsewhere)
@@ -315,6 +322,24 @@ class TieredCheckpointManager:
                 f"nodes) or leave local_root unset (checkpoint.local_root)")
 
     _checked_layout = False
+    _local_check_every = 1
+
+    def _local_check_proposal(self) -> int:
+        """Steps between job-wide agreements of a time-based local cadence: ~1/20 of its
+        interval (this node's estimate; the smallest proposal wins)."""
+        try:
+            steps = (self.local.cadence.describe() or {}).get("interval_steps") \
+                if self.local.cadence is not None else None
+        except Exception:  # noqa: BLE001 - advisory only
+            steps = None
+        return max(1, int(steps) // 20) if steps else 1
+
+    @property
+    def lease_lost_url(self) -> str | None:
+        """The root whose lease this job lost (durable first), or None."""
+        if self.durable.lease_lost:
+            return self.durable.storage.url
+        return self.local.storage.url if self._local_lease_lost else None
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
         """Wait for both tiers' in-flight saves; returns the durable tier's ``wait()``."""

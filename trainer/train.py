@@ -509,10 +509,11 @@ class Trainer:
         if m is None:
             return exit_code
         if exit_code == EXIT_LEASE_LOST or (exit_code == EXIT_OK and m.lease_lost):
+            url = getattr(m, "lease_lost_url", None) or m.storage.url  # a tier's root
             log.error("stopped at step %d: another job took over the write lease on %s; this "
                       "job's saves no longer count (exit %d). Check which job should own "
-                      "the root (`ckpt list %s --all`).", self.step, m.storage.url,
-                      EXIT_LEASE_LOST, m.storage.url)
+                      "the root (`ckpt list %s --all`).", self.step, url,
+                      EXIT_LEASE_LOST, url)
             return EXIT_LEASE_LOST
         if exit_code == EXIT_OK and m.newest_committed_step != self.step:
             log.error("trained to step %d but its checkpoint did not commit (newest committed "

@@ -173,3 +173,21 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     out = {"step": m.step, "tier": mgr.resumed_tier, "world_size": m.world_size}
     mgr.close()
     return out
+
+
+def timed_nodes_body(rank: int, world: int, root: str, local_root: str) -> list[int]:
+    """A time-based local interval on two "nodes" whose steps take different times: both
+    nodes still save the same local steps (decisions and busy skips agreed job-wide)."""
+    import time
+
+    from ckpt.store import CheckpointStore
+
+    mgr = _mgr(root, local_root, rank, cadence="1000", local_cadence="60ms")
+    mgr.local.busy = "skip"
+    for step in range(1, 41):
+        time.sleep(0.01 * (1 + 2 * rank))  # node 1 is slower
+        mgr.maybe_save(step, state_at(rank, step))
+    mgr.wait()
+    mgr.close()
+    kept = CheckpointStore(local_root.replace("{node}", str(rank))).committed_steps()
+    return kept

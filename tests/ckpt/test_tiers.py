@@ -67,3 +67,9 @@ def test_hsdp_within_nodes_resumes_from_each_nodes_local_tier(tmp_path):
     out = run_ranks(w.hsdp_nodes_body, 4, root, local, timeout=300)
     # Local 6 is newer than durable 4; each node's manifest counts its own 2 ranks.
     assert out == [{"step": 6, "tier": "local", "world_size": 2}] * 4
+
+
+def test_a_time_based_local_interval_saves_the_same_steps_on_every_node(tmp_path):
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local-{node}")
+    node0, node1 = run_ranks(w.timed_nodes_body, 2, root, local, timeout=240)
+    assert node0 == node1 and len(node0) == 2, (node0, node1)

@@ -86,21 +86,35 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def cmd_list(args) -> int:
-    store = open_store(args)
-    if args.all:
-        infos = store.list(check=args.check, all_versions=True)
-    else:
-        infos = [info_row(store, step, args.check) for step in store.steps()]
+    tiers = [("durable", open_store(args))]
+    for local in args.local or ():
+        if local.rstrip("/") == args.url.rstrip("/"):
+            raise UsageError(f"--local {local} is the durable root itself; pass the local "
+                             f"tier's folder (checkpoint.local_root)")
+        tiers.append((f"local:{local}" if len(args.local) > 1 else "local",
+                      open_store(argparse.Namespace(**{**vars(args), "url": local}))))
+    rows_of: list[tuple[str, CheckpointStore, object]] = []
+    for tier, store in tiers:
+        if args.all:
+            infos = store.list(check=args.check, all_versions=True)
+        else:
+            infos = [info_row(store, step, args.check) for step in store.steps()]
+        rows_of += [(tier, store, i) for i in infos]
+    rows_of.sort(key=lambda r: r[2].step)  # stable: the durable tier first at one step
+    show_tier = len(tiers) > 1
     if args.json:
-        print(jsonio.dumps([json_safe(i.to_json()) for i in infos], indent=1).decode())
+        print(jsonio.dumps([json_safe({**i.to_json(), **({"tier": t} if show_tier else {})})
+                            for t, _, i in rows_of], indent=1).decode())
         return 0
-    if not infos:
-        print(f"no checkpoints under {args.url}")
+    if not rows_of:
+        print(f"no checkpoints under {' or '.join(s.storage.url for _, s in tiers)}")
         return 0
-    rows = [("STEP", "ID", "STATUS", "SIZE", "CREATED", "LOSS", "NOTE")]
-    for i in infos:
-        rows.append((str(i.step), i.id or "-", i.status, fmt_bytes(i.bytes),
-                     fmt_time(i.created), fmt_loss((i.user_metadata or {}).get("loss")),
+    rows = [(*(("TIER",) if show_tier else ()), "STEP", "ID", "STATUS", "SIZE", "CREATED",
+             "LOSS", "NOTE")]
+    for tier, store, i in rows_of:
+        rows.append((*((tier,) if show_tier else ()), str(i.step), i.id or "-", i.status,
+                     fmt_bytes(i.bytes), fmt_time(i.created),
+                     fmt_loss((i.user_metadata or {}).get("loss")),
                      " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
     for line in format_table(rows, terminal_width()):
         print(line)
@@ -354,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--all", action="store_true",
                     help="every version of every step, each with its id (rolled-back, "
                          "incomplete and fenced ones too)")
+    sp.add_argument("--local", action="append", metavar="LOCAL_ROOT",
+                    help="also list this local tier (checkpoint.local_root of a node), with "
+                         "a TIER column; repeat for several nodes' roots")
     sp.set_defaults(fn=cmd_list)
     sp = add("verify", "full checksum pass over one or all checkpoints")
     sp.add_argument("--step", type=int)

@@ -30,6 +30,7 @@ import threading
 import weakref
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
@@ -52,9 +53,21 @@ from ckpt.steptime import StepTimes
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
-__all__ = ["CheckpointManager", "SaveAbandoned", "HISTORY_NAME"]
+__all__ = ["CheckpointManager", "SaveAbandoned", "StagedCopy", "HISTORY_NAME"]
 
 log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class StagedCopy:
+    """A copy of the state staged by a manager at ``step`` (in its staging buffers), which
+    another manager may persist too (``save(..., reuse=...)``): one stall for two saves."""
+
+    step: int
+    staged: Any
+    nbytes: int
+    stall_seconds: float
+    wait_ready: Callable[[], float | None] = lambda: None
+
 
 # Managers whose process groups are not freed yet (see CheckpointManager._destroy_groups).
 _open_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
@@ -64,6 +77,30 @@ _open_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 def _free_groups_at_exit() -> None:
     for manager in list(_open_managers):
         manager._destroy_groups()
+
+
+def _private_groups(process_group) -> tuple[Any, Any]:
+    """Two new gloo groups over the ranks of ``process_group`` (None: the world).
+
+    With a subgroup, every rank of the world must construct its manager at the same time
+    (each with the group it belongs to): the groups of all members are learned with one
+    all-gather over the world and created together (``new_subgroups_by_enumeration``)."""
+    if process_group is None:
+        return (dist.new_group(backend="gloo", group_desc="ckpt_control"),
+                dist.new_group(backend="gloo", group_desc="ckpt_persist"))
+    import torch
+
+    world = dist.get_world_size()
+    mine = torch.tensor([min(dist.get_process_group_ranks(process_group))], dtype=torch.int64)
+    leaders = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(leaders, mine)
+    partition: dict[int, list[int]] = {}
+    for rank, leader in enumerate(int(t) for t in leaders):
+        partition.setdefault(leader, []).append(rank)
+    groups = [sorted(ranks) for _, ranks in sorted(partition.items())]
+    ctl, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    bg, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    return ctl, bg
 
 
 class CheckpointManager:
@@ -82,6 +119,10 @@ class CheckpointManager:
             report it through events, logs and ``wait()``).
         max_attempts: attempts per save before it is reported failed.
         retry_backoff_seconds: pause before the second attempt (doubling, at most 5 s).
+        process_group: the ranks whose state this manager checkpoints under ``root``
+            (default: the world). Its first rank coordinates (lease, commit, retention). A
+            subgroup is how each node checkpoints its own ranks to a node-local root
+            (``ckpt.tiers``); every rank of the world then constructs a manager at once.
 
     Failures are never silent: a save that fails after ``max_attempts`` emits a final
     ``save_failed`` event and an error log line; its folder is never committed.
@@ -105,9 +146,10 @@ class CheckpointManager:
         self.life = Lifecycle(self.storage)
         self.store = CheckpointStore(self.storage, lifecycle=self.life)
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
-        self.events = events or EventBus(rank=self.rank)
+        # The rank within the checkpointed group: rank 0 of it coordinates (lease, commit).
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.events = events or EventBus(rank=dist.get_rank() if self.distributed else 0)
         if isinstance(cadence, str):
             from ckpt.cadence import parse_interval
 
@@ -141,8 +183,7 @@ class CheckpointManager:
         # started by ckpt.init_distributed (ckpt.distributed says why that matters).
         if self.distributed:
             warn_if_not_attempt_scoped()
-            self._ctl_group = dist.new_group(backend="gloo", group_desc="ckpt_control")
-            self._bg_group = dist.new_group(backend="gloo", group_desc="ckpt_persist")
+            self._ctl_group, self._bg_group = _private_groups(process_group)
         else:
             self._ctl_group = self._bg_group = None
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
@@ -154,6 +195,8 @@ class CheckpointManager:
                                     abandon=self._abandon)
         if self.distributed:
             _open_managers.add(self)  # its groups are freed at exit if close() is never called
+        self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
+        self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
         self.lease: Lease | None = None
         self._found_aborted = False
         self._check_every = 1  # see maybe_save
@@ -178,6 +221,12 @@ class CheckpointManager:
                                         found_aborted=self._found_aborted)
         if self.cadence is not None:
             self.cadence.history = self.history
+        self._save_history()
+
+    def save_history(self) -> None:
+        """Write the failure history now (rank 0, holding the lease); saves also do. For a
+        caller that changed ``history`` (``ckpt.tiers`` takes back a failure that was not a
+        node loss)."""
         self._save_history()
 
     def _save_history(self) -> None:
@@ -232,6 +281,14 @@ class CheckpointManager:
         Returns True if a save was started (or completed, when not async). ``attachments``:
         as for :meth:`save`.
         """
+        if not self.due(step, state):
+            return False
+        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
+
+    def due(self, step: int, state: dict[str, Any]) -> bool:
+        """The decision half of :meth:`maybe_save` (collective; same result on every rank):
+        observe the step, then ask the cadence. Call once per step, then :meth:`save` when
+        True (``maybe_save`` does both; ``ckpt.tiers`` decides for two managers first)."""
         now = time.monotonic()
         self._observe_step(now)
         if self.num_saves == 0 and not self._prepare_started:
@@ -250,19 +307,24 @@ class CheckpointManager:
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
-            return False
-        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
+        return want
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
-             force: bool = False, attachments: dict[str, Any] | None = None) -> bool:
+             force: bool = False, attachments: dict[str, Any] | None = None,
+             reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
         Returns True when a save was started. Every rank takes the same branch: whether the
         previous save is in flight, whether ``step`` is committed, whether the lease is lost
         and whether a failure is pending are agreed in one all-reduce first.
         ``attachments``: small files kept with the checkpoint (``ckpt.save``'s); bytes are
-        taken now, a path is read when the save persists.
+        taken now, a path is read when the save persists. ``reuse``: persist this copy,
+        staged by another manager at this step (its ``last_staged``), instead of staging
+        again: no stall. Its owner must not stage again before this save is done.
+        ``busy_elsewhere``: count as busy although this manager's previous save is done
+        (``ckpt.tiers``: another node's save of the same tier is still in flight, and every
+        node must save the same steps).
         """
         attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
@@ -270,7 +332,7 @@ class CheckpointManager:
         lease_lost = self.lease is not None and not self.lease.held
         pending_failure = self.raise_on_failure and self._failure is not None
         busy, exists, lost, failed, neg_period = self._ctl.max(
-            int(self.in_flight()), int(self._committed(step)), int(lease_lost),
+            int(self.in_flight() or busy_elsewhere), int(self._committed(step)), int(lease_lost),
             int(pending_failure), -self._proposed_check_period())
         self._check_every = max(1, -neg_period)  # the smallest any rank proposed
         if failed:
@@ -306,15 +368,26 @@ class CheckpointManager:
             self._raise_pending_failure()
         t0 = time.monotonic()
         first = self.num_saves == 0
-        staged, nbytes = self.staging.stage(api.resolve_state(state))
-        stall = time.monotonic() - t0
+        if reuse is not None:
+            if reuse.step != step:
+                raise ValueError(f"reuse holds step {reuse.step}, not step {step}: pass the "
+                                 f"copy staged at this step")
+            # No stall here; the cadence still learns what a save of this state costs.
+            staged, nbytes, stall = reuse.staged, reuse.nbytes, reuse.stall_seconds
+        else:
+            staged, nbytes = self.staging.stage(api.resolve_state(state))
+            stall = time.monotonic() - t0
+            self.num_stages += 1
+            self.last_staged = StagedCopy(step, staged, nbytes, stall, self.staging.wait_ready)
         self.num_saves += 1
-        self.events.emit("save_staged", step, stall_seconds=stall, bytes=nbytes, first=first)
+        self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else stall,
+                         bytes=nbytes, first=first, reused=reuse is not None)
         self._used_slot(step)
         self.step_times.save_started()
         self._failure = None  # wait() reports the outcome of the newest save only
+        wait_copies = self.staging.wait_ready if reuse is None else reuse.wait_ready
         job = self._executor.submit(self._persist, step, staged, nbytes, stall,
-                                    dict(user_metadata or {}), t0, attached)
+                                    dict(user_metadata or {}), t0, attached, wait_copies)
         self._inflight, self._inflight_step = job, step
         if block or not self.async_save:
             self._wait_inflight()
@@ -366,12 +439,13 @@ class CheckpointManager:
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float,
-                 attachments: dict[str, Any] | None = None) -> Manifest | None:
+                 attachments: dict[str, Any] | None = None,
+                 wait_copies: Callable[[], float | None] | None = None) -> Manifest | None:
         """Background thread: persist (with retries), then the bookkeeping of a commit:
         events, cadence, history, retention."""
         # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
         # off the training thread, before a byte is read (their device time: copy_seconds).
-        copy_seconds = self.staging.wait_ready()
+        copy_seconds = (wait_copies or self.staging.wait_ready)()
         out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
                                   user_metadata=user_metadata, attachments=attachments)
         if not out.committed:

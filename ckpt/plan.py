@@ -24,6 +24,8 @@ __all__ = [
     "Plan",
     "BandwidthMeasurement",
     "make_plan",
+    "TierPlans",
+    "make_tier_plans",
     "format_plan",
     "measure_bandwidth",
     "parse_size",
@@ -251,6 +253,54 @@ def make_plan(
     )
 
 
+@dataclass(frozen=True)
+class TierPlans:
+    """Advice for two tiers (``ckpt.tiers``): each tier's plan and the goodput of both."""
+
+    local: Plan
+    """The local tier: its own bandwidth, every failure's MTBF."""
+    durable: Plan
+    """The durable tier: its bandwidth, the MTBF of node losses (failures the local tier
+    does not survive)."""
+    goodput: float
+    """``1 - delta/tau_L - delta/tau_D - (1/M - 1/M_N) (rework_L + R) - (rework_D + R) / M_N``:
+    a failure the local tier survives redoes the local tier's rework, a node loss the
+    durable tier's. The stall is counted for both tiers (it is paid once when both are due)."""
+    durable_only_goodput: float
+    """The goodput of the durable tier alone, at every failure's MTBF (``make_plan``'s), to
+    compare: a local tier pays off when the durable persist is long and most failures keep
+    their nodes; when the stall dominates, it does not."""
+
+
+def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
+                    local_bandwidth_bytes_per_second: float, *,
+                    node_mtbf_seconds: float | None = None, mtbf_seconds: float = 86400.0,
+                    **options: Any) -> TierPlans:
+    """Both tiers' intervals, as their ``Auto`` would settle (docs/cadence.md#two-tiers).
+
+    ``node_mtbf_seconds``: mean time between failures that lose a node's local tier (None:
+    every failure does, ``mtbf_seconds``); it cannot be below ``mtbf_seconds``. Other
+    ``options`` as for :func:`make_plan`, for both tiers."""
+    node_mtbf = mtbf_seconds if node_mtbf_seconds is None else float(node_mtbf_seconds)
+    if not node_mtbf >= mtbf_seconds:
+        raise ValueError(f"node MTBF {node_mtbf!r} s is below the job's MTBF {mtbf_seconds!r} s, "
+                         f"but node losses are a subset of all failures: pass a node MTBF >= "
+                         f"the MTBF")
+    measurement = options.pop("measurement", None)
+    local = make_plan(size_bytes, local_bandwidth_bytes_per_second, mtbf_seconds=mtbf_seconds,
+                      **options)
+    durable = make_plan(size_bytes, bandwidth_bytes_per_second, mtbf_seconds=node_mtbf,
+                        measurement=measurement, **options)
+    restart = local.restart_seconds
+    survived_rate = 1.0 / mtbf_seconds - 1.0 / node_mtbf
+    goodput = (1.0 - local.overhead_fraction - durable.overhead_fraction
+               - survived_rate * (local.rework_seconds_per_failure + restart)
+               - (durable.rework_seconds_per_failure + restart) / node_mtbf)
+    alone = make_plan(size_bytes, bandwidth_bytes_per_second, mtbf_seconds=mtbf_seconds,
+                      **options)
+    return TierPlans(local, durable, max(0.0, goodput), alone.goodput)
+
+
 def _arg(parse):
     def convert(text: str):
         try:
@@ -284,6 +334,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per training step, to express the interval in steps")
     parser.add_argument("--overhead-budget", type=_arg(_parse_fraction), default=None,
                         help="cap on stall per interval, e.g. 0.01 or 1%% (default: none)")
+    parser.add_argument("--local-bandwidth", type=_arg(parse_bandwidth), default=None,
+                        help="with a local tier: its aggregate write bandwidth (per node "
+                             "times nodes), e.g. 40GB/s; advises both tiers' intervals")
+    parser.add_argument("--node-mtbf", type=_arg(parse_duration), default=None,
+                        help="with --local-bandwidth: mean time between node losses, the "
+                             "failures the local tier does not survive (default: --mtbf)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -298,11 +354,18 @@ def run_plan(args: argparse.Namespace) -> int:
                 options["client_kwargs"] = {"endpoint_url": args.endpoint_url}
             measurement = measure_bandwidth(args.measure, args.measure_bytes, options)
         bandwidth = measurement.write_bytes_per_second if measurement else args.bandwidth
-        plan = make_plan(
-            args.size, bandwidth, stall_seconds=args.stall, mtbf_seconds=args.mtbf,
-            restart_seconds=args.restart, step_seconds=args.step_time,
-            overhead_budget=args.overhead_budget, measurement=measurement,
-        )
+        options = dict(stall_seconds=args.stall, mtbf_seconds=args.mtbf,
+                       restart_seconds=args.restart, step_seconds=args.step_time,
+                       overhead_budget=args.overhead_budget, measurement=measurement)
+        if args.node_mtbf is not None and args.local_bandwidth is None:
+            raise ValueError("--node-mtbf needs --local-bandwidth (it sets the durable tier's "
+                             "MTBF when a local tier is used)")
+        if args.local_bandwidth is not None:
+            tiers = make_tier_plans(args.size, bandwidth, args.local_bandwidth,
+                                    node_mtbf_seconds=args.node_mtbf, **options)
+            print(json.dumps(asdict(tiers), indent=2) if args.json else format_tiers(tiers))
+            return 0
+        plan = make_plan(args.size, bandwidth, **options)
     except ValueError as exc:
         print(f"ckpt plan: {exc}", file=sys.stderr)
         return 2
@@ -350,6 +413,22 @@ def format_plan(plan: Plan) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def format_tiers(tiers: TierPlans) -> str:
+    """Both tiers' tables, then the interval settings and the goodput of both together."""
+    def setting(plan: Plan) -> str:
+        if plan.interval_steps is not None:
+            return f'"{plan.interval_steps}"'
+        return f'"{max(1, math.ceil(plan.interval_seconds))}s"'
+
+    out = ["local tier (all failures)", format_plan(tiers.local), "",
+           "durable tier (node losses)", format_plan(tiers.durable), "",
+           f"checkpoint.local_interval = {setting(tiers.local)}",
+           f"checkpoint.interval = {setting(tiers.durable)}",
+           f"expected goodput, both tiers: {100 * tiers.goodput:.2f} % (durable tier alone: "
+           f"{100 * tiers.durable_only_goodput:.2f} %)"]
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -202,9 +202,12 @@ class Trainer:
         from ckpt.store import CheckpointStore
 
         c = self.cfg.checkpoint
-        cadence = parse_interval(c.interval, mtbf_seconds=c.mtbf_hours * 3600.0,
-                                 overhead_budget=c.overhead_budget,
-                                 initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        auto = dict(overhead_budget=c.overhead_budget,
+                    initial_steps=max(1, min(100, self.cfg.training.steps // 4)))
+        # With a local tier, root's checkpoints are lost only with a node: its 'auto' uses
+        # the node-loss MTBF; the local tier's uses every failure's (docs/cadence.md).
+        durable_mtbf = (c.node_loss_mtbf_hours or c.mtbf_hours) if c.local_root else c.mtbf_hours
+        cadence = parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **auto)
         retention = []
         if c.keep_last > 0:
             retention.append(KeepLast(c.keep_last))
@@ -213,11 +216,19 @@ class Trainer:
         layout = {"pp": self.par.pp, "dp": self.par.dp, "tp": self.par.tp,
                   "dp_replicate": self.par.dp_replicate, "dp_shard": self.par.dp_shard,
                   "dp_mode": self.par.dp_mode, "world_size": self.env.world_size}
-        mgr = CheckpointManager(c.root, storage_options=c.storage_options or None,
-                                cadence=cadence, retention=retention, async_save=c.async_save,
-                                verify=c.verify, layout=layout, events=self.events,
-                                raise_on_failure=c.fail_on_error,
-                                job_fingerprint=self.fingerprint)
+        options = dict(storage_options=c.storage_options or None, cadence=cadence,
+                       retention=retention, async_save=c.async_save, verify=c.verify,
+                       layout=layout, events=self.events, raise_on_failure=c.fail_on_error,
+                       job_fingerprint=self.fingerprint)
+        if c.local_root:
+            from ckpt.tiers import TieredCheckpointManager
+
+            mgr = TieredCheckpointManager(
+                c.root, c.local_root, local_cadence=parse_interval(
+                    c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0, **auto),
+                local_retention=[KeepLast(c.local_keep_last)], **options)
+        else:
+            mgr = CheckpointManager(c.root, **options)
         if retention:
             mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
         return mgr
@@ -275,15 +286,20 @@ class Trainer:
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
         self._reconcile_config(manifest)
         if self.env.rank == 0:
-            log.info("resumed from %s step %d%s", c.root, manifest.step,
+            tier = getattr(self.manager, "resumed_tier", None)
+            log.info("resumed from %s step %d%s", c.root if tier != "local" else
+                     f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same_layout else f" (saved on layout {manifest.layout}, resharded)")
             self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same_layout)
         return manifest.step
 
     def _same_layout(self, manifest) -> bool:
-        # Checkpoints written before HSDP carry no dp_replicate: they were not hybrid.
-        return manifest.world_size == self.env.world_size and all(
+        # The job's world size is in the layout: a node's local-tier checkpoint is written
+        # by that node's ranks only (its manifest's world_size is theirs). Checkpoints
+        # written before HSDP carry no dp_replicate: they were not hybrid.
+        world = manifest.layout.get("world_size", manifest.world_size)
+        return world == self.env.world_size and all(
             manifest.layout.get(k, default) == v for k, v, default in
             (("pp", self.par.pp, None), ("dp", self.par.dp, None), ("tp", self.par.tp, None),
              ("dp_replicate", self.par.dp_replicate, 1)))
@@ -497,10 +513,11 @@ class Trainer:
         if m is None:
             return exit_code
         if exit_code == EXIT_LEASE_LOST or (exit_code == EXIT_OK and m.lease_lost):
+            url = getattr(m, "lease_lost_url", None) or m.storage.url  # a tier's root
             log.error("stopped at step %d: another job took over the write lease on %s; this "
                       "job's saves no longer count (exit %d). Check which job should own "
-                      "the root (`ckpt list %s --all`).", self.step, m.storage.url,
-                      EXIT_LEASE_LOST, m.storage.url)
+                      "the root (`ckpt list %s --all`).", self.step, url,
+                      EXIT_LEASE_LOST, url)
             return EXIT_LEASE_LOST
         if exit_code == EXIT_OK and m.newest_committed_step != self.step:
             log.error("trained to step %d but its checkpoint did not commit (newest committed "
@@ -559,6 +576,20 @@ def check_startup(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.root: cannot create {path}: {existing} is not "
                               f"writable; fix its permissions or choose another root",
                               key="checkpoint.root")
+    if c.local_root and "://" not in c.local_root:
+        from ckpt.tiers import node_local_root
+
+        path = os.path.abspath(os.path.expanduser(
+            node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0") or 0))))
+        existing = path
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"checkpoint.local_root: cannot use {path}: {existing} is "
+                              f"{'not writable' if os.path.isdir(existing) else 'a file'}; "
+                              f"set --checkpoint.local_root to a writable folder on fast "
+                              f"node-local storage (created if missing)",
+                              key="checkpoint.local_root")
     if c.resume and c.load_step is not None:
         try:
             store.read_manifest(c.load_step)

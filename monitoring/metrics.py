@@ -106,6 +106,18 @@ class Metrics:
         self.last_time = gauge("ckpt_last_commit_timestamp_seconds",
                                "Unix time of the newest commit (process start when none)",
                                self.start_time)
+        # The fast local tier (ckpt.tiers): its own series, never the durable tier's above.
+        self.local_saves = counter("ckpt_local_saves_total",
+                                   "Local-tier checkpoint saves by outcome", ["outcome"],
+                                   [(o,) for o in SAVE_OUTCOMES])
+        self.local_stall = histogram("ckpt_local_save_stall_seconds",
+                                     "Training stall per local-tier save (0 when it reused the "
+                                     "durable tier's copy)")
+        self.local_last_step = gauge("ckpt_local_last_committed_step",
+                                     "Step of the newest local-tier commit; -1 = none", -1)
+        self.local_last_time = gauge("ckpt_local_last_commit_timestamp_seconds",
+                                     "Unix time of the newest local-tier commit (process start "
+                                     "when none)", self.start_time)
         self.loads = counter("ckpt_loads_total", "Checkpoint loads")
         self.fallbacks = counter("ckpt_load_fallbacks_total",
                                  "Checkpoints skipped on load because they failed verification")
@@ -241,6 +253,17 @@ class Metrics:
                     self.saves.labels(rk, "failed").inc()
         elif k == "save_skipped":
             self._count_skip(ev)
+        elif k == "local_save_staged":
+            self.local_stall.labels(rk).observe(f.get("stall_seconds", 0.0))
+        elif k == "local_save_committed":
+            self.local_saves.labels(rk, "committed").inc()
+            self.local_last_step.labels(rk).set(ev.step or 0)
+            self.local_last_time.labels(rk).set(ev.time)
+        elif k == "local_save_failed":
+            if f.get("final") and f.get("outcome", "failed") == "failed":
+                self.local_saves.labels(rk, "failed").inc()
+        elif k == "local_save_skipped":
+            self.local_saves.labels(rk, "skipped").inc()
         elif k == "load_done":
             self.loads.labels(rk).inc()
         elif k == "load_fallback":

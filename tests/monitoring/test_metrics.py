@@ -262,3 +262,26 @@ def test_event_log_is_strict_json_with_non_finite_numbers_as_strings(tmp_path):
     assert (ev["loss"], ev["grad_norm"], ev["extra"]) == ("NaN", "Infinity",
                                                           {"x": ["-Infinity", 1.5]})
     assert math.isnan(float(ev["loss"])) and float(ev["extra"]["x"][0]) == -math.inf
+
+
+def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(tmp_path):
+    from ckpt.tiers import TieredCheckpointManager
+
+    bus = EventBus(rank=0)
+    m = Metrics(bus, rank=0)
+    assert _value(m, "ckpt_local_last_committed_step") == -1
+    state = {"w": torch.zeros(4), "step": 0}
+    with TieredCheckpointManager(str(tmp_path / "durable"), str(tmp_path / "local"),
+                                 cadence="4", local_cadence="1", events=bus,
+                                 busy="wait") as mgr:
+        for step in range(1, 6):
+            state["w"].add_(1)
+            state["step"] = step
+            mgr.maybe_save(step, state)
+        mgr.wait()
+    assert _value(m, "ckpt_local_saves_total", outcome="committed") == 5
+    assert _value(m, "ckpt_local_last_committed_step") == 5
+    assert _value(m, "ckpt_local_save_stall_seconds_count") == 5
+    assert _value(m, "ckpt_saves_total", outcome="committed") == 1  # step 4 only
+    assert _value(m, "ckpt_last_committed_step") == 4
+    assert _value(m, "ckpt_local_saves_total", outcome="failed") == 0

@@ -11,7 +11,7 @@ import time
 
 from ckpt import jsonio
 from ckpt.cli_common import Progress, fmt_bytes, open_store, storage_options, writer
-from ckpt.errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
+from ckpt.errors import CorruptCheckpointError, LeaseHeldError
 from ckpt.store import CheckpointStore
 
 __all__ = ["cmd_pin", "cmd_rollback", "cmd_restore", "cmd_gc"]
@@ -46,10 +46,8 @@ def cmd_rollback(args) -> int:
     with writer(args, "rollback", force=args.force) as life:
         store = CheckpointStore(life.storage, lifecycle=life)
         store.verify(args.step, full=True)
-        for s in reversed([s for s in store.committed_steps() if s > args.step]):
-            try:
-                kept = life.uncommit(s)
-            except CheckpointError as exc:
+        for s, kept, exc in store.uncommit_newer(args.step):
+            if exc is not None:
                 print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
                 continue
             print(f"step {s}: rolled back (id {kept}; `ckpt restore {args.url} --id {kept}` "

@@ -25,6 +25,7 @@ from ckpt.commit import (
     Lifecycle,
 )
 from ckpt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     crc_mismatch_error,
@@ -197,3 +198,16 @@ class CheckpointStore:
     def uncommit(self, step: int) -> str:
         """Un-commit ``step`` reversibly; returns the id of the kept (rolled-back) version."""
         return self.life.uncommit(step)
+
+    def uncommit_newer(self, step: int) -> list[tuple[int, str | None, CheckpointError | None]]:
+        """Un-commit every committed step newer than ``step``, newest first (rollback, and a
+        resume that went past newer checkpoints). Returns ``(step, kept id, None)`` for each
+        one rolled back and ``(step, None, error)`` for each left as it was because it is
+        damaged beyond reading (it does not count anyway)."""
+        out: list[tuple[int, str | None, CheckpointError | None]] = []
+        for newer in reversed([s for s in self.committed_steps() if s > step]):
+            try:
+                out.append((newer, self.life.uncommit(newer), None))
+            except CheckpointError as exc:
+                out.append((newer, None, exc))
+        return out

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt.agreement import Agreement
-from ckpt.errors import CheckpointError, LeaseHeldError
+from ckpt.errors import LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.stateful import RNGState, init_optimizer_state
 from trainer.config import Config, ConfigError, config_fingerprint, config_to_dict
@@ -368,11 +368,8 @@ class Trainer:
         ``ckpt rollback``, nothing is deleted: each becomes a rolled-back version that
         ``ckpt restore --id`` brings back; saving the step again writes a new version.
         """
-        store = self.manager.store
-        for newer in reversed([s for s in store.committed_steps() if s > step]):
-            try:
-                kept = store.uncommit(newer)
-            except CheckpointError as exc:  # damaged beyond reading: it does not count anyway
+        for newer, kept, exc in self.manager.store.uncommit_newer(step):
+            if exc is not None:
                 log.warning("left checkpoint step %d as it is (%s)", newer, exc)
                 continue
             since = f"the step {step} resumed from" if step >= 0 else "a deliberate fresh start"

@@ -58,6 +58,10 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     victim = launch("127.0.0.2", False, "victim")
     jobs = [host, victim]
     try:
+        # The durable commit of step 10 first: under load it can land after later local
+        # commits, and the kill must come after it (the local tier is then the newer one).
+        host.wait_event(lambda e: e["kind"] == "save_committed" and e["step"] == 10,
+                        timeout=120, what="the durable commit of step 10")
         committed = host.wait_event(
             lambda e: e["kind"] == "local_save_committed" and 11 <= e["step"] < 20,
             timeout=120, what="a local commit after durable 10")

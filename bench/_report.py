@@ -240,7 +240,7 @@ def _train_cost(rep: Report, st: dict[str, Any], info: dict[str, Any]) -> None:
         # Training time lost per save, round by round: (window - never's window) / saves.
         lost = [((a - b) * k / m) if None not in (a, b, k, m) and m else None
                 for a, b, k, m in zip(s, base, n or [], saves)]
-        phases = [k.split(".", 2)[2] for k in st if k.startswith(f"{v}.cost.cpu.")]
+        phases = [k.split(".", 3)[3] for k in st if k.startswith(f"{v}.cost.cpu.")]
         cpu = ", ".join(f"{p} {_ms(median(st[f'{v}.cost.cpu.{p}'])):.1f}" for p in phases)
         wall = ", ".join(f"{p} {_ms(median(st[f'{v}.cost.wall.{p}'])):.1f}" for p in phases)
         rows.append(f"| {label} | {_f(_ms(median(lost)), '{:.1f}')} | "

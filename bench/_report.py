@@ -232,7 +232,9 @@ def _train_cost(rep: Report, st: dict[str, Any], info: dict[str, Any]) -> None:
     """Per save: what the background took from training, and where (rank 0's save_cost)."""
     base = st.get("never.step")
     rows = []
-    for v, label in (("every", f"every {info.get('every')} steps"), ("auto", "interval=auto")):
+    # Only the every-k variant: interval=auto saves once or twice in the window, too few to
+    # tell its cost from the noise of the step time.
+    for v, label in (("every", f"every {info.get('every')} steps"),):
         s, saves, n = st.get(f"{v}.step"), st.get(f"{v}.saves"), st.get(f"{v}.window_steps")
         if not s or not base or not saves or median(st.get(f"{v}.cost.background_cpu_seconds",
                                                            [])) is None:

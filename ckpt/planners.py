@@ -9,7 +9,6 @@ holds one value (objects and plain tensors alike), and check the whole state aga
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from ckpt.codec import decode_object, encode_object
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.manifest import dtype_name
+from ckpt.savecost import SaveCost
 from ckpt.storage import crc32c_of
 
 __all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
@@ -62,14 +62,15 @@ class SafeSavePlanner(DefaultSavePlanner):
     other ranks share before the plans meet), on the thread that saves; DTensor and
     ShardedTensor shards are never read here. ``known_crcs`` keeps the results by key (plain
     tensors, and objects' encodings): they are the CRCs of the very bytes the writer writes,
-    which it reuses instead of checksumming them again.
+    which it reuses instead of checksumming them again. ``cost``: a
+    :class:`ckpt.savecost.SaveCost` that the planning and checksum time is added to.
     """
 
     known_crcs: dict[str, int]
 
     def __init__(self, *args, cost=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.cost = cost if cost is not None else _NO_COST  # a ckpt.savecost.SaveCost
+        self.cost = cost if cost is not None else SaveCost()  # see ckpt.savecost
 
     @staticmethod
     def digest_key(fqn: str) -> str:
@@ -153,17 +154,6 @@ class SafeSavePlanner(DefaultSavePlanner):
             data = getattr(self, "_encoded", {}).get(fqn)
             return io.BytesIO(data if data is not None else encode_object(object, fqn))
         return object
-
-
-class _NoCost:
-    """Stands in for a ``SaveCost`` when nobody measures."""
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        yield
-
-
-_NO_COST = _NoCost()
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -6,15 +6,16 @@ few cores that work still takes time from training: its CPU seconds compete with
 training threads. ``SaveCost`` records, per phase, the wall seconds on the thread that
 waits for it and the CPU seconds of every thread that worked on it (``time.thread_time``),
 plus the process's CPU seconds (``time.process_time``, every thread, training included)
-over the whole save. The manager emits it as one ``save_cost`` event per save.
+over the whole save, every attempt included. The manager emits it as one ``save_cost``
+event per committed save.
 
 Phases (``PHASES``):
 
 ========== ==============================================================================
-plan       local plan (and the replica checksums' CRC, counted under ``crc`` too: see
-           below), global plan on the coordinator, final plan
-collective DCP's gathers/scatters and our agreements: the persist thread's wall time inside
-           the save not spent in another phase (waiting for the slowest rank included)
+plan       local plan (its replica checksums count under ``crc``), global plan on the
+           coordinator, final plan
+collective DCP's gathers/scatters and our agreements: the persist thread's time inside the
+           save not spent in another phase (waiting for the slowest rank included)
 crc        crc32c of the data (replica checksums at planning, per-item checksums)
 write      writing the data files (the bytes handed to the OS)
 fsync      making the data files durable (file and folder syncs)

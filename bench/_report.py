@@ -208,11 +208,61 @@ def train_section(rep: Report, res: dict[str, Any]) -> None:
                 f"{_f(median(st.get(f'{v}.stall_sum', [])), '{:.3f}')} | "
                 f"{_f(median(st.get(f'{v}.save_bytes', [])), '{:.0f}')} |")
     rep.add("")
+    _train_cost(rep, st, info)
+    model = " ".join(info.get("extra_args", [])) or "tiny model"
     for v, limit in (("auto", 0.02), ("every", None)):
         r = paired_ratio(st.get(f"{v}.step", []), base or [])
         if limit is not None:
-            rep.target("training overhead <= 2% with interval=auto", "tiny model",
+            rep.target("training overhead <= 2% with interval=auto", model,
                        None if r is None else (r - 1) * 100, limit * 100, fmt="{:+.1f}%")
+        else:
+            share = median(st.get(f"{v}.stall_share", []))
+            if share is not None:
+                rep.target(f"overhead, a save every {info.get('every')} steps <= stall share + "
+                           f"1% ({share * 100:.2f}% + 1%)", model,
+                           None if r is None else (r - 1) * 100, (share + 0.01) * 100,
+                           fmt="{:+.1f}%")
+
+
+def _per(xs: list, ns: list) -> list:
+    return [x / n for x, n in zip(xs, ns) if x is not None and n]
+
+
+def _train_cost(rep: Report, st: dict[str, Any], info: dict[str, Any]) -> None:
+    """Per save: what the background took from training, and where (rank 0's save_cost)."""
+    base = st.get("never.step")
+    rows = []
+    # Only the every-k variant: interval=auto saves once or twice in the window, too few to
+    # tell its cost from the noise of the step time.
+    for v, label in (("every", f"every {info.get('every')} steps"),):
+        s, saves, n = st.get(f"{v}.step"), st.get(f"{v}.saves"), st.get(f"{v}.window_steps")
+        if not s or not base or not saves or median(st.get(f"{v}.cost.background_cpu_seconds",
+                                                           [])) is None:
+            continue
+        # Training time lost per save, round by round: (window - never's window) / saves.
+        lost = [((a - b) * k / m) if None not in (a, b, k, m) and m else None
+                for a, b, k, m in zip(s, base, n or [], saves)]
+        phases = [k.split(".", 3)[3] for k in st if k.startswith(f"{v}.cost.cpu.")]
+        cpu = ", ".join(f"{p} {_ms(median(st[f'{v}.cost.cpu.{p}'])):.1f}" for p in phases)
+        wall = ", ".join(f"{p} {_ms(median(st[f'{v}.cost.wall.{p}'])):.1f}" for p in phases)
+        rows.append(f"| {label} | {_f(_ms(median(lost)), '{:.1f}')} | "
+                    f"{_f(_ms(median(_per(st.get(f'{v}.stall_sum', []), saves))), '{:.1f}')} | "
+                    f"{_f(_ms(median(st[f'{v}.cost.background_cpu_seconds'])), '{:.1f}')} | "
+                    f"{_f(_ms(median(st[f'{v}.cost.process_cpu_seconds'])), '{:.1f}')} | "
+                    f"{_f(_ms(median(st[f'{v}.cost.total_wall_seconds'])), '{:.1f}')} | "
+                    f"{cpu} | {wall} |")
+    if not rows:
+        return
+    rep.add("Per save (ms; medians over rounds of rank 0's per-save means; phases from its "
+            "`save_cost` event):")
+    rep.add("")
+    rep.add("| checkpointing | training time lost per save | stall per save | background CPU "
+            "(persist + helper threads) | process CPU during the save (all threads) | "
+            "background wall | CPU by phase | wall by phase |")
+    rep.add("|---|---:|---:|---:|---:|---:|---|---|")
+    for row in rows:
+        rep.add(row)
+    rep.add("")
 
 
 def rss_section(rep: Report, label: str, res: dict[str, Any]) -> None:

@@ -69,7 +69,19 @@ def _summarise(evs: list[dict], opts) -> dict[str, float]:
     seconds = {e["step"]: e.get("step_seconds", 0.0) for e in evs if e["kind"] == "train_step"}
     order = sorted(s for s in steps if s >= first)
     outside = [steps[b] - steps[a] - seconds[b] for a, b in zip(order, order[1:])]
+    costs = [e for e in evs if e["kind"] == "save_cost" and first <= (e["step"] or 0) < last]
+    per_save: dict[str, float] = {}
+    if costs:  # rank 0's background cost per save, mean over the saves in the window
+        for key in ("background_cpu_seconds", "persist_thread_cpu_seconds",
+                    "helper_cpu_seconds", "process_cpu_seconds", "total_wall_seconds"):
+            per_save[f"cost.{key}"] = sum(e.get(key, 0.0) for e in costs) / len(costs)
+        for kind in ("cpu", "wall"):
+            for phase in costs[0].get(f"{kind}_seconds", {}):
+                per_save[f"cost.{kind}.{phase}"] = sum(
+                    e[f"{kind}_seconds"].get(phase, 0.0) for e in costs) / len(costs)
     return {"step": window / (last - first), "outside_mean": sum(outside) / len(outside),
+            "window_steps": float(last - first), "stall_share": sum(stalls) / window,
+            **per_save,
             "saves": float(len(stalls)),
             "stall_sum": float(sum(stalls)),
             "persist_sum": float(sum(e.get("persist_seconds", 0.0) for e in committed)),

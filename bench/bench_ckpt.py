@@ -225,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
         rmtree(work)
     info["loadavg_end"] = list(os.getloadavg())
     info["wall_seconds"] = round(time.monotonic() - t_start, 1)
-    _render(rep, results, opts)
-    results["targets"] = rep.targets
-    print(rep.text())
-    if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        _log(f"wrote {opts.out}")
+    try:
+        _render(rep, results, opts)
+        results["targets"] = rep.targets
+        print(rep.text())
+    finally:  # the samples are kept even when rendering fails (--render retries it)
+        if opts.out:
+            with open(opts.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+            _log(f"wrote {opts.out}")
     return 0
 
 

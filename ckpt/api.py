@@ -24,6 +24,7 @@ from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
 from ckpt.dcp_io import CkptReader, CkptWriter
 from ckpt.planners import SafeLoadPlanner, SafeSavePlanner
+from ckpt.savecost import SaveCost
 from ckpt.errors import (
     AllCheckpointsDamagedError,
     CheckpointError,
@@ -130,7 +131,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          use_lease: bool = True, lifecycle: Lifecycle | None = None,
          before_commit: Callable[[], None] | None = None,
          save_id: str | None = None,
-         attachments: dict[str, bytes | str | os.PathLike] | None = None) -> Manifest | None:
+         attachments: dict[str, bytes | str | os.PathLike] | None = None,
+         cost: SaveCost | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
 
     Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
@@ -142,7 +144,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
     ``save_id``: this attempt's id (default: a fresh random one). ``attachments``: small
     files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.attachments`);
-    the coordinator's are written, read back with ``ckpt.read_attachment``.
+    the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
+    :class:`ckpt.savecost.SaveCost` to add this save's phases to (created on this thread).
     """
     attached = check_attachments(attachments)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
@@ -156,11 +159,12 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
              "user_metadata": dict(user_metadata or {})}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
                         lifecycle=lifecycle, manifest_extra=extra, durable=durable,
-                        before_commit=before_commit, save_id=save_id, attachments=attached)
+                        before_commit=before_commit, save_id=save_id, attachments=attached,
+                        cost=cost)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), writer.cost.collective_scope():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
-            dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(),
+            dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(cost=writer.cost),
                      process_group=process_group, no_dist=not distributed)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from ckpt.errors import CorruptCheckpointError
 
 from ckpt.attachments import attachment_bytes
 from ckpt.commit import Lifecycle, attachment_file
+from ckpt.savecost import SaveCost
 from ckpt.manifest import (
     Attachment,
     FileRecord,
@@ -89,8 +91,9 @@ class CkptWriter(StorageWriter):
                  num_threads: int | None = None, lifecycle: Lifecycle | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  before_commit: Callable[[], None] | None = None,
-                 attachments: dict[str, bytes | str] | None = None):
+                 attachments: dict[str, bytes | str] | None = None, cost: Any = None):
         super().__init__()
+        self.cost = cost if cost is not None else SaveCost()  # see ckpt.savecost
         self.before_commit = before_commit
         # Checked by ckpt.attachments.check_attachments; written by the coordinator only.
         self.attachments = dict(attachments or {})
@@ -124,55 +127,97 @@ class CkptWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.life.begin(self.step, self.save_id, durable=self.durable)
-        # After the marker, so a failed attempt's attachments are its leftovers like its data.
-        for name, value in sorted(self.attachments.items()):
-            data = attachment_bytes(name, value)
-            file = attachment_file(self.save_id, name)
-            self.storage.write_bytes(f"{self.step_dir}/{file}", data, durable=self.durable)
-            self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
+        with self.cost.phase("commit"):
+            self.life.begin(self.step, self.save_id, durable=self.durable)
+            # After the marker, so a failed attempt's attachments are its leftovers like its
+            # data.
+            for name, value in sorted(self.attachments.items()):
+                data = attachment_bytes(name, value)
+                file = attachment_file(self.save_id, name)
+                self.storage.write_bytes(f"{self.step_dir}/{file}", data,
+                                         durable=self.durable)
+                self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
         return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self.cost.span():  # its time is in the write/fsync/crc phases
+            results = self._write_data(plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         prefix = plan.storage_data.prefix
         rank = int(prefix[1:6])
         items = list(plan.items)
+        # The planner already checksummed this rank's plain tensors (the replica check), over
+        # the very bytes written here: those checksums are reused, not computed again.
+        known: dict[str, int] = getattr(planner, "known_crcs", None) or {}
         # Resolve data on this thread (planners are not thread-safe), then write in parallel.
         resolved = []
         for item in items:
             data = planner.resolve_data(item)
+            crc = None
             if item.type == WriteItemType.BYTE_IO:
                 buf = data.getvalue()
+                crc = known.get(item.index.fqn)  # the planner's, of these very bytes
             else:
                 buf = _tensor_view_bytes(data)
-            resolved.append((item, buf))
+                whole = planner.state_dict.get(item.index.fqn) if hasattr(
+                    planner, "state_dict") else None
+                if item.index.fqn in known and isinstance(whole, torch.Tensor) and \
+                        whole.numel() * whole.element_size() == _nbytes(buf):
+                    crc = known[item.index.fqn]
+            resolved.append((item, buf, crc))
         num_files = self.num_threads
         if self.storage.is_s3:
             # Object stores: files of about one part each, so every file is a single PUT and
             # num_threads of them are in flight (multipart completion is slow on some
             # servers, and parallel parts of one file add nothing over parallel files).
-            total = sum(_nbytes(buf) for _, buf in resolved)
+            total = sum(_nbytes(r[1]) for r in resolved)
             num_files = max(num_files, min(1024, -(-total // _S3_FILE_BYTES)))
         buckets = _balance(resolved, num_files)
+        # Local files: each file's bytes are synced by itself, and the folder (the files'
+        # names) once for all of them, before this rank reports its files written; the
+        # manifest, the commit, comes only after every rank did (DCP's contract).
+        sync_here = self.durable and self.storage.is_local
+        cost = self.cost
         results: list[WriteResult] = []
+
+        def checksum(bufs: list) -> list[int]:
+            with cost.phase("crc"):
+                return [crc32c_of([b]) for b in bufs]
 
         def write_bucket(k: int, bucket):
             name = f"{prefix}_{k}.bin"
-            bufs = [buf for _, buf in bucket]
+            rel = f"{self.step_dir}/{name}"
+            bufs = [buf for _, buf, _ in bucket]
+            todo = [i for i, (_, _, crc) in enumerate(bucket) if crc is None]
             # Checksums run on their own thread while this one writes and fsyncs the same
             # (read-only) buffers: crc32c and file I/O both release the GIL.
-            crcs: list[int] = []
-            summer = threading.Thread(target=lambda: crcs.extend(crc32c_of([b]) for b in bufs),
-                                      name="ckpt-crc")
-            summer.start()
+            computed: list[int] = []
+            summer = None
+            if todo:
+                summer = threading.Thread(
+                    target=lambda: computed.extend(checksum([bufs[i] for i in todo])),
+                    name="ckpt-crc")
+                summer.start()
             try:
-                self.storage.write_buffers(f"{self.step_dir}/{name}", bufs, durable=self.durable)
+                with cost.phase("write"):
+                    self.storage.write_buffers(rel, bufs, durable=self.durable and not sync_here)
+                if sync_here:
+                    with cost.phase("fsync"):
+                        _fsync_path(self.storage.path(rel))
             finally:
-                summer.join()
+                if summer is not None:
+                    summer.join()
+            crcs = [crc for _, _, crc in bucket]
+            for i, value in zip(todo, computed):
+                crcs[i] = value
             offset, crc, out = 0, 0, []
-            for (item, buf), item_crc in zip(bucket, crcs):
-                length = len(buf) if not hasattr(buf, "nbytes") else int(buf.nbytes)
+            for (item, buf, _), item_crc in zip(bucket, crcs):
+                length = _nbytes(buf)
                 crc = crc32c_combine(crc, item_crc, length)  # no second pass over the bytes
                 out.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=ItemLocation(name, offset, length, item_crc)))
@@ -190,11 +235,16 @@ class CkptWriter(StorageWriter):
                                     thread_name_prefix="ckpt-write") as pool:
                 for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
                     results.extend(out)
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        if sync_here and non_empty:
+            with cost.phase("fsync"):
+                _fsync_path(self.storage.path(self.step_dir))
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self.cost.phase("commit"):
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         files: dict[str, FileRecord] = {}
@@ -250,6 +300,15 @@ def _balance(items: list, num_buckets: int) -> list[list]:
 
 def _nbytes(buf) -> int:
     return int(buf.nbytes) if hasattr(buf, "nbytes") else len(buf)
+
+
+def _fsync_path(path: str) -> None:
+    """Make a file's bytes, or a folder's entries, durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CkptReader(StorageReader):

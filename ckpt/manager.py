@@ -453,6 +453,8 @@ class CheckpointManager:
                 self._failure = out.error
             return None
         manifest, persist = out.manifest, out.persist_seconds
+        cost = out.cost
+        cost.lap()
         self.newest_committed_step = step
         if self.rank == 0:
             self.last_committed = manifest
@@ -471,8 +473,11 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
                 log.exception("cadence policy failed to record the save of step %d", step)
         self._save_history()
+        cost.lap("bookkeep")
         if self.rank == 0 and self.retention:
             self._apply_retention(step)
+        cost.lap("retention")
+        self.events.emit("save_cost", step, **cost.fields())
         return manifest
 
     def _apply_retention(self, step: int) -> None:
@@ -480,7 +485,8 @@ class CheckpointManager:
             apply_retention(
                 self.store, self.retention, protect={step},
                 on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
+                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)),
+                newest_manifest=self.last_committed)
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention after step %d failed: %s", step, exc)
             self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")

@@ -24,6 +24,7 @@ from ckpt.commit import Lifecycle
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
 from ckpt.manifest import Manifest
+from ckpt.savecost import SaveCost
 
 __all__ = ["Persister", "PersistOutcome", "SaveAbandoned"]
 
@@ -45,6 +46,7 @@ class PersistOutcome:
     attempts: int = 0
     retries: int = 0
     persist_seconds: float = 0.0
+    cost: SaveCost | None = None  # every attempt's phases (ckpt.savecost)
 
 
 class Persister:
@@ -79,6 +81,7 @@ class Persister:
         """
         retries_before = self.storage.retry.num_retries
         t0 = time.monotonic()
+        cost = SaveCost()
         attempt_ids: list[str] = []
 
         def retries() -> int:
@@ -87,16 +90,18 @@ class Persister:
         for attempt in range(1, self.max_attempts + 1):
             attempt_ids.append(uuid.uuid4().hex[:12])
             try:
-                if self.agreement.any(self.abandon.is_set()):
+                with cost.collective_scope():
+                    abandoned_now = self.agreement.any(self.abandon.is_set())
+                if abandoned_now:
                     raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
                 manifest = api.save(
                     staged, self.storage, step, user_metadata=user_metadata,
                     layout=self.layout, process_group=self.group,
                     num_threads=self.num_threads, resolved=True, lifecycle=self.life,
                     before_commit=self._before_commit, save_id=attempt_ids[-1],
-                    **save_options)
+                    cost=cost, **save_options)
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
-                                      persist_seconds=time.monotonic() - t0)
+                                      persist_seconds=time.monotonic() - t0, cost=cost)
             except FileExistsError:
                 self.events.emit("save_skipped", step, reason="already committed",
                                  outcome="skipped")
@@ -115,7 +120,7 @@ class Persister:
                     if not abandoned:
                         self._remove_attempts(step, attempt_ids)
                     return PersistOutcome(False, error=exc, attempts=attempt,
-                                          retries=retries(),
+                                          retries=retries(), cost=cost,
                                           persist_seconds=time.monotonic() - t0)
                 time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
         raise AssertionError("unreachable: the last attempt returns")

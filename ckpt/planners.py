@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 from ckpt.codec import decode_object, encode_object
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.manifest import dtype_name
+from ckpt.savecost import SaveCost
 from ckpt.storage import crc32c_of
 
 __all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
@@ -59,11 +60,17 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     Cost: one CRC32C pass over this rank's plain tensors (a rank cannot tell which of them
     other ranks share before the plans meet), on the thread that saves; DTensor and
-    ShardedTensor shards are never read here. ``tensor_crcs`` keeps the results by key: they
-    are the CRCs the writer computes for the same bytes.
+    ShardedTensor shards are never read here. ``known_crcs`` keeps the results by key (plain
+    tensors, and objects' encodings): they are the CRCs of the very bytes the writer writes,
+    which it reuses instead of checksumming them again. ``cost``: a
+    :class:`ckpt.savecost.SaveCost` that the planning and checksum time is added to.
     """
 
-    tensor_crcs: dict[str, int]
+    known_crcs: dict[str, int]
+
+    def __init__(self, *args, cost=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cost = cost if cost is not None else SaveCost()  # see ckpt.savecost
 
     @staticmethod
     def digest_key(fqn: str) -> str:
@@ -71,27 +78,44 @@ class SafeSavePlanner(DefaultSavePlanner):
         return _HASH_KEY + fqn
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        self.tensor_crcs = {}
-        hashes = {}
-        for item in plan.items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                obj = self.lookup_object(item.index)
-                hashes[self.digest_key(fqn)] = [crc32c_of([encode_object(obj, fqn)])]
-            elif _is_plain_tensor(self.state_dict.get(fqn)):
-                t = self.state_dict[fqn]
-                self.tensor_crcs[fqn] = _tensor_crc(t)
-                hashes[self.digest_key(fqn)] = [self.tensor_crcs[fqn], str(t.dtype),
-                                                str(list(t.shape))]
+        with self.cost.phase("plan"):
+            plan = super().create_local_plan()
+        with self.cost.phase("crc"):
+            hashes = self._replica_checksums(plan)
         if hashes:
             plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
                                                            **hashes})
             self.plan = plan
         return plan
 
+    def _replica_checksums(self, plan: SavePlan) -> dict[str, list]:
+        self.known_crcs = {}
+        self._encoded = {}
+        hashes = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = encode_object(self.lookup_object(item.index), fqn)
+                self._encoded[fqn] = data  # written as is: encoded once per save
+                self.known_crcs[fqn] = crc32c_of([data])
+                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn]]
+            elif _is_plain_tensor(self.state_dict.get(fqn)):
+                t = self.state_dict[fqn]
+                self.known_crcs[fqn] = _tensor_crc(t)
+                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn], str(t.dtype),
+                                                str(list(t.shape))]
+        return hashes
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        with self.cost.phase("plan"):
+            return super().finish_plan(new_plan)
+
     def create_global_plan(self, all_plans: list[SavePlan]):
         """On the coordinator: refuse keys whose replicas differ, then DCP's global plan."""
+        with self.cost.phase("plan"):
+            return self._checked_global_plan(all_plans)
+
+    def _checked_global_plan(self, all_plans: list[SavePlan]):
         ranks_by_value: dict[str, dict[tuple, list[int]]] = {}
         for rank, plan in enumerate(all_plans):
             for key, value in (plan.planner_data or {}).items():
@@ -126,7 +150,9 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
         if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(encode_object(object, write_item.index.fqn))
+            fqn = write_item.index.fqn
+            data = getattr(self, "_encoded", {}).get(fqn)
+            return io.BytesIO(data if data is not None else encode_object(object, fqn))
         return object
 
 

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 
 from ckpt import jsonio
 from ckpt.errors import CheckpointError
+from ckpt.manifest import Manifest
 from ckpt.store import CheckpointStore
 
 __all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll",
@@ -112,8 +113,14 @@ def set_pinned(store: CheckpointStore, step: int, pinned: bool = True) -> set[in
 def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], *,
                     protect: Iterable[int] = (),
                     on_deleted: Callable[[int], None] | None = None,
-                    on_failed: Callable[[int, BaseException], None] | None = None) -> list[int]:
-    """Delete committed checkpoints no policy keeps. Returns the steps deleted."""
+                    on_failed: Callable[[int, BaseException], None] | None = None,
+                    newest_manifest: Manifest | None = None) -> list[int]:
+    """Delete committed checkpoints no policy keeps. Returns the steps deleted.
+
+    ``newest_manifest``: the manifest this process just committed, when it is the newest:
+    its files are checked against it without reading and parsing it back (a save's
+    retention would otherwise parse the manifest it has just written).
+    """
     if not policies:
         return []
     committed = store.committed_steps()
@@ -121,7 +128,10 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
         return []
     newest = committed[-1]
     try:
-        store.verify(newest, full=False)
+        if newest_manifest is not None and newest_manifest.step == newest:
+            store.verify_manifest(newest_manifest, full=False)
+        else:
+            store.verify(newest, full=False)
     except CheckpointError as exc:  # corrupt, vanished, or storage unreachable
         log.warning("retention: newest checkpoint %d does not verify (%s); deleting nothing",
                     newest, exc)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckpt
 from ckpt.errors import CheckpointError
 from ckpt.manager import CheckpointManager, SaveAbandoned
+from ckpt.savecost import PHASES
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 from tests.ckpt._mgr_util import FaultyStorage, lease_released, marker_names, wait_for
 
@@ -324,7 +325,7 @@ def test_save_and_load_events(tmp_path):
     assert mgr.save(2, state) is False  # already committed
     mgr.close()
     kinds = [e.kind for e in seen]
-    assert kinds == ["save_staged", "save_committed"] * 2 + ["save_skipped"]
+    assert kinds == ["save_staged", "save_committed", "save_cost"] * 2 + ["save_skipped"]
     staged = [e for e in seen if e.kind == "save_staged"]
     assert staged[0].fields["first"] and not staged[1].fields["first"]
     assert all(e.fields["stall_seconds"] >= 0 and e.fields["bytes"] == _tensor_bytes(state)
@@ -336,6 +337,19 @@ def test_save_and_load_events(tmp_path):
         assert f["bytes_per_second"] > 0 and f["retries"] == 0 and f["attempts"] == 1
         assert f["total_bytes"] >= f["bytes"]
         json.dumps(e.to_json())  # events serialise for logs
+    for e in (e for e in seen if e.kind == "save_cost"):
+        f = e.fields
+        assert set(f["wall_seconds"]) == set(PHASES) == set(f["cpu_seconds"])
+        assert all(v >= 0 for v in [*f["wall_seconds"].values(), *f["cpu_seconds"].values()])
+        for phase in ("plan", "write", "fsync", "commit"):  # each really timed
+            assert f["wall_seconds"][phase] > 0, phase
+        assert f["background_cpu_seconds"] == pytest.approx(
+            f["persist_thread_cpu_seconds"] + f["helper_cpu_seconds"], abs=1e-5)
+        # The persist thread's own phases do not overlap: they add up to at most its time.
+        on_thread = sum(f["wall_seconds"][k] for k in
+                        ("plan", "collective", "commit", "bookkeep", "retention"))
+        assert 0 < on_thread <= f["total_wall_seconds"] + 1e-3
+        json.dumps(e.to_json())
     assert seen[-1].fields == {"reason": "already committed", "outcome": "skipped"}
 
     # Loading: load_done; a corrupt newest checkpoint: load_fallback, then load_done.

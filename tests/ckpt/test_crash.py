@@ -109,7 +109,8 @@ def _check_recovery(root: str, world: int) -> int:
     leftovers = sorted(os.listdir(step2)) if os.path.isdir(step2) else []
     committed2 = "manifest.json" in leftovers
     assert committed2 == (manifest.step == 2), leftovers
-    markers = [n for n in leftovers if n.startswith("pending-")]
+    # A marker's temporary file (killed between its write and its rename) is not a marker.
+    markers = [n for n in leftovers if n.startswith("pending-") and ".tmp-" not in n]
     aborted = dict(Lifecycle(Storage(root)).leftovers())
     marker = None
     if markers:

@@ -39,6 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ckpt.events import Event, EventBus
+from ckpt.savecost import PHASES
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS"]
 
@@ -97,6 +98,12 @@ class Metrics:
         self.stall = histogram("ckpt_save_stall_seconds", "Training stall per save (staging copy)")
         self.persist = histogram("ckpt_save_persist_seconds", "Background persist + commit time")
         self.save_bytes = gauge("ckpt_save_bytes", "Bytes staged by this rank in the last save")
+        self.save_cpu = histogram("ckpt_save_background_cpu_seconds",
+                                  "CPU seconds a save's background work took (persist thread and "
+                                  "its writer threads), per committed save")
+        self.save_phase_cpu = counter("ckpt_save_cpu_seconds_total",
+                                      "Background CPU seconds of saves, by phase", ["phase"],
+                                      [(p,) for p in PHASES])
         self.throughput = gauge("ckpt_save_bytes_per_second", "Persist throughput of last save")
         self.retries = counter("ckpt_storage_retries_total",
                                "Storage retries and save re-attempts, failed saves included")
@@ -253,6 +260,11 @@ class Metrics:
                     self.saves.labels(rk, "failed").inc()
         elif k == "save_skipped":
             self._count_skip(ev)
+        elif k == "save_cost":
+            self.save_cpu.labels(rk).observe(f.get("background_cpu_seconds", 0.0))
+            for phase, seconds in (f.get("cpu_seconds") or {}).items():
+                if phase in PHASES and isinstance(seconds, (int, float)) and seconds > 0:
+                    self.save_phase_cpu.labels(rk, phase).inc(seconds)
         elif k == "local_save_staged":
             self.local_stall.labels(rk).observe(f.get("stall_seconds", 0.0))
         elif k == "local_save_committed":

@@ -285,3 +285,23 @@ def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(
     assert _value(m, "ckpt_saves_total", outcome="committed") == 1  # step 4 only
     assert _value(m, "ckpt_last_committed_step") == 4
     assert _value(m, "ckpt_local_saves_total", outcome="failed") == 0
+
+
+def test_background_cpu_of_each_save_by_phase(tmp_path):
+    from ckpt.manager import CheckpointManager
+    from ckpt.savecost import PHASES
+
+    bus = EventBus(rank=0)
+    m = Metrics(bus, rank=0)
+    for phase in PHASES:
+        assert _value(m, "ckpt_save_cpu_seconds_total", phase=phase) == 0
+    state = {"w": torch.randn(256, 256), "step": 0}
+    with CheckpointManager(str(tmp_path / "root"), cadence="2", events=bus, busy="wait") as mgr:
+        for step in range(1, 5):
+            state["step"] = step
+            mgr.maybe_save(step, state)
+        mgr.wait()
+    assert _value(m, "ckpt_save_background_cpu_seconds_count") == 2
+    assert _value(m, "ckpt_save_background_cpu_seconds_sum") > 0
+    for phase in ("plan", "write", "commit"):
+        assert _value(m, "ckpt_save_cpu_seconds_total", phase=phase) > 0, phase

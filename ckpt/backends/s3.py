@@ -5,16 +5,23 @@ with its ETag and writes with ``If-Match`` on it. An object larger than one part
 a multipart upload whose parts are zero-copy slices of the caller's buffers
 (:class:`SegmentsReader`), at most ``max_concurrency`` in flight, each request retried on
 its own; a failed upload is aborted. s3fs's and botocore's own retry loops are off for the
-filesystems made here (:func:`open_s3`), so every retry is one of ``RetryPolicy``'s.
+clients made here (:func:`open_s3`, :func:`_put_client`), so every retry is one of
+``RetryPolicy``'s.
+
+Bulk writes (:meth:`S3Backend.write`) go through a blocking botocore client built from the
+s3fs filesystem's own settings, on the writer's thread: s3fs runs every request of a
+process on one event-loop thread, which then signs (SHA-256 over plain HTTP), checksums and
+sends every body alone while the other cores wait. Everything else (reads, listings,
+deletes, the small conditional writes) stays on s3fs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
 import os
 import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import fsspec
@@ -31,8 +38,11 @@ PROTOCOLS = ("s3", "s3a")
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 
+DEFAULT_MAX_POOL_CONNECTIONS = 64  # the blocking client's connections, unless configured
+
 _S3_CACHE: dict[tuple, Any] = {}
 _S3_CACHE_LOCK = threading.Lock()
+_PUT_CLIENTS: dict[tuple[int, int], Any] = {}
 
 
 def open_s3(url: str, options: dict[str, Any]):
@@ -53,10 +63,68 @@ def open_s3(url: str, options: dict[str, Any]):
     with _S3_CACHE_LOCK:
         fs = _S3_CACHE.get(key)
         if fs is None:
+            if opts.get("session") is not None:
+                raise ValueError("storage_options['session'] is not supported for checkpoint "
+                                 "roots: give credentials as key/secret/token or profile")
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
             fs.retries = 1  # s3fs's per-call retry loop: one attempt, ours does the rest
             _S3_CACHE[key] = fs
     return fs, fs._strip_protocol(url)
+
+
+def _put_client(fs: Any) -> Any:
+    """A blocking botocore S3 client with ``fs``'s endpoint, credentials, profile and client
+    configuration (as s3fs builds its own), for the bulk writes; one per filesystem and
+    process, shared by its threads (botocore clients are thread-safe).
+
+    Its retries are off like s3fs's (``RetryPolicy`` does them) and its connection pool
+    holds ``max_pool_connections`` (from ``config_kwargs``; default
+    :data:`DEFAULT_MAX_POOL_CONNECTIONS`), enough for every writer thread and part in
+    flight."""
+    key = (os.getpid(), id(fs))
+    client = _PUT_CLIENTS.get(key)
+    if client is not None:
+        return client
+    with _S3_CACHE_LOCK:
+        client = _PUT_CLIENTS.get(key)
+        if client is None:
+            import botocore
+            import botocore.config
+            import botocore.session
+
+            client_kwargs = dict(fs.client_kwargs)
+            init = {k: v for k, v in (("aws_access_key_id", fs.key),
+                                      ("aws_secret_access_key", fs.secret),
+                                      ("aws_session_token", fs.token),
+                                      ("endpoint_url", fs.endpoint_url))
+                    if v is not None and v != client_kwargs.get(k)}
+            client_kwargs.setdefault("use_ssl", fs.use_ssl)
+            config = dict(fs.config_kwargs)
+            config.setdefault("connect_timeout", fs.connect_timeout)
+            config.setdefault("read_timeout", fs.read_timeout)
+            config.setdefault("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS)
+            if fs.anon:
+                for k in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token"):
+                    init.pop(k, None)
+                    client_kwargs.pop(k, None)
+                config["signature_version"] = botocore.UNSIGNED
+            session = botocore.session.Session(**fs.kwargs)
+            client = session.create_client("s3", config=botocore.config.Config(**config),
+                                           **init, **client_kwargs)
+            _PUT_CLIENTS[key] = client
+    return client
+
+
+def _request_args(fs: Any, client: Any, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with ``fs``'s request-wide extras (``s3_additional_kwargs``, requester-pays)
+    that ``method`` accepts, as s3fs adds them to its own calls."""
+    extra = {**fs.s3_additional_kwargs, **fs.req_kw, **params}
+    if "RequestPayer" in extra and extra["RequestPayer"] is None:
+        extra.pop("RequestPayer")
+    op = client.meta.method_to_api_mapping[method]
+    shape = client.meta.service_model.operation_model(op).input_shape
+    valid = set(shape.members) if shape is not None else set()
+    return {k: v for k, v in extra.items() if k in valid}
 
 
 class S3Backend(FsspecBackend):
@@ -90,74 +158,92 @@ class S3Backend(FsspecBackend):
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:
         """One PUT up to ``part_bytes`` (raised to at least 5 MiB, and enough to stay within
-        10,000 parts), else a multipart upload. Every object is durable once acknowledged."""
+        10,000 parts), else a multipart upload. Every object is durable once acknowledged.
+
+        Requests run on the calling thread through a blocking client (:func:`_put_client`),
+        parts of one upload on ``max_concurrency`` threads of its own: each thread signs,
+        checksums and sends its own bodies, so several writers use several cores instead of
+        queueing on s3fs's one event-loop thread."""
         total = sum(v.nbytes for v in views)
         part_bytes = max(part_bytes, MIN_PART_BYTES, -(-total // MAX_PARTS))
         if total > part_bytes:
-            fsspec.asyn.sync(self.fs.loop, self._multipart_upload, rel,
-                             split_parts(views, part_bytes), total, max_concurrency)
+            self._multipart_upload(rel, split_parts(views, part_bytes), total, max_concurrency)
             return
-        bucket, key = self._bucket_key(rel)
-        self.retry.call(f"upload {self.describe(rel)}", lambda: self.fs.call_s3(
-            "put_object", Bucket=bucket, Key=key, Body=SegmentsReader(views)))
+        self.retry.call(f"upload {self.describe(rel)}", lambda: self._put_call(
+            "put_object", rel, Body=SegmentsReader(views)))
 
-    async def _multipart_upload(self, rel: str, parts: list[list[memoryview]], total: int,
-                                max_concurrency: int) -> None:
+    def _put_call(self, method: str, rel: str, **params: Any) -> Any:
+        """``method`` of the blocking client on ``rel``'s bucket and key, one attempt, with
+        the filesystem's extra request arguments (``s3_additional_kwargs``, requester-pays)
+        and its errors translated as s3fs translates them."""
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        client = _put_client(self.fs)
+        bucket, key = self._bucket_key(rel)
+        try:
+            return getattr(client, method)(**_request_args(self.fs, client, method, {
+                "Bucket": bucket, "Key": key, **params}))
+        except ClientError as exc:
+            raise translate_boto_error(exc) from exc
+
+    def _multipart_upload(self, rel: str, parts: list[list[memoryview]], total: int,
+                          max_concurrency: int) -> None:
         """Create, upload ``parts`` (at most ``max_concurrency`` at once), complete; abort on
         any failure so no orphan parts remain. Each request is retried on its own."""
-        bucket, key = self._bucket_key(rel)
         what = f"upload {self.describe(rel)}"
-        call = self.fs._call_s3
-        mpu = await self.retry.acall(f"{what} (create multipart upload)", lambda: call(
-            "create_multipart_upload", Bucket=bucket, Key=key))
+        mpu = self.retry.call(f"{what} (create multipart upload)",
+                              lambda: self._put_call("create_multipart_upload", rel))
         upload_id = mpu["UploadId"]
-        etags: list[str | None] = [None] * len(parts)
-        gate = asyncio.Semaphore(max_concurrency)
 
-        async def upload(i: int) -> None:
-            async with gate:
-                out = await self.retry.acall(f"{what} part {i + 1}/{len(parts)}", lambda: call(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                    PartNumber=i + 1, Body=SegmentsReader(parts[i])))
-                etags[i] = out["ETag"]
+        def upload(i: int) -> str:
+            return self.retry.call(f"{what} part {i + 1}/{len(parts)}", lambda: self._put_call(
+                "upload_part", rel, UploadId=upload_id, PartNumber=i + 1,
+                Body=SegmentsReader(parts[i])))["ETag"]
 
-        tasks = [asyncio.ensure_future(upload(i)) for i in range(len(parts))]
+        pool = ThreadPoolExecutor(max(1, min(max_concurrency, len(parts))),
+                                  thread_name_prefix="ckpt-s3-part")
+        futures: list = []
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
+            futures = [pool.submit(upload, i) for i in range(len(parts))]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            etags = [f.result() for f in futures]
             num_complete_calls = 0
 
-            async def complete():
+            def complete():
                 nonlocal num_complete_calls
                 num_complete_calls += 1
                 try:
-                    return await call("complete_multipart_upload", Bucket=bucket, Key=key,
-                                      UploadId=upload_id, MultipartUpload={"Parts": [
-                                          {"PartNumber": i + 1, "ETag": e}
-                                          for i, e in enumerate(etags)]})
+                    return self._put_call("complete_multipart_upload", rel, UploadId=upload_id,
+                                          MultipartUpload={"Parts": [
+                                              {"PartNumber": i + 1, "ETag": e}
+                                              for i, e in enumerate(etags)]})
                 except Exception as exc:
                     # A retried complete whose first try landed finds the upload gone.
                     if num_complete_calls > 1 and error_code(exc)[0] == "NoSuchUpload":
-                        head = await call("head_object", Bucket=bucket, Key=key)
+                        head = self._put_call("head_object", rel)
                         if int(head.get("ContentLength", -1)) == total:
                             return None
                     raise
 
-            await self.retry.acall(f"{what} (complete multipart upload)", complete)
+            self.retry.call(f"{what} (complete multipart upload)", complete)
         except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)  # no part may land after the abort
             try:
-                await self.retry.acall(f"{what} (abort multipart upload)", lambda: call(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id))
+                self.retry.call(f"{what} (abort multipart upload)", lambda: self._put_call(
+                    "abort_multipart_upload", rel, UploadId=upload_id))
             except Exception as exc:  # noqa: BLE001 - the upload's own error matters more
                 log.warning("could not abort the multipart upload of %s (id %s): %s; a "
                             "bucket lifecycle rule for incomplete uploads will remove its "
                             "parts", self.describe(rel), upload_id, exc)
             raise
+        finally:
+            pool.shutdown(wait=True)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """A conditional PUT (``If-None-Match: *``), which is the commit itself."""

@@ -31,12 +31,13 @@ from ckpt._retry import RetryPolicy, error_code, is_precondition_failed
 from ckpt.backends.base import FsspecBackend
 
 __all__ = ["S3Backend", "SegmentsReader", "open_s3", "split_parts", "MIN_PART_BYTES",
-           "MAX_PARTS", "PROTOCOLS"]
+           "MAX_PARTS", "MAX_PUT_BYTES", "PROTOCOLS"]
 
 log = logging.getLogger("ckpt.storage")
 PROTOCOLS = ("s3", "s3a")
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
+MAX_PUT_BYTES = 5 << 30  # S3's largest single PUT
 
 DEFAULT_MAX_POOL_CONNECTIONS = 64  # the blocking client's connections, unless configured
 
@@ -157,8 +158,14 @@ class S3Backend(FsspecBackend):
 
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:
-        """One PUT up to ``part_bytes`` (raised to at least 5 MiB, and enough to stay within
-        10,000 parts), else a multipart upload. Every object is durable once acknowledged.
+        """A multipart upload of ``part_bytes`` parts (raised to at least 5 MiB, and enough
+        to stay within 10,000 parts) for an object of two full parts or more, else one PUT.
+        Every object is durable once acknowledged.
+
+        An object under two parts is one PUT even above ``part_bytes``: splitting it would
+        add two round trips (create, complete) and a server-side assembly for at most two
+        requests in flight, and a writer sizing its files near one part (``dcp_io`` on S3)
+        makes many objects slightly above it.
 
         Requests run on the calling thread through a blocking client (:func:`_put_client`),
         parts of one upload on ``max_concurrency`` threads of its own: each thread signs,
@@ -166,7 +173,7 @@ class S3Backend(FsspecBackend):
         queueing on s3fs's one event-loop thread."""
         total = sum(v.nbytes for v in views)
         part_bytes = max(part_bytes, MIN_PART_BYTES, -(-total // MAX_PARTS))
-        if total > part_bytes:
+        if total >= min(2 * part_bytes, MAX_PUT_BYTES):
             self._multipart_upload(rel, split_parts(views, part_bytes), total, max_concurrency)
             return
         self.retry.call(f"upload {self.describe(rel)}", lambda: self._put_call(
@@ -334,12 +341,21 @@ class SegmentsReader(io.RawIOBase):
         return n
 
     def read(self, size: int = -1) -> bytes:
+        # One copy, straight from the segments (RawIOBase's read would fill a scratch buffer
+        # and copy it again); botocore reads every body three times (signature, checksum,
+        # send).
         if size is None or size < 0:
             size = self._size - self._pos
         size = max(0, min(size, self._size - self._pos))
-        buf = bytearray(size)
-        n = self.readinto(buf)
-        return bytes(buf[:n]) if n != size else bytes(buf)
+        pieces = []
+        while size > 0:
+            i = self._segment_at(self._pos)
+            seg, local = self._segments[i], self._pos - self._starts[i]
+            take = min(size, seg.nbytes - local)
+            pieces.append(seg[local:local + take])
+            self._pos += take
+            size -= take
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
     def _segment_at(self, pos: int) -> int:
         lo, hi = 0, len(self._starts) - 1

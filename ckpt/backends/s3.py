@@ -5,7 +5,7 @@ with its ETag and writes with ``If-Match`` on it. An object larger than one part
 a multipart upload whose parts are zero-copy slices of the caller's buffers
 (:class:`SegmentsReader`), at most ``max_concurrency`` in flight, each request retried on
 its own; a failed upload is aborted. s3fs's and botocore's own retry loops are off for the
-clients made here (:func:`open_s3`, :func:`_put_client`), so every retry is one of
+clients made here (:func:`open_s3`, :func:`write_client`), so every retry is one of
 ``RetryPolicy``'s.
 
 Bulk writes (:meth:`S3Backend.write`) go through a blocking botocore client built from the
@@ -30,8 +30,9 @@ import fsspec.asyn
 from ckpt._retry import RetryPolicy, error_code, is_precondition_failed
 from ckpt.backends.base import FsspecBackend
 
-__all__ = ["S3Backend", "SegmentsReader", "open_s3", "split_parts", "MIN_PART_BYTES",
-           "MAX_PARTS", "MAX_PUT_BYTES", "PROTOCOLS"]
+__all__ = ["S3Backend", "SegmentsReader", "open_s3", "write_client", "split_parts",
+           "MIN_PART_BYTES", "MAX_PARTS", "MAX_PUT_BYTES", "DEFAULT_MAX_POOL_CONNECTIONS",
+           "PROTOCOLS"]
 
 log = logging.getLogger("ckpt.storage")
 PROTOCOLS = ("s3", "s3a")
@@ -67,13 +68,18 @@ def open_s3(url: str, options: dict[str, Any]):
             if opts.get("session") is not None:
                 raise ValueError("storage_options['session'] is not supported for checkpoint "
                                  "roots: give credentials as key/secret/token or profile")
+            pool = config.get("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS)
+            if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+                raise ValueError(f"storage_options['config_kwargs']['max_pool_connections'] "
+                                 f"must be an integer >= 1 (connections per client), got "
+                                 f"{pool!r}")
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
             fs.retries = 1  # s3fs's per-call retry loop: one attempt, ours does the rest
             _S3_CACHE[key] = fs
     return fs, fs._strip_protocol(url)
 
 
-def _put_client(fs: Any) -> Any:
+def write_client(fs: Any) -> Any:
     """A blocking botocore S3 client with ``fs``'s endpoint, credentials, profile and client
     configuration (as s3fs builds its own), for the bulk writes; one per filesystem and
     process, shared by its threads (botocore clients are thread-safe).
@@ -167,7 +173,7 @@ class S3Backend(FsspecBackend):
         requests in flight, and a writer sizing its files near one part (``dcp_io`` on S3)
         makes many objects slightly above it.
 
-        Requests run on the calling thread through a blocking client (:func:`_put_client`),
+        Requests run on the calling thread through a blocking client (:func:`write_client`),
         parts of one upload on ``max_concurrency`` threads of its own: each thread signs,
         checksums and sends its own bodies, so several writers use several cores instead of
         queueing on s3fs's one event-loop thread."""
@@ -186,7 +192,7 @@ class S3Backend(FsspecBackend):
         from botocore.exceptions import ClientError
         from s3fs.errors import translate_boto_error
 
-        client = _put_client(self.fs)
+        client = write_client(self.fs)
         bucket, key = self._bucket_key(rel)
         try:
             return getattr(client, method)(**_request_args(self.fs, client, method, {

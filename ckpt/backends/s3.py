@@ -17,6 +17,7 @@ deletes, the small conditional writes) stays on s3fs.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -25,7 +26,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
 import fsspec
-import fsspec.asyn
 
 from ckpt._retry import RetryPolicy, error_code, is_precondition_failed
 from ckpt.backends.base import FsspecBackend
@@ -182,10 +182,10 @@ class S3Backend(FsspecBackend):
         if total >= min(2 * part_bytes, MAX_PUT_BYTES):
             self._multipart_upload(rel, split_parts(views, part_bytes), total, max_concurrency)
             return
-        self.retry.call(f"upload {self.describe(rel)}", lambda: self._put_call(
+        self.retry.call(f"upload {self.describe(rel)}", lambda: self._call(
             "put_object", rel, Body=SegmentsReader(views)))
 
-    def _put_call(self, method: str, rel: str, **params: Any) -> Any:
+    def _call(self, method: str, rel: str, **params: Any) -> Any:
         """``method`` of the blocking client on ``rel``'s bucket and key, one attempt, with
         the filesystem's extra request arguments (``s3_additional_kwargs``, requester-pays)
         and its errors translated as s3fs translates them."""
@@ -206,11 +206,11 @@ class S3Backend(FsspecBackend):
         any failure so no orphan parts remain. Each request is retried on its own."""
         what = f"upload {self.describe(rel)}"
         mpu = self.retry.call(f"{what} (create multipart upload)",
-                              lambda: self._put_call("create_multipart_upload", rel))
+                              lambda: self._call("create_multipart_upload", rel))
         upload_id = mpu["UploadId"]
 
         def upload(i: int) -> str:
-            return self.retry.call(f"{what} part {i + 1}/{len(parts)}", lambda: self._put_call(
+            return self.retry.call(f"{what} part {i + 1}/{len(parts)}", lambda: self._call(
                 "upload_part", rel, UploadId=upload_id, PartNumber=i + 1,
                 Body=SegmentsReader(parts[i])))["ETag"]
 
@@ -230,14 +230,14 @@ class S3Backend(FsspecBackend):
                 nonlocal num_complete_calls
                 num_complete_calls += 1
                 try:
-                    return self._put_call("complete_multipart_upload", rel, UploadId=upload_id,
+                    return self._call("complete_multipart_upload", rel, UploadId=upload_id,
                                           MultipartUpload={"Parts": [
                                               {"PartNumber": i + 1, "ETag": e}
                                               for i, e in enumerate(etags)]})
                 except Exception as exc:
                     # A retried complete whose first try landed finds the upload gone.
                     if num_complete_calls > 1 and error_code(exc)[0] == "NoSuchUpload":
-                        head = self._put_call("head_object", rel)
+                        head = self._call("head_object", rel)
                         if int(head.get("ContentLength", -1)) == total:
                             return None
                     raise
@@ -248,7 +248,7 @@ class S3Backend(FsspecBackend):
                 f.cancel()
             pool.shutdown(wait=True)  # no part may land after the abort
             try:
-                self.retry.call(f"{what} (abort multipart upload)", lambda: self._put_call(
+                self.retry.call(f"{what} (abort multipart upload)", lambda: self._call(
                     "abort_multipart_upload", rel, UploadId=upload_id))
             except Exception as exc:  # noqa: BLE001 - the upload's own error matters more
                 log.warning("could not abort the multipart upload of %s (id %s): %s; a "
@@ -260,9 +260,8 @@ class S3Backend(FsspecBackend):
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """A conditional PUT (``If-None-Match: *``), which is the commit itself."""
-        bucket, key = self._bucket_key(rel)
         try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            self._call("put_object", rel, Body=data, IfNoneMatch="*")
         except Exception as exc:  # noqa: BLE001
             if not is_precondition_failed(exc):
                 raise
@@ -271,9 +270,10 @@ class S3Backend(FsspecBackend):
 
     def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes) -> bool:
         """Read the object with its ETag, then PUT with ``If-Match`` on that ETag."""
-        bucket, key = self._bucket_key(rel)
         try:
-            etag, current = fsspec.asyn.sync(self.fs.loop, self._get_with_etag, bucket, key)
+            resp = self._call("get_object", rel)
+            with contextlib.closing(resp["Body"]) as body:
+                etag, current = resp["ETag"], body.read()
         except FileNotFoundError as exc:
             if error_code(exc)[0] == "NoSuchBucket":
                 raise
@@ -282,21 +282,12 @@ class S3Backend(FsspecBackend):
             # A retry after a PUT whose answer was lost finds our own data.
             return current == data
         try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
+            self._call("put_object", rel, Body=data, IfMatch=etag)
         except Exception as exc:  # noqa: BLE001
             if is_precondition_failed(exc) or isinstance(exc, FileNotFoundError):
                 return self.read_or_none(rel) == data
             raise
         return True
-
-    async def _get_with_etag(self, bucket: str, key: str) -> tuple[str, bytes]:
-        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = resp["Body"]
-        try:
-            data = await body.read()
-        finally:
-            body.close()
-        return resp["ETag"], data
 
 
 class SegmentsReader(io.RawIOBase):

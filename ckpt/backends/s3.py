@@ -1,18 +1,18 @@
 """S3 (``s3://``, ``s3a://``) through s3fs: conditional writes and parallel multipart uploads.
 
 The commit is a conditional PUT (``If-None-Match: *``); the lease's swap reads the object
-with its ETag and writes with ``If-Match`` on it. An object larger than one part goes up as
+with its ETag and writes with ``If-Match`` on it. An object of two parts or more goes up as
 a multipart upload whose parts are zero-copy slices of the caller's buffers
 (:class:`SegmentsReader`), at most ``max_concurrency`` in flight, each request retried on
 its own; a failed upload is aborted. s3fs's and botocore's own retry loops are off for the
 clients made here (:func:`open_s3`, :func:`write_client`), so every retry is one of
 ``RetryPolicy``'s.
 
-Bulk writes (:meth:`S3Backend.write`) go through a blocking botocore client built from the
-s3fs filesystem's own settings, on the writer's thread: s3fs runs every request of a
-process on one event-loop thread, which then signs (SHA-256 over plain HTTP), checksums and
-sends every body alone while the other cores wait. Everything else (reads, listings,
-deletes, the small conditional writes) stays on s3fs.
+Writes (:meth:`S3Backend.write`, and the conditional writes) go through a blocking
+botocore client built from the s3fs filesystem's own settings (:func:`write_client`), on
+the writer's thread: s3fs runs every request of a process on one event-loop thread, which
+then signs (SHA-256 over plain HTTP), checksums and sends every body alone while the other
+cores wait. Reads, listings and deletes stay on s3fs.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def _request_args(fs: Any, client: Any, method: str, params: dict[str, Any]) -> 
 
 class S3Backend(FsspecBackend):
     """Objects under ``s3://bucket/prefix``. Existence, sizes, reads, listings and deletes are
-    s3fs's; writes are botocore requests made here. There are no folders."""
+    s3fs's; writes are blocking botocore requests made here (:func:`write_client`), on the
+    calling thread. There are no folders."""
 
     is_s3 = True
 

@@ -398,3 +398,26 @@ def test_pool_size_option_is_used(s3_root, s3_server):
         client = write_client(storage.fs)
         assert client.meta.config.max_pool_connections == want
         assert client.meta.config.retries["total_max_attempts"] == 1  # RetryPolicy retries
+
+
+@pytest.mark.parametrize("calculation", [None, "when_required"])
+def test_single_put_carries_our_crc32c(s3_root, s3_proxy, s3_server, calculation):
+    """A one-PUT object is sent with the CRC32C of its buffers (the server checks the body
+    against it) instead of botocore's CRC32; with checksums only "when_required" (for
+    S3-compatible stores that refuse them), neither."""
+    import base64
+
+    import crc32c
+
+    opts = dict(s3_proxy.storage_options)
+    if calculation:
+        opts["config_kwargs"] = {"request_checksum_calculation": calculation}
+    storage = Storage(s3_root.url, opts)
+    buffers = _payload(3 * MiB + 5, 4, seed=9)
+    storage.write_buffers("c.bin", buffers)
+    (put,) = [r for r in s3_proxy.requests if r.method == "PUT"]
+    headers = {k.lower(): v for k, v in put.headers.items()}
+    want = base64.b64encode(crc32c.crc32c(_joined(buffers)).to_bytes(4, "big")).decode()
+    assert headers.get("x-amz-checksum-crc32c") == (None if calculation else want)
+    assert "x-amz-checksum-crc32" not in headers
+    assert storage.read_bytes("c.bin") == _joined(buffers)

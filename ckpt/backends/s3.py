@@ -42,7 +42,7 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 MAX_PUT_BYTES = 5 << 30  # S3's largest single PUT
 
-DEFAULT_MAX_POOL_CONNECTIONS = 64  # the blocking client's connections, unless configured
+DEFAULT_MAX_POOL_CONNECTIONS = 128  # the blocking client's connections: 16 writers x 8 parts
 
 _S3_CACHE: dict[tuple, Any] = {}
 _S3_CACHE_LOCK = threading.Lock()

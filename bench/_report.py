@@ -151,23 +151,42 @@ def local_section(rep: Report, label: str, nbytes: int, res: dict[str, Any]) -> 
 
 def s3_section(rep: Report, label: str, nbytes: int, res: dict[str, Any]) -> None:
     st = res.get("series") or {}
-    dcp_names = sorted(k for k in st if k.startswith("dcp_fsspec_t"))
+    names = [k for k in st if "." not in k]  # "<name>.cpu_*" are per-sample CPU seconds
+    dcp_names = sorted(k for k in names if k.startswith("dcp_fsspec_t"))
+    ours_names = sorted(k for k in names if k.startswith("ours_t"))
     main_dcp = "dcp_fsspec_t4" if "dcp_fsspec_t4" in st else (dcp_names[-1] if dcp_names
                                                                   else None)
-    rep.table(f"{label}: save to S3 (moto on loopback)", [
-        (f"raw concurrent put, {res.get('info', {}).get('raw_objects')} objects, "
-         f"{res.get('info', {}).get('raw_threads')} threads", st.get("raw_put"), None, "floor"),
-        ("ours: ckpt.save to s3://", st.get("ours"), st.get("raw_put"),
-         f"num_threads={res.get('info', {}).get('ours_threads')} (default)"),
-        *[(f"ours: ckpt.save, num_threads={k[len('ours_t'):]}", st.get(k), st.get("raw_put"),
-           "") for k in sorted(st) if k.startswith("ours_t")],
-        *[(f"dcp.save FsspecWriter thread_count={k[len('dcp_fsspec_t'):]}", st.get(k),
-           st.get("raw_put"), "") for k in dcp_names],
-    ], nbytes, unit="MiB/s")
+    info = res.get("info", {})
+    rows = [
+        (f"raw concurrent put, {info.get('raw_objects')} objects, "
+         f"{info.get('raw_threads')} threads", "raw_put", None, "floor"),
+        ("ours: ckpt.save to s3://", "ours", "raw_put",
+         f"num_threads={info.get('ours_threads')} (default)"),
+        *[(f"ours: ckpt.save, num_threads={k[len('ours_t'):]}", k, "raw_put", "")
+          for k in ours_names],
+        *[(f"dcp.save FsspecWriter thread_count={k[len('dcp_fsspec_t'):]}", k, "raw_put", "")
+          for k in dcp_names],
+    ]
+    rep.table(f"{label}: save to S3 (moto on loopback)",
+              [(lbl, st.get(k), st.get(b) if b else None, note) for lbl, k, b, note in rows],
+              nbytes, unit="MiB/s")
+    if any(f"{k}.cpu_server" in st for _, k, _, _ in rows):
+        # moto is CPU-bound on the same cores: wall time is about (client + server CPU) over
+        # the cores, so these columns say which side a difference comes from.
+        rep.add(f"CPU seconds per save, median (client: the bench process; server: the moto "
+                f"process; {info.get('cpus', '?')} cores shared by both):")
+        rep.add("")
+        rep.add("| contender | client CPU s | server CPU s | client + server |")
+        rep.add("|---|---:|---:|---:|")
+        for lbl, k, _, _ in rows:
+            c, v = median(st.get(f"{k}.cpu_client") or []), median(st.get(f"{k}.cpu_server") or [])
+            rep.add(f"| {lbl} | {_f(c, '{:.2f}')} | {_f(v, '{:.2f}')} | "
+                    f"{_f(None if c is None or v is None else c + v, '{:.2f}')} |")
+        rep.add("")
     # Throughput ratio = inverse time ratio. The default configuration is the target; other
     # num_threads settings are listed too, marked as such.
-    threads = res.get("info", {}).get("ours_threads")
-    for key in ["ours"] + sorted(k for k in st if k.startswith("ours_t")):
+    threads = info.get("ours_threads")
+    for key in ["ours"] + ours_names:
         which = (f"num_threads={threads}, default" if key == "ours"
                  else f"num_threads={key[len('ours_t'):]}")
         if main_dcp:

@@ -13,6 +13,11 @@ Contenders, each writing the same state to a fresh prefix (deleted, untimed, aft
 * ``dcp_fsspec_t{k}``: ``dcp.save`` with DCP's ``FsspecWriter(thread_count=k)``.
 * ``raw_put``: one ``put_object`` per tensor (``--tensors`` objects) from a thread pool of
   ``--s3-raw-threads`` boto3 workers, bodies read zero-copy from the tensors.
+
+Every sample also records the CPU seconds the bench process (the client) and the moto
+process (the server) spent in it (``<name>.cpu_client``, ``<name>.cpu_server``): moto is
+CPU-bound here, so a client's time is mostly the server's work plus its own, shared out
+over the 2 cores, and the CPU split says which side a difference comes from.
 """
 
 from __future__ import annotations
@@ -93,6 +98,12 @@ class MotoServer:
                             aws_secret_access_key=SECRET, region_name=REGION,
                             config=Config(max_pool_connections=max_pool_connections))
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the server process has used so far (Linux)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def delete_prefix(self, prefix: str) -> None:
         s3 = self.client()
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
@@ -161,6 +172,17 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
         raw_client = server.client(max_pool_connections=max(10, opts.s3_raw_threads))
         prefixes: list[str] = []
 
+        def timed(fn):
+            """``fn`` as a contender: wall seconds of the part it times (it returns them),
+            plus the client's and the server's CPU seconds over the same call."""
+            def run() -> dict[str, float]:
+                c0, s0 = os.times(), server.cpu_seconds()
+                wall = fn()
+                c1, s1 = os.times(), server.cpu_seconds()
+                return {"": wall, "cpu_client": c1.user - c0.user + c1.system - c0.system,
+                        "cpu_server": s1 - s0}
+            return run
+
         def fresh(kind: str) -> str:
             p = f"{kind}-{uuid.uuid4().hex[:10]}"
             prefixes.append(p)
@@ -200,18 +222,19 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
             return now() - t0
 
         contenders = [
-            Contender("ours", ours(None), after=cleanup),
-            *[Contender(f"ours_t{k}", ours(k), after=cleanup)
+            Contender("ours", timed(ours(None)), after=cleanup),
+            *[Contender(f"ours_t{k}", timed(ours(k)), after=cleanup)
               for k in opts.s3_ours_threads],
-            *[Contender(f"dcp_fsspec_t{k}", dcp_fsspec(k), after=cleanup)
+            *[Contender(f"dcp_fsspec_t{k}", timed(dcp_fsspec(k)), after=cleanup)
               for k in opts.s3_dcp_threads],
-            Contender("raw_put", raw_put, after=cleanup),
+            Contender("raw_put", timed(raw_put), after=cleanup),
         ]
         series = interleave(contenders, repeats, log=log)
         return {"series": series,
                 "info": {"endpoint": server.endpoint_url, "raw_objects": len(views),
                          "raw_threads": opts.s3_raw_threads,
                          "ours_threads": "library default (16 on S3)",
+                         "cpus": len(os.sched_getaffinity(0)),
                          "errors": {c.name: c.error for c in contenders if c.error}}}
     finally:
         if own:

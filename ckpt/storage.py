@@ -192,9 +192,10 @@ class Storage:
                       part_bytes: int = 32 << 20, max_concurrency: int = 8) -> None:
         """Write the concatenation of ``buffers`` (bytes-like, numpy arrays included) to ``rel``.
 
-        Local files are fsync'd when ``durable``. On S3 an object larger than ``part_bytes``
-        goes up as a parallel multipart upload of ``part_bytes`` parts (at least 5 MiB; larger
-        if needed to stay within 10,000 parts), ``max_concurrency`` at a time; it appears only
+        Local files are fsync'd when ``durable``. On S3 an object of two parts or more goes
+        up as a parallel multipart upload of ``part_bytes`` parts (at least 5 MiB; larger if
+        needed to stay within 10,000 parts), ``max_concurrency`` at a time (a smaller one is
+        one PUT); it appears only
         when the upload completes, and a failed upload is aborted. Buffers are never joined:
         each request body reads zero-copy slices of them, so the extra host memory is a few
         small read chunks per request in flight.

@@ -1,38 +1,52 @@
 """S3 (``s3://``, ``s3a://``) through s3fs: conditional writes and parallel multipart uploads.
 
 The commit is a conditional PUT (``If-None-Match: *``); the lease's swap reads the object
-with its ETag and writes with ``If-Match`` on it. An object larger than one part goes up as
+with its ETag and writes with ``If-Match`` on it. An object of two parts or more goes up as
 a multipart upload whose parts are zero-copy slices of the caller's buffers
 (:class:`SegmentsReader`), at most ``max_concurrency`` in flight, each request retried on
 its own; a failed upload is aborted. s3fs's and botocore's own retry loops are off for the
-filesystems made here (:func:`open_s3`), so every retry is one of ``RetryPolicy``'s.
+clients made here (:func:`open_s3`, :func:`write_client`), so every retry is one of
+``RetryPolicy``'s.
+
+Writes (:meth:`S3Backend.write`, and the conditional writes) go through a blocking
+botocore client built from the s3fs filesystem's own settings (:func:`write_client`), on
+the writer's thread: s3fs runs every request of a process on one event-loop thread, which
+then signs (SHA-256 over plain HTTP), checksums and sends every body alone while the other
+cores wait. Reads, listings and deletes stay on s3fs.
 """
 
 from __future__ import annotations
 
-import asyncio
+import base64
+import contextlib
 import io
 import logging
 import os
 import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Sequence
 
+import crc32c
 import fsspec
-import fsspec.asyn
 
 from ckpt._retry import RetryPolicy, error_code, is_precondition_failed
 from ckpt.backends.base import FsspecBackend
 
-__all__ = ["S3Backend", "SegmentsReader", "open_s3", "split_parts", "MIN_PART_BYTES",
-           "MAX_PARTS", "PROTOCOLS"]
+__all__ = ["S3Backend", "SegmentsReader", "open_s3", "write_client", "split_parts",
+           "MIN_PART_BYTES", "MAX_PARTS", "MAX_PUT_BYTES", "DEFAULT_MAX_POOL_CONNECTIONS",
+           "PROTOCOLS"]
 
 log = logging.getLogger("ckpt.storage")
 PROTOCOLS = ("s3", "s3a")
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
+MAX_PUT_BYTES = 5 << 30  # S3's largest single PUT
+
+DEFAULT_MAX_POOL_CONNECTIONS = 128  # the blocking client's connections: 16 writers x 8 parts
 
 _S3_CACHE: dict[tuple, Any] = {}
 _S3_CACHE_LOCK = threading.Lock()
+_PUT_CLIENTS: dict[tuple[int, int], Any] = {}
 
 
 def open_s3(url: str, options: dict[str, Any]):
@@ -53,15 +67,79 @@ def open_s3(url: str, options: dict[str, Any]):
     with _S3_CACHE_LOCK:
         fs = _S3_CACHE.get(key)
         if fs is None:
+            if opts.get("session") is not None:
+                raise ValueError("storage_options['session'] is not supported for checkpoint "
+                                 "roots: give credentials as key/secret/token or profile")
+            pool = config.get("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS)
+            if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+                raise ValueError(f"storage_options['config_kwargs']['max_pool_connections'] "
+                                 f"must be an integer >= 1 (connections per client), got "
+                                 f"{pool!r}")
             fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
             fs.retries = 1  # s3fs's per-call retry loop: one attempt, ours does the rest
             _S3_CACHE[key] = fs
     return fs, fs._strip_protocol(url)
 
 
+def write_client(fs: Any) -> Any:
+    """A blocking botocore S3 client with ``fs``'s endpoint, credentials, profile and client
+    configuration (as s3fs builds its own), for the bulk writes; one per filesystem and
+    process, shared by its threads (botocore clients are thread-safe).
+
+    Its retries are off like s3fs's (``RetryPolicy`` does them) and its connection pool
+    holds ``max_pool_connections`` (from ``config_kwargs``; default
+    :data:`DEFAULT_MAX_POOL_CONNECTIONS`), enough for every writer thread and part in
+    flight."""
+    key = (os.getpid(), id(fs))
+    client = _PUT_CLIENTS.get(key)
+    if client is not None:
+        return client
+    with _S3_CACHE_LOCK:
+        client = _PUT_CLIENTS.get(key)
+        if client is None:
+            import botocore
+            import botocore.config
+            import botocore.session
+
+            client_kwargs = dict(fs.client_kwargs)
+            init = {k: v for k, v in (("aws_access_key_id", fs.key),
+                                      ("aws_secret_access_key", fs.secret),
+                                      ("aws_session_token", fs.token),
+                                      ("endpoint_url", fs.endpoint_url))
+                    if v is not None and v != client_kwargs.get(k)}
+            client_kwargs.setdefault("use_ssl", fs.use_ssl)
+            config = dict(fs.config_kwargs)
+            config.setdefault("connect_timeout", fs.connect_timeout)
+            config.setdefault("read_timeout", fs.read_timeout)
+            config.setdefault("max_pool_connections", DEFAULT_MAX_POOL_CONNECTIONS)
+            if fs.anon:
+                for k in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token"):
+                    init.pop(k, None)
+                    client_kwargs.pop(k, None)
+                config["signature_version"] = botocore.UNSIGNED
+            session = botocore.session.Session(**fs.kwargs)
+            client = session.create_client("s3", config=botocore.config.Config(**config),
+                                           **init, **client_kwargs)
+            _PUT_CLIENTS[key] = client
+    return client
+
+
+def _request_args(fs: Any, client: Any, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with ``fs``'s request-wide extras (``s3_additional_kwargs``, requester-pays)
+    that ``method`` accepts, as s3fs adds them to its own calls."""
+    extra = {**fs.s3_additional_kwargs, **fs.req_kw, **params}
+    if "RequestPayer" in extra and extra["RequestPayer"] is None:
+        extra.pop("RequestPayer")
+    op = client.meta.method_to_api_mapping[method]
+    shape = client.meta.service_model.operation_model(op).input_shape
+    valid = set(shape.members) if shape is not None else set()
+    return {k: v for k, v in extra.items() if k in valid}
+
+
 class S3Backend(FsspecBackend):
     """Objects under ``s3://bucket/prefix``. Existence, sizes, reads, listings and deletes are
-    s3fs's; writes are botocore requests made here. There are no folders."""
+    s3fs's; writes are blocking botocore requests made here (:func:`write_client`), on the
+    calling thread. There are no folders."""
 
     is_s3 = True
 
@@ -89,81 +167,113 @@ class S3Backend(FsspecBackend):
 
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:
-        """One PUT up to ``part_bytes`` (raised to at least 5 MiB, and enough to stay within
-        10,000 parts), else a multipart upload. Every object is durable once acknowledged."""
+        """A multipart upload of ``part_bytes`` parts (raised to at least 5 MiB, and enough
+        to stay within 10,000 parts) for an object of two full parts or more, else one PUT.
+        Every object is durable once acknowledged.
+
+        An object under two parts is one PUT even above ``part_bytes``: splitting it would
+        add two round trips (create, complete) and a server-side assembly for at most two
+        requests in flight, and a writer sizing its files near one part (``dcp_io`` on S3)
+        makes many objects slightly above it.
+
+        Requests run on the calling thread through a blocking client (:func:`write_client`),
+        parts of one upload on ``max_concurrency`` threads of its own: each thread signs,
+        checksums and sends its own bodies, so several writers use several cores instead of
+        queueing on s3fs's one event-loop thread."""
         total = sum(v.nbytes for v in views)
         part_bytes = max(part_bytes, MIN_PART_BYTES, -(-total // MAX_PARTS))
-        if total > part_bytes:
-            fsspec.asyn.sync(self.fs.loop, self._multipart_upload, rel,
-                             split_parts(views, part_bytes), total, max_concurrency)
+        if total >= min(2 * part_bytes, MAX_PUT_BYTES):
+            self._multipart_upload(rel, split_parts(views, part_bytes), total, max_concurrency)
             return
-        bucket, key = self._bucket_key(rel)
-        self.retry.call(f"upload {self.describe(rel)}", lambda: self.fs.call_s3(
-            "put_object", Bucket=bucket, Key=key, Body=SegmentsReader(views)))
+        checksum = {}
+        if write_client(self.fs).meta.config.request_checksum_calculation != "when_required":
+            # The server checks the body against a CRC32C taken here from the buffers
+            # themselves, in one pass that releases the GIL; botocore, given one, skips its
+            # own CRC32 (another pass over the body through 1 MiB copies).
+            crc = 0
+            for v in views:
+                crc = crc32c.crc32c(v, crc)
+            checksum["ChecksumCRC32C"] = base64.b64encode(crc.to_bytes(4, "big")).decode()
+        self.retry.call(f"upload {self.describe(rel)}", lambda: self._call(
+            "put_object", rel, Body=SegmentsReader(views), **checksum))
 
-    async def _multipart_upload(self, rel: str, parts: list[list[memoryview]], total: int,
-                                max_concurrency: int) -> None:
+    def _call(self, method: str, rel: str, **params: Any) -> Any:
+        """``method`` of the blocking client on ``rel``'s bucket and key, one attempt, with
+        the filesystem's extra request arguments (``s3_additional_kwargs``, requester-pays)
+        and its errors translated as s3fs translates them."""
+        from botocore.exceptions import ClientError
+        from s3fs.errors import translate_boto_error
+
+        client = write_client(self.fs)
+        bucket, key = self._bucket_key(rel)
+        try:
+            return getattr(client, method)(**_request_args(self.fs, client, method, {
+                "Bucket": bucket, "Key": key, **params}))
+        except ClientError as exc:
+            raise translate_boto_error(exc) from exc
+
+    def _multipart_upload(self, rel: str, parts: list[list[memoryview]], total: int,
+                          max_concurrency: int) -> None:
         """Create, upload ``parts`` (at most ``max_concurrency`` at once), complete; abort on
         any failure so no orphan parts remain. Each request is retried on its own."""
-        bucket, key = self._bucket_key(rel)
         what = f"upload {self.describe(rel)}"
-        call = self.fs._call_s3
-        mpu = await self.retry.acall(f"{what} (create multipart upload)", lambda: call(
-            "create_multipart_upload", Bucket=bucket, Key=key))
+        mpu = self.retry.call(f"{what} (create multipart upload)",
+                              lambda: self._call("create_multipart_upload", rel))
         upload_id = mpu["UploadId"]
-        etags: list[str | None] = [None] * len(parts)
-        gate = asyncio.Semaphore(max_concurrency)
 
-        async def upload(i: int) -> None:
-            async with gate:
-                out = await self.retry.acall(f"{what} part {i + 1}/{len(parts)}", lambda: call(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                    PartNumber=i + 1, Body=SegmentsReader(parts[i])))
-                etags[i] = out["ETag"]
+        def upload(i: int) -> str:
+            return self.retry.call(f"{what} part {i + 1}/{len(parts)}", lambda: self._call(
+                "upload_part", rel, UploadId=upload_id, PartNumber=i + 1,
+                Body=SegmentsReader(parts[i])))["ETag"]
 
-        tasks = [asyncio.ensure_future(upload(i)) for i in range(len(parts))]
+        pool = ThreadPoolExecutor(max(1, min(max_concurrency, len(parts))),
+                                  thread_name_prefix="ckpt-s3-part")
+        futures: list = []
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
+            futures = [pool.submit(upload, i) for i in range(len(parts))]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            etags = [f.result() for f in futures]
             num_complete_calls = 0
 
-            async def complete():
+            def complete():
                 nonlocal num_complete_calls
                 num_complete_calls += 1
                 try:
-                    return await call("complete_multipart_upload", Bucket=bucket, Key=key,
-                                      UploadId=upload_id, MultipartUpload={"Parts": [
-                                          {"PartNumber": i + 1, "ETag": e}
-                                          for i, e in enumerate(etags)]})
+                    return self._call("complete_multipart_upload", rel, UploadId=upload_id,
+                                          MultipartUpload={"Parts": [
+                                              {"PartNumber": i + 1, "ETag": e}
+                                              for i, e in enumerate(etags)]})
                 except Exception as exc:
                     # A retried complete whose first try landed finds the upload gone.
                     if num_complete_calls > 1 and error_code(exc)[0] == "NoSuchUpload":
-                        head = await call("head_object", Bucket=bucket, Key=key)
+                        head = self._call("head_object", rel)
                         if int(head.get("ContentLength", -1)) == total:
                             return None
                     raise
 
-            await self.retry.acall(f"{what} (complete multipart upload)", complete)
+            self.retry.call(f"{what} (complete multipart upload)", complete)
         except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for f in futures:
+                f.cancel()
+            pool.shutdown(wait=True)  # no part may land after the abort
             try:
-                await self.retry.acall(f"{what} (abort multipart upload)", lambda: call(
-                    "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id))
+                self.retry.call(f"{what} (abort multipart upload)", lambda: self._call(
+                    "abort_multipart_upload", rel, UploadId=upload_id))
             except Exception as exc:  # noqa: BLE001 - the upload's own error matters more
                 log.warning("could not abort the multipart upload of %s (id %s): %s; a "
                             "bucket lifecycle rule for incomplete uploads will remove its "
                             "parts", self.describe(rel), upload_id, exc)
             raise
+        finally:
+            pool.shutdown(wait=True)
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """A conditional PUT (``If-None-Match: *``), which is the commit itself."""
-        bucket, key = self._bucket_key(rel)
         try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            self._call("put_object", rel, Body=data, IfNoneMatch="*")
         except Exception as exc:  # noqa: BLE001
             if not is_precondition_failed(exc):
                 raise
@@ -172,9 +282,10 @@ class S3Backend(FsspecBackend):
 
     def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes) -> bool:
         """Read the object with its ETag, then PUT with ``If-Match`` on that ETag."""
-        bucket, key = self._bucket_key(rel)
         try:
-            etag, current = fsspec.asyn.sync(self.fs.loop, self._get_with_etag, bucket, key)
+            resp = self._call("get_object", rel)
+            with contextlib.closing(resp["Body"]) as body:
+                etag, current = resp["ETag"], body.read()
         except FileNotFoundError as exc:
             if error_code(exc)[0] == "NoSuchBucket":
                 raise
@@ -183,21 +294,12 @@ class S3Backend(FsspecBackend):
             # A retry after a PUT whose answer was lost finds our own data.
             return current == data
         try:
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=etag)
+            self._call("put_object", rel, Body=data, IfMatch=etag)
         except Exception as exc:  # noqa: BLE001
             if is_precondition_failed(exc) or isinstance(exc, FileNotFoundError):
                 return self.read_or_none(rel) == data
             raise
         return True
-
-    async def _get_with_etag(self, bucket: str, key: str) -> tuple[str, bytes]:
-        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
-        body = resp["Body"]
-        try:
-            data = await body.read()
-        finally:
-            body.close()
-        return resp["ETag"], data
 
 
 class SegmentsReader(io.RawIOBase):
@@ -248,12 +350,21 @@ class SegmentsReader(io.RawIOBase):
         return n
 
     def read(self, size: int = -1) -> bytes:
+        # One copy, straight from the segments (RawIOBase's read would fill a scratch buffer
+        # and copy it again); botocore reads every body three times (signature, checksum,
+        # send).
         if size is None or size < 0:
             size = self._size - self._pos
         size = max(0, min(size, self._size - self._pos))
-        buf = bytearray(size)
-        n = self.readinto(buf)
-        return bytes(buf[:n]) if n != size else bytes(buf)
+        pieces = []
+        while size > 0:
+            i = self._segment_at(self._pos)
+            seg, local = self._segments[i], self._pos - self._starts[i]
+            take = min(size, seg.nbytes - local)
+            pieces.append(seg[local:local + take])
+            self._pos += take
+            size -= take
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
     def _segment_at(self, pos: int) -> int:
         lo, hi = 0, len(self._starts) - 1

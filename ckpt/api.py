@@ -42,12 +42,14 @@ __all__ = ["save", "load", "load_latest", "load_with_extra", "resolve_state", "a
 log = logging.getLogger(__name__)
 
 
-def _is_dist(process_group) -> bool:
+def _is_dist() -> bool:
+    """Whether a default process group exists (then every call is collective over
+    ``process_group``, the world when None)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank(process_group=None) -> int:
-    return dist.get_rank(process_group) if _is_dist(process_group) else 0
+    return dist.get_rank(process_group) if _is_dist() else 0
 
 
 def _in_rank_order(state: dict[str, Any]) -> list[str]:
@@ -150,7 +152,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     attached = check_attachments(attachments)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     sd = state if resolved else resolve_state(state)
-    distributed = _is_dist(process_group)
+    distributed = _is_dist()
     world = dist.get_world_size(process_group) if distributed else 1
     own_lease = lifecycle is None and use_lease
     if own_lease:
@@ -216,7 +218,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.load(sd, storage_reader=reader, planner=planner,
-                     process_group=process_group, no_dist=not _is_dist(process_group))
+                     process_group=process_group, no_dist=not _is_dist())
     except CheckpointException as exc:
         error = unwrap_dcp_error(exc)
         if error is not exc:

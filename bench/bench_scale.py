@@ -67,6 +67,7 @@ from ckpt.cadence import optimal_interval  # noqa: E402
 from ckpt.commit import Lifecycle  # noqa: E402
 from ckpt.dcp_io import CkptWriter  # noqa: E402
 from ckpt.manifest import FileRecord, ItemLocation, Manifest  # noqa: E402
+from ckpt.plan import make_tier_plans  # noqa: E402
 from ckpt.planners import SafeSavePlanner  # noqa: E402
 from ckpt.storage import Storage  # noqa: E402
 
@@ -378,9 +379,17 @@ def run_sizing(args) -> None:
           f"persist = bytes per node / node bandwidth; job MTBF = {args.node_mtbf_hours:g} h per "
           f"node / nodes; recommended interval = ckpt.cadence.optimal_interval(delta=stall, "
           f"mtbf=job MTBF, persist_seconds=persist at 5 GB/s per node), no overhead budget.\n")
+    print(f"Two tiers (last three columns, ckpt.plan.make_tier_plans as `ckpt plan "
+          f"--local-bandwidth` computes them): a local tier at {args.local_gbps:g} GB/s per node, "
+          f"saved at every failure's MTBF; the durable tier at {args.durable_gbps:g} GB/s per "
+          f"node, saved at the "
+          f"MTBF of node losses, {args.node_loss_share:g} of all failures (the rest keep "
+          f"their node's local tier); restart 60 s. Goodput: both tiers / the durable tier "
+          f"alone.\n")
     print("| model | layout | ranks | nodes | checkpoint | per rank | per node | stall | "
-          "persist @1 GB/s | @5 GB/s | @20 GB/s | job MTBF | interval (bound) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "persist @1 GB/s | @5 GB/s | @20 GB/s | job MTBF | interval (bound) | "
+          "local tier interval | durable tier interval | goodput 2 tiers / 1 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
     for name in args.models.split(","):
         model = MODELS[name]
         total = model.num_params() * BYTES_PER_PARAM
@@ -393,11 +402,17 @@ def run_sizing(args) -> None:
             persist = {bw: per_node / (bw * 1e9) for bw in (1, 5, 20)}
             mtbf_s = args.node_mtbf_hours * 3600.0 / nodes
             interval, bound = optimal_interval(stall, mtbf_s, persist_seconds=persist[5])
+            tiers = make_tier_plans(int(per_node), args.durable_gbps * 1e9, args.local_gbps * 1e9,
+                                    node_mtbf_seconds=mtbf_s / args.node_loss_share,
+                                    mtbf_seconds=mtbf_s, stall_seconds=stall)
             layout = f"fsdp{dp}" + (f"xtp{tp}" if tp > 1 else "")
             print(f"| {name} | {layout} | {world} | {nodes} | {_fmt_b(total)} | "
                   f"{_fmt_b(per_rank)} | {_fmt_b(per_node)} | {_fmt_s(stall)} | "
                   f"{_fmt_s(persist[1])} | {_fmt_s(persist[5])} | {_fmt_s(persist[20])} | "
-                  f"{mtbf_s / 3600:.1f} h | {interval / 60:.1f} min ({bound}) |")
+                  f"{mtbf_s / 3600:.1f} h | {interval / 60:.1f} min ({bound}) | "
+                  f"{tiers.local.interval_seconds / 60:.1f} min | "
+                  f"{tiers.durable.interval_seconds / 60:.1f} min | "
+                  f"{100 * tiers.goodput:.2f}% / {100 * tiers.durable_only_goodput:.2f}% |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,11 +427,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizing", action="store_true", help="print the sizing table instead")
     ap.add_argument("--copy-gbps", type=float, default=10.0,
                     help="host-copy bandwidth per rank for the stall (GB/s)")
+    ap.add_argument("--durable-gbps", type=float, default=5.0,
+                    help="sizing: the durable tier's write bandwidth per node (GB/s) in the "
+                         "two-tier columns")
+    ap.add_argument("--local-gbps", type=float, default=10.0,
+                    help="sizing: the local tier's write bandwidth per node (GB/s)")
+    ap.add_argument("--node-loss-share", type=float, default=0.5,
+                    help="sizing: the share of failures that lose a node's local tier (0..1]")
     ap.add_argument("--node-mtbf-hours", type=float, default=6000.0,
                     help="mean time between failures of one node (hours); the job's is this "
                          "over the number of nodes")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     args = ap.parse_args(argv)
+    if not 0 < args.node_loss_share <= 1:
+        ap.error(f"--node-loss-share={args.node_loss_share:g}: pass a share in (0, 1]")
     if args.sizing:
         if args.models == "7b,70b":
             args.models = "7b,70b,405b"

@@ -22,18 +22,23 @@ and measurements that differ per rank, so agree on the decision (e.g. broadcast 
 max), or feed every rank the same (reduced) measurements.
 
 ``Auto`` picks the interval with Young/Daly from the measured cost of a checkpoint and the
-job's mean time between failures, bounded below by the bandwidth floor and the overhead budget.
-See docs/cadence.md for the formulas and their sources.
+job's mean time between failures, bounded below by the bandwidth floor and the overhead budget
+(the formulas live in :mod:`ckpt.young_daly`; see docs/cadence.md for them and their sources).
+Interval strings (``"auto"``, ``"50"``, ``"5m"``) become policies through :func:`parse_interval`;
+their grammar is :mod:`ckpt.interval`'s. The formulas, :class:`FailureHistory`, ``Interval``
+and the duration parser are re-exported here, where callers have always imported them.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from ckpt.interval import INTERVAL_FORMS, Interval
+from ckpt.units import DURATION_FORMS, parse_duration
+from ckpt.young_daly import FailureHistory, optimal_interval, young_daly_interval
 
 __all__ = [
     "CadencePolicy",
@@ -50,141 +55,6 @@ __all__ = [
     "DURATION_FORMS",
     "INTERVAL_FORMS",
 ]
-
-# The one duration grammar of the project: the trainer's config, CheckpointManager(cadence=...)
-# and `ckpt plan` all parse through parse_duration / Interval.parse.
-_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
-                   "d": 86400.0}
-_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-DURATION_FORMS = ("a number with an optional unit ms, s or sec, m or min, h, d "
-                  "(e.g. '500ms', '30sec', '5m', '1.5h', '1d')")
-"""The accepted duration spellings, as error messages and docs state them."""
-INTERVAL_FORMS = ("'auto', a whole number of steps such as '50', or a duration such as "
-                  "'500ms', '30sec', '5m', '1.5h', '1d'")
-"""The accepted checkpoint-interval spellings, as error messages and docs state them."""
-
-
-def _split_duration(text: str) -> tuple[float, str] | None:
-    """``(number, unit)`` with the unit lower-cased ('' for none), or None if malformed."""
-    match = _DURATION_RE.match(str(text))
-    if not match or match.group(2).lower() not in {"", *_DURATION_UNITS}:
-        return None
-    return float(match.group(1)), match.group(2).lower()
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``text``: a number >= 0 with an optional unit ``ms``, ``s``/``sec``,
-    ``m``/``min``, ``h`` or ``d`` (case-insensitive; no unit means seconds), e.g. ``"300"``,
-    ``"30sec"``, ``"5m"``, ``"1.5h"``. Raises ``ValueError`` naming the value and the forms."""
-    parts = _split_duration(text)
-    if parts is None:
-        raise ValueError(f"invalid duration {text!r}: pass {DURATION_FORMS}")
-    number, unit = parts
-    return number * _DURATION_UNITS.get(unit, 1.0)
-
-
-def young_daly_interval(delta: float, mtbf: float) -> float:
-    """Daly's (2006) higher-order optimum of the compute time between checkpoints, in seconds.
-
-    ``tau = sqrt(2 delta M) [1 + sqrt(delta / 2M) / 3 + delta / 18M] - delta`` for
-    ``delta < 2M``, else ``tau = M``; ``delta`` is the cost of one checkpoint to training and
-    ``M`` the mean time between failures, both in seconds. For ``delta << M`` this is Young's
-    (1974) ``sqrt(2 delta M)``.
-    """
-    delta, mtbf = float(delta), float(mtbf)
-    if not (math.isfinite(delta) and delta >= 0):
-        raise ValueError(f"delta={delta!r} is invalid: pass the checkpoint cost in seconds, >= 0")
-    if not (math.isfinite(mtbf) and mtbf > 0):
-        raise ValueError(f"mtbf={mtbf!r} is invalid: pass the mean time between failures, > 0 s")
-    if delta >= 2.0 * mtbf:
-        return mtbf
-    ratio = delta / (2.0 * mtbf)
-    return math.sqrt(2.0 * delta * mtbf) * (1.0 + math.sqrt(ratio) / 3.0 + ratio / 9.0) - delta
-
-
-def optimal_interval(
-    delta: float, mtbf: float, persist_seconds: float = 0.0, overhead_budget: float | None = None
-) -> tuple[float, str]:
-    """``(seconds, active_bound)``: the Young/Daly interval raised to the two floors.
-
-    * ``"bandwidth"``: never shorter than ``persist_seconds`` (one checkpoint's bytes over the
-      measured bandwidth), so a save finishes persisting before the next one starts;
-    * ``"overhead_budget"``: never shorter than ``delta / overhead_budget``, so checkpoint cost
-      stays within that fraction of the interval (``None`` disables it);
-    * otherwise ``"young_daly"``. On a tie the Young/Daly value is reported.
-    """
-    tau = young_daly_interval(delta, mtbf)
-    persist = float(persist_seconds)
-    if not (math.isfinite(persist) and persist >= 0):
-        raise ValueError(f"persist_seconds={persist_seconds!r} is invalid: pass seconds >= 0")
-    candidates = [(tau, "young_daly"), (persist, "bandwidth")]
-    if overhead_budget is not None:
-        if not 0 < overhead_budget <= 1:
-            raise ValueError(
-                f"overhead_budget={overhead_budget!r} is invalid: pass a fraction in (0, 1], "
-                f"e.g. 0.01 for 1%, or None for no budget"
-            )
-        candidates.append((float(delta) / overhead_budget, "overhead_budget"))
-    best = candidates[0]
-    for value, name in candidates[1:]:
-        if value > best[0]:
-            best = (value, name)
-    return best
-
-
-@dataclass
-class FailureHistory:
-    """Failures seen by a job across its restarts, for an MTBF estimate.
-
-    JSON-safe through ``to_dict``/``from_dict`` so the store can keep it in a small file under
-    the checkpoint root.
-    """
-
-    failure_times: list[float] = field(default_factory=list)
-    """Wall-clock time (Unix seconds) of each observed failure, in the order recorded."""
-    uptime_seconds: float = 0.0
-    """Total time the job was observed running, over all its runs."""
-
-    @property
-    def num_failures(self) -> int:
-        return len(self.failure_times)
-
-    def record_failure(self, wall_time: float) -> None:
-        self.failure_times.append(float(wall_time))
-
-    def add_uptime(self, seconds: float) -> None:
-        if seconds > 0:
-            self.uptime_seconds += float(seconds)
-
-    def mtbf(self, prior_seconds: float, prior_weight: float = 1.0) -> float:
-        """Posterior MTBF: ``(w * M_prior + uptime) / (w + num_failures)``.
-
-        This is the reciprocal of the posterior mean failure rate under a
-        ``Gamma(shape=w, rate=w * M_prior)`` prior on the rate, i.e. the prior counts as ``w``
-        failures seen over ``w * M_prior`` seconds. With no history it is ``M_prior``; with
-        much history it tends to ``uptime / num_failures``.
-        """
-        if not prior_seconds > 0:
-            raise ValueError(f"prior_seconds={prior_seconds!r} is invalid: pass an MTBF > 0 s")
-        if not prior_weight > 0:
-            raise ValueError(f"prior_weight={prior_weight!r} is invalid: pass a weight > 0")
-        return (prior_weight * prior_seconds + self.uptime_seconds) / (prior_weight + self.num_failures)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": 1, "failure_times": list(self.failure_times), "uptime_seconds": self.uptime_seconds}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "FailureHistory":
-        """Inverse of ``to_dict``; raises ``ValueError`` naming the bad field."""
-        if not isinstance(data, dict) or data.get("version") != 1:
-            raise ValueError(f"failure history {data!r} is not version 1: expected {{'version': 1, ...}}")
-        times, uptime = data.get("failure_times", []), data.get("uptime_seconds", 0.0)
-        if not isinstance(times, list) or not all(isinstance(t, (int, float)) for t in times):
-            raise ValueError(f"failure history field failure_times={times!r} must be a list of numbers")
-        if not isinstance(uptime, (int, float)) or uptime < 0:
-            raise ValueError(f"failure history field uptime_seconds={uptime!r} must be a number >= 0")
-        return cls(failure_times=[float(t) for t in times], uptime_seconds=float(uptime))
 
 
 @runtime_checkable
@@ -464,49 +334,13 @@ class Auto(CadenceBase):
         )
 
 
-@dataclass(frozen=True)
-class Interval:
-    """A parsed checkpoint interval: ``kind`` is ``"auto"``, ``"steps"`` (``steps`` set) or
-    ``"seconds"`` (``seconds`` set). :meth:`parse` is the one parser of interval strings."""
-
-    kind: str
-    steps: int | None = None
-    seconds: float | None = None
-
-    @classmethod
-    def parse(cls, text: str | int) -> "Interval":
-        """``"auto"``; a whole number of steps >= 1 (``"50"``, or the int ``50`` from TOML); or
-        a duration > 0 with a unit (``"500ms"``, ``"30sec"``, ``"5m"``, ``"1.5h"``, ``"1d"``;
-        see :func:`parse_duration`). Case and surrounding spaces do not matter. Raises
-        ``ValueError`` naming the value and the accepted forms."""
-        if isinstance(text, bool):
-            raise ValueError(f"invalid checkpoint interval {text!r}: pass {INTERVAL_FORMS}")
-        raw = str(text).strip()
-        if raw.lower() == "auto":
-            return cls("auto")
-        if re.fullmatch(r"[0-9]+", raw):
-            if int(raw) < 1:
-                raise ValueError(f"invalid checkpoint interval {text!r}: a step count must be >= 1; "
-                                 f"pass {INTERVAL_FORMS}")
-            return cls("steps", steps=int(raw))
-        parts = _split_duration(raw)
-        if parts is not None and parts[1]:  # a bare number means steps, never seconds
-            seconds = parse_duration(raw)
-            if seconds > 0:
-                return cls("seconds", seconds=seconds)
-        raise ValueError(f"invalid checkpoint interval {text!r}: pass {INTERVAL_FORMS}")
-
-    def policy(self, **auto_options: Any) -> CadencePolicy:
-        """The policy for this interval; ``auto_options`` go to :class:`Auto` only."""
-        if self.kind == "steps":
-            return EverySteps(self.steps)
-        if self.kind == "seconds":
-            return EverySeconds(self.seconds)
-        return Auto(**auto_options)
-
-
 def parse_interval(text: str | int, **auto_options: Any) -> CadencePolicy:
     """Policy for an interval string (:meth:`Interval.parse`): ``"auto"`` ->
     ``Auto(**auto_options)``, ``"50"`` -> ``EverySteps(50)``, ``"300s"`` / ``"5m"`` ->
     ``EverySeconds``. ``auto_options`` are used only for ``"auto"``."""
-    return Interval.parse(text).policy(**auto_options)
+    interval = Interval.parse(text)
+    if interval.kind == "steps":
+        return EverySteps(interval.steps)
+    if interval.kind == "seconds":
+        return EverySeconds(interval.seconds)
+    return Auto(**auto_options)

@@ -3,6 +3,8 @@
 Library use: :func:`make_plan` (pure) and :func:`measure_bandwidth` (real I/O through fsspec).
 CLI use: the ``ckpt`` command wires :func:`add_plan_arguments` and :func:`run_plan`;
 ``python -m ckpt.plan ...`` runs the same thing standalone. Formulas: docs/cadence.md.
+The unit parsers (:mod:`ckpt.units`) and the bandwidth probe (:mod:`ckpt.bandwidth`) live in
+their own modules and are re-exported here.
 """
 
 from __future__ import annotations
@@ -10,15 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
 import sys
-import time
-import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from ckpt.cadence import optimal_interval, parse_duration, young_daly_interval
+from ckpt.bandwidth import BandwidthMeasurement, measure_bandwidth
+from ckpt.units import parse_bandwidth, parse_duration, parse_fraction, parse_size
+from ckpt.young_daly import optimal_interval, young_daly_interval
 
 __all__ = [
     "Plan",
@@ -38,132 +38,6 @@ __all__ = [
 HOST_COPY_BYTES_PER_SECOND = 10e9
 """Default device-to-host staging bandwidth used to estimate the stall when ``--stall`` is not
 given: a conservative figure for one GPU's copy into pinned host memory over PCIe 4/5."""
-
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_MAX_SIZE_BYTES = 2**63 - 1  # 9.2 EB: any real size fits, and it stays an int64
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: a number with an optional unit B, KB, MB, GB, TB (powers of 1000) or
-    KiB, MiB, GiB, TiB (powers of 1024), case-insensitive, e.g. ``"14GB"``, ``"256MiB"``.
-    At most 2**63 - 1 bytes (9.2 EB)."""
-    match = _SIZE_RE.match(str(text))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(
-            f"invalid size {text!r}: pass a number with an optional unit B, KB, MB, GB, TB, "
-            f"KiB, MiB, GiB or TiB, e.g. '14GB' or '256MiB'"
-        )
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    num_bytes = int(round(value)) if math.isfinite(value) else None  # '1e400GB' is inf
-    if num_bytes is None or num_bytes > _MAX_SIZE_BYTES:
-        raise ValueError(f"invalid size {text!r}: too large, the limit is 9.2 EB "
-                         f"(2**63 - 1 bytes); pass a size such as '14GB' or '800GiB'")
-    return num_bytes
-
-
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second in ``text``: a size per second such as ``"2GB/s"`` or ``"500MiB/s"``
-    (the ``/s`` may be omitted). Must be > 0."""
-    raw = str(text).strip()
-    body = raw[:-2] if raw.lower().endswith("/s") else raw
-    try:
-        value = parse_size(body)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"invalid bandwidth {text!r}: pass a size per second > 0, e.g. '2GB/s' or '500MiB/s'")
-    return float(value)
-
-
-def _parse_fraction(text: str) -> float | None:
-    raw = str(text).strip()
-    if raw.lower() in {"none", "off"}:
-        return None
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise ValueError(f"invalid overhead budget {text!r}: pass a fraction in (0, 1] such as 0.01, "
-                         f"a percentage such as '1%', or 'none'")
-    return value
-
-
-@dataclass(frozen=True)
-class BandwidthMeasurement:
-    """Throughput of writing then reading one test object of ``num_bytes`` at ``url``."""
-
-    url: str
-    num_bytes: int
-    write_bytes_per_second: float
-    read_bytes_per_second: float
-
-
-def measure_bandwidth(
-    url: str,
-    num_bytes: int = 256 * 2**20,
-    storage_options: dict[str, Any] | None = None,
-    chunk_bytes: int = 8 * 2**20,
-) -> BandwidthMeasurement:
-    """Write ``num_bytes`` of random data to a new object under ``url``, read it back, delete it.
-
-    Goes through ``fsspec.core.url_to_fs(url, **storage_options)``, so any fsspec URL works
-    (local paths, ``file://``, ``s3://bucket/prefix``, ``memory://``). The write is timed until
-    the object is closed (uploaded); on a local filesystem it is also fsync'ed and dropped from
-    the page cache so both figures reflect the disk. A missing local directory is created. The
-    test object is removed even if a step fails; I/O errors propagate as ``OSError``.
-    """
-    import fsspec
-
-    if num_bytes < 1:
-        raise ValueError(f"num_bytes={num_bytes!r} is invalid: pass a test object size >= 1 byte")
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    local = "file" in protocols or "local" in protocols
-    if local:
-        fs.makedirs(root, exist_ok=True)
-    path = f"{root.rstrip('/')}/.ckpt-plan-probe-{uuid.uuid4().hex}"
-    chunk = os.urandom(min(chunk_bytes, num_bytes))
-    try:
-        start = time.perf_counter()
-        with fs.open(path, "wb") as f:
-            left = num_bytes
-            while left > 0:
-                f.write(chunk if left >= len(chunk) else chunk[:left])
-                left -= len(chunk)
-        if local:
-            _sync_and_drop_cache(path)
-        write_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        num_read = 0
-        with fs.open(path, "rb") as f:
-            while data := f.read(chunk_bytes):
-                num_read += len(data)
-        read_seconds = time.perf_counter() - start
-    finally:
-        try:
-            fs.rm(path)
-        except FileNotFoundError:
-            pass
-    if num_read != num_bytes:
-        raise OSError(f"read back {num_read} bytes of the {num_bytes}-byte test object at {url!r}")
-    return BandwidthMeasurement(url, num_bytes, num_bytes / max(write_seconds, 1e-9),
-                                num_bytes / max(read_seconds, 1e-9))
-
-
-def _sync_and_drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -332,7 +206,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time to restart after a failure (default 60s)")
     parser.add_argument("--step-time", type=_arg(parse_duration), default=None,
                         help="seconds per training step, to express the interval in steps")
-    parser.add_argument("--overhead-budget", type=_arg(_parse_fraction), default=None,
+    parser.add_argument("--overhead-budget", type=_arg(parse_fraction), default=None,
                         help="cap on stall per interval, e.g. 0.01 or 1%% (default: none)")
     parser.add_argument("--local-bandwidth", type=_arg(parse_bandwidth), default=None,
                         help="with a local tier: its aggregate write bandwidth (per node "

@@ -56,7 +56,7 @@ def profile_ours(state: dict, root: str, num_threads: int) -> dict[str, Any]:
     """One staging copy, one synchronous ``ckpt.save``, loads with verify full and none."""
     import torch.distributed.checkpoint.state_dict_saver as saver
 
-    from ckpt import api, dcp_io, planners, staging, storage
+    from ckpt import api, dcp_io, dcp_layout, dcp_reader, dcp_writer, planners, staging, storage
 
     out: dict[str, Any] = {}
     targets = [
@@ -64,8 +64,10 @@ def profile_ours(state: dict, root: str, num_threads: int) -> dict[str, Any]:
         (dcp_io.CkptWriter, "prepare_global_plan", "CkptWriter.prepare_global_plan"),
         (dcp_io.CkptWriter, "write_data", "CkptWriter.write_data"),
         (dcp_io.CkptWriter, "finish", "CkptWriter.finish (manifest commit)"),
-        (dcp_io, "_tensor_view_bytes", "dcp_io._tensor_view_bytes"),
-        (dcp_io, "crc32c_of", "crc32c (dcp_io.crc32c_of)"),
+        (dcp_layout, "tensor_view_bytes", "dcp_layout.tensor_view_bytes"),
+        (planners, "crc32c_of", "crc32c on save, planning (planners.crc32c_of)"),
+        (dcp_writer, "crc32c_of", "crc32c on save, writer (dcp_writer.crc32c_of)"),
+        (dcp_reader, "crc32c_of", "crc32c on load (dcp_reader.crc32c_of)"),
         (storage.Storage, "write_buffers", "Storage.write_buffers (write+fsync)"),
         (storage.Storage, "create_exclusive", "Storage.create_exclusive"),
         (storage.Storage, "read_bytes", "Storage.read_bytes"),

@@ -4,20 +4,24 @@ Every field carries a one-line help text (``field(metadata={"help": ...})``); ev
 coerces its field types and validates in ``__post_init__``, raising :class:`ConfigError`
 whose message starts with the dotted key (``training.lr: ...``) and says how to fix it.
 Reading TOML files and ``--section.key=value`` overrides is :mod:`trainer.config`'s part.
+
+This module holds the small sections and the :class:`Config` tree; the section base and
+value coercion are :mod:`trainer.config_section`, the ``[parallel]`` layout with its rules
+:mod:`trainer.config_parallel`, the ``[checkpoint]`` section :mod:`trainer.config_checkpoint`.
+All of them are re-exported here.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from ckpt.cadence import Interval
+from trainer.config_checkpoint import CheckpointConfig
+from trainer.config_parallel import DP_MODES, PP_SCHEDULES, ParallelConfig
+from trainer.config_section import ConfigError, Section, coerce, fail_key, type_name
+from trainer.config_section import config_field as _f
 
 __all__ = [
     "ConfigError",
@@ -31,58 +35,14 @@ __all__ = [
     "MetricsConfig",
     "FaultConfig",
     "Config",
+    "SECTIONS",
+    "coerce",
+    "type_name",
 ]
 
 
-class ConfigError(ValueError):
-    """A config file, override or value is invalid. ``key`` is the dotted key at fault."""
-
-    def __init__(self, message: str, *, key: str | None = None, located: bool = False):
-        super().__init__(message)
-        self.key = key
-        self.located = located  # the message already says where the value was set
-
-
-def _f(default: Any, help: str) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-class _Section:
-    """Base of every section: coerces field types, then runs the section's ``_validate``."""
-
-    _section: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            key = f"{self._section}.{f.name}"
-            setattr(self, f.name, coerce(getattr(self, f.name), hints[f.name], key))
-        self._validate()
-
-    def _validate(self) -> None:
-        pass
-
-    def _fail(self, name: str, problem: str, fix: str = "") -> typing.NoReturn:
-        key = f"{self._section}.{name}"
-        raise ConfigError(f"{key}: {problem}" + (f"; {fix}" if fix else ""), key=key)
-
-    def _at_least(self, name: str, low: float, what: str = "") -> None:
-        value = getattr(self, name)
-        if value < low:
-            self._fail(name, f"must be >= {low}, got {value!r}", what or f"set it to {low} or more")
-
-    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
-        value = getattr(self, name)
-        if value not in choices:
-            hint = difflib.get_close_matches(str(value), choices, n=1)
-            self._fail(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}",
-                       f"did you mean {hint[0]!r}?" if hint else "")
-
-
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """Shape of the reference decoder-only transformer (same fields as trainer.model's)."""
 
     _section: ClassVar[str] = "model"
@@ -131,7 +91,7 @@ class ModelConfig(_Section):
 
 
 @dataclass
-class TrainingConfig(_Section):
+class TrainingConfig(Section):
     """Optimizer, schedule, batch and run length. Optimizer is AdamW."""
 
     _section: ClassVar[str] = "training"
@@ -198,186 +158,8 @@ class TrainingConfig(_Section):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-DP_MODES = ("fsdp", "ddp")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
 @dataclass
-class ParallelConfig(_Section):
-    """The parallel layout: a (pp, dp, tp) device mesh plus how each axis is used.
-
-    The dp axis may be split into ``dp_replicate x dp_shard`` (HSDP, hybrid sharded data
-    parallel, as torchtitan's ParallelDims): FSDP shards parameters, gradients and optimizer
-    state over the ``dp_shard`` ranks of a replica and the ``dp_replicate`` replicas hold the
-    same shards. ``dp = dp_replicate * dp_shard`` always; ``dp`` alone (the default
-    ``dp_replicate = 1``) is plain FSDP over all dp ranks, ``dp_shard = dp``. Give any two of
-    (dp, dp_replicate, dp_shard), or dp_replicate alone and let dp be the rest of the world.
-
-    The one layout type of ``trainer/``: the ``[parallel]`` config section, what
-    :func:`trainer.mesh.build_mesh` and :func:`trainer.parallelize.build_parallel_model` take,
-    and what the layout planner evaluates. Its rules live here only: single-field rules in
-    ``__post_init__``, rules against the model and the batch in :meth:`check`, rules against
-    the world size in :meth:`resolved`. Every error is a :class:`ConfigError` whose message
-    starts with the dotted key at fault. ``dp = -1``, ``dp_shard = -1`` and
-    ``n_microbatches = 0`` mean "not decided yet"; :meth:`resolved` makes them concrete
-    (``dp_shard`` as soon as ``dp`` is known, ``dp`` as soon as both its factors are).
-    """
-
-    _section: ClassVar[str] = "parallel"
-    pp: int = _f(1, "Pipeline-parallel degree (stages).")
-    dp: int = _f(-1, "Data-parallel degree, dp_replicate * dp_shard; -1 = world // (pp * tp).")
-    dp_replicate: int = _f(1, "HSDP: replicas of the dp axis (e.g. nodes); > 1 needs dp_mode='fsdp'.")
-    dp_shard: int = _f(-1, "HSDP: ranks each replica shards over; -1 = dp // dp_replicate.")
-    tp: int = _f(1, "Tensor-parallel degree; keep it within one node.")
-    dp_mode: str = _f("fsdp", "'fsdp' (FSDP2, sharded) or 'ddp' (replicated) on the dp axis.")
-    pp_schedule: str = _f("1f1b", "'gpipe', '1f1b' or 'interleaved1f1b'.")
-    n_microbatches: int = _f(0, "Pipeline micro-batches per step; 0 = 2 * pp.")
-    sequence_parallel: bool = _f(False, "Shard norms/dropout activations over tp (needs tp > 1).")
-    stages_per_rank: int = _f(1, "Pipeline stages per pp rank; > 1 only for interleaved1f1b.")
-
-    def _validate(self) -> None:
-        self._at_least("pp", 1)
-        self._at_least("tp", 1)
-        if self.dp != -1 and self.dp < 1:
-            self._fail("dp", f"must be >= 1 or -1, got {self.dp}",
-                       "use -1 for the rest of the world")
-        self.pp_schedule = self.pp_schedule.lower()
-        self._choice("dp_mode", DP_MODES)
-        self._settle_dp_split()
-        self._choice("pp_schedule", PP_SCHEDULES)
-        self._at_least("n_microbatches", 0, "use 0 for 2 * pp")
-        self._at_least("stages_per_rank", 1)
-        if self.pp_schedule == "interleaved1f1b" and self.pp > 1 and self.stages_per_rank < 2:
-            self._fail("stages_per_rank", "interleaved1f1b needs >= 2 stages per rank",
-                       "set parallel.stages_per_rank=2 or use parallel.pp_schedule='1f1b'")
-        if self.pp_schedule != "interleaved1f1b" and self.stages_per_rank != 1:
-            self._fail("stages_per_rank", f"is {self.stages_per_rank} but only "
-                       "parallel.pp_schedule='interleaved1f1b' runs several stages per rank",
-                       "set it to 1 or switch the schedule")
-        m = self.n_microbatches
-        if self.pp > 1 and m:
-            if self.pp_schedule == "1f1b" and m < self.pp:
-                self._fail("n_microbatches", f"1f1b needs >= parallel.pp={self.pp} micro-batches, "
-                           f"got {m}", f"set it to {self.pp} or more (more = smaller bubble)")
-            rounds = max(1, m // self.pp)
-            if self.pp_schedule == "interleaved1f1b" and m % rounds:
-                self._fail("n_microbatches", f"interleaved1f1b needs a multiple of "
-                           f"{rounds} (= n_microbatches // pp), got {m}",
-                           f"use a multiple of parallel.pp={self.pp}")
-
-    def _settle_dp_split(self) -> None:
-        """Check ``dp = dp_replicate * dp_shard`` and fill in whichever of them is derivable
-        (``dp_shard`` from dp, or ``dp`` from both factors); with both dp and dp_shard -1
-        they wait for :meth:`resolved`."""
-        self._at_least("dp_replicate", 1, "use 1 for plain FSDP/DDP over the whole dp axis")
-        if self.dp_shard != -1 and self.dp_shard < 1:
-            self._fail("dp_shard", f"must be >= 1 or -1, got {self.dp_shard}",
-                       "use -1 for parallel.dp // parallel.dp_replicate")
-        if self.dp_replicate > 1 and self.dp_mode != "fsdp":
-            self._fail("dp_replicate", f"is {self.dp_replicate} but HSDP needs "
-                       f"parallel.dp_mode='fsdp' (with {self.dp_mode!r} every dp rank already "
-                       "holds a full replica)", "set parallel.dp_mode='fsdp' or "
-                       "parallel.dp_replicate=1")
-        r, s = self.dp_replicate, self.dp_shard
-        if self.dp == -1:
-            if s != -1:
-                self.dp = r * s
-            return
-        if s == -1:
-            if self.dp % r:
-                self._fail("dp_replicate", f"{r} does not divide parallel.dp={self.dp} "
-                           "(dp = dp_replicate * dp_shard)",
-                           "pick a dp_replicate that divides dp")
-            self.dp_shard = self.dp // r
-        elif r * s != self.dp:
-            self._fail("dp", f"is {self.dp} but parallel.dp_replicate * parallel.dp_shard = "
-                       f"{r} * {s} = {r * s}", f"set parallel.dp={r * s}, or leave "
-                       "parallel.dp_shard unset (-1) to derive it from dp")
-
-    @property
-    def hsdp(self) -> bool:
-        """FSDP with replicas: the dp axis is a 2-D (dp_replicate, dp_shard) mesh."""
-        return self.dp_mode == "fsdp" and self.dp_replicate > 1
-
-    @property
-    def num_microbatches(self) -> int:
-        """``n_microbatches`` with 0 resolved (2 * pp, or 1 without pipelining)."""
-        return self.n_microbatches or (2 * self.pp if self.pp > 1 else 1)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    @property
-    def world_size(self) -> int:
-        """``pp * dp * tp``; needs a concrete ``dp`` (see :meth:`resolved`)."""
-        if self.dp == -1:
-            self._fail("dp", "is -1 (unresolved)", "call resolved(world_size) first")
-        return self.pp * self.dp * self.tp
-
-    def check(self, model: Any, *, global_batch_size: int | None = None,
-              grad_accum_steps: int = 1, seq_len: int | None = None) -> None:
-        """Raise :class:`ConfigError` naming the key at fault if this layout cannot train
-        ``model`` (any object with ``n_heads``, ``dim``, ``hidden_ffn_dim`` and ``n_layers``)
-        on ``global_batch_size`` sequences of ``seq_len`` tokens per step. Batch rules need a
-        concrete ``dp`` and are skipped while it is -1. Pure: no process group needed."""
-        for what, n in (("model.n_heads", model.n_heads), ("model.dim", model.dim),
-                        ("the MLP hidden size (model.ffn_dim)", model.hidden_ffn_dim)):
-            if n % self.tp:
-                self._fail("tp", f"{self.tp} does not divide {what}={n}",
-                           "choose a tp that divides it")
-        if model.n_layers < self.num_stages:
-            self._fail("pp", f"{self.num_stages} pipeline stages (pp * stages_per_rank) but "
-                       f"model.n_layers={model.n_layers}", "use fewer stages or more layers")
-        if self.sequence_parallel and self.tp == 1:
-            self._fail("sequence_parallel", "needs parallel.tp > 1",
-                       "set it to false or raise parallel.tp")
-        if self.sequence_parallel and seq_len is not None and seq_len % self.tp:
-            self._fail("sequence_parallel", f"shards the sequence over parallel.tp={self.tp}, "
-                       f"which does not divide training.seq_len={seq_len}",
-                       "change tp or the sequence length")
-        if self.dp_mode == "ddp" and self.tp > 1:
-            self._fail("dp_mode", f"'ddp' does not compose with tensor parallelism "
-                       f"(parallel.tp={self.tp})", "use parallel.dp_mode='fsdp' or parallel.tp=1")
-        if global_batch_size is None or self.dp == -1:
-            return
-        per_rank = self.dp * grad_accum_steps
-        if global_batch_size % per_rank:
-            _raise("training.global_batch_size",
-                   f"{global_batch_size} is not divisible by dp * grad_accum_steps = "
-                   f"{self.dp} * {grad_accum_steps}", f"use a multiple of {per_rank}")
-        micro = global_batch_size // per_rank
-        if micro % self.num_microbatches:
-            self._fail("n_microbatches",
-                       f"the per-rank micro-batch of {micro} sequences does not split into "
-                       f"{self.num_microbatches} micro-batches",
-                       "make global_batch_size / (dp * grad_accum_steps) a multiple of it")
-
-    def resolved(self, world_size: int) -> ParallelConfig:
-        """A copy with ``dp`` and ``n_microbatches`` concrete for ``world_size`` ranks.
-        Raises :class:`ConfigError` when pp * dp * tp cannot equal ``world_size``."""
-        if world_size % (self.pp * self.tp):
-            self._fail("tp" if self.tp > 1 else "pp",
-                       f"world size {world_size} is not divisible by pp * tp = "
-                       f"{self.pp} * {self.tp}", "launch pp * dp * tp ranks")
-        dp = world_size // (self.pp * self.tp) if self.dp == -1 else self.dp
-        if self.pp * dp * self.tp != world_size:
-            split = (f" (dp = dp_replicate * dp_shard = {self.dp_replicate} * {self.dp_shard})"
-                     if self.dp_shard != -1 and self.dp_replicate > 1 else "")
-            self._fail("dp", f"pp * dp * tp = {self.pp} * {dp} * {self.tp} != world size "
-                       f"{world_size}{split}", "set parallel.dp=-1 and parallel.dp_shard=-1 "
-                       "to use the rest of the world" if split else
-                       "set parallel.dp=-1 to use the rest of the world")
-        if dp % self.dp_replicate:
-            self._fail("dp_replicate", f"{self.dp_replicate} does not divide the dp degree "
-                       f"{dp} (world size {world_size} / (pp * tp))",
-                       "pick a dp_replicate that divides it")
-        return dataclasses.replace(self, dp=dp, dp_shard=dp // self.dp_replicate,
-                                   n_microbatches=self.num_microbatches)
-
-
-@dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where training tokens come from. Sample order depends only on (seed, sample index)."""
 
     _section: ClassVar[str] = "data"
@@ -401,87 +183,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class CheckpointConfig(_Section):
-    """Where, when and how checkpoints are written and which one is loaded."""
-
-    _section: ClassVar[str] = "checkpoint"
-    root: str = _f("", "Directory or URL (file://, s3://, memory://); empty = no checkpoints.")
-    interval: str = _f("auto", "'auto' (Young/Daly), steps like '50', or time like '30sec', '5m'.")
-    load_step: int | None = _f(None, "Step to resume from; None = newest committed checkpoint.")
-    keep_last: int = _f(3, "Committed checkpoints to keep; 0 = keep all.")
-    keep_every: int = _f(0, "Also keep every checkpoint whose step is a multiple; 0 = off.")
-    async_save: bool = _f(True, "Persist in the background; training stalls only to stage.")
-    verify: str = _f("full", "Check on load: 'full' (checksums), 'size', or 'none'.")
-    mtbf_hours: float = _f(24.0, "Prior mean time between failures of the job, for 'auto'.")
-    overhead_budget: float = _f(0.01, "Target fraction of time spent saving, for 'auto'.")
-    storage_options: dict[str, Any] = _f({}, "Extra fsspec options, e.g. {endpoint_url = ...}.")
-    resume: bool = _f(True, "Resume from root when it holds a checkpoint.")
-    allow_fresh_start_over_damaged: bool = _f(
-        False, "Start from step 0 when every checkpoint under root is damaged (else refuse).")
-    fail_on_error: bool = _f(False, "Stop the job when a save fails instead of alerting.")
-    local_root: str = _f("", "Fast local tier on each node (NVMe, /dev/shm; '{node}' = node "
-                             "index), saved more often than root; empty = off.")
-    local_interval: str = _f("auto", "The local tier's interval, same forms as interval "
-                                     "(used only with local_root).")
-    local_keep_last: int = _f(2, "Local checkpoints kept on each node (>= 1).")
-    node_loss_mtbf_hours: float = _f(
-        0.0, "With local_root: prior mean time between node losses, for root's 'auto' "
-             "(mtbf_hours is the local tier's); 0 = mtbf_hours.")
-
-    def _validate(self) -> None:
-        try:
-            Interval.parse(self.interval)
-        except ValueError as exc:
-            self._fail("interval", str(exc))
-        try:
-            Interval.parse(self.local_interval)
-        except ValueError as exc:
-            self._fail("local_interval", str(exc))
-        self._at_least("local_keep_last", 1, "a local tier keeps at least its newest step")
-        if self.node_loss_mtbf_hours != 0 and self.node_loss_mtbf_hours < self.mtbf_hours:
-            self._fail("node_loss_mtbf_hours",
-                       f"{self.node_loss_mtbf_hours} is below mtbf_hours={self.mtbf_hours}, "
-                       f"but node losses are a subset of all failures",
-                       "set it >= mtbf_hours, or 0 to use mtbf_hours")
-        if self.local_root:
-            if not self.root:
-                self._fail("local_root", "is set but root is empty",
-                           "the local tier sits under a durable one: set checkpoint.root too")
-            if _same_folder(self.local_root.replace("{node}", "0"), self.root):
-                self._fail("local_root", f"{self.local_root!r} is checkpoint.root={self.root!r} "
-                                         f"or overlaps it",
-                           "give the local tier its own folder on fast node-local storage "
-                           "(e.g. /dev/shm/ckpt)")
-        if self.load_step is not None:
-            self._at_least("load_step", 0, "leave it unset to load the newest checkpoint")
-        self._at_least("keep_last", 0, "use 0 to keep all")
-        self._at_least("keep_every", 0, "use 0 to disable")
-        self._choice("verify", ("full", "size", "none"))
-        if not self.mtbf_hours > 0:
-            self._fail("mtbf_hours", f"must be > 0, got {self.mtbf_hours}")
-        if not 0 < self.overhead_budget < 1:
-            self._fail("overhead_budget", f"must be in (0, 1), got {self.overhead_budget}",
-                       "e.g. 0.01 for 1%")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.root)
-
-
-def _same_folder(a: str, b: str) -> bool:
-    """Do two roots name the same place (or one inside the other)? URLs compare as text."""
-    import os
-
-    if "://" in a or "://" in b:
-        a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
-    else:
-        a = os.path.join(os.path.realpath(os.path.expanduser(a)), "")
-        b = os.path.join(os.path.realpath(os.path.expanduser(b)), "")
-    return a.startswith(b) or b.startswith(a)
-
-
-@dataclass
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     """Prometheus endpoint and a JSONL log of step metrics."""
 
     _section: ClassVar[str] = "metrics"
@@ -505,7 +207,7 @@ class MetricsConfig(_Section):
 
 
 @dataclass
-class FaultConfig(_Section):
+class FaultConfig(Section):
     """Failure detection: hangs, NaN/spiking loss, stragglers, preemption."""
 
     _section: ClassVar[str] = "fault"
@@ -554,7 +256,7 @@ class Config:
     def __post_init__(self) -> None:
         m, t = self.model, self.training
         if t.seq_len > m.max_seq_len:
-            _raise("training.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
+            fail_key("training.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}",
                    "raise model.max_seq_len or lower training.seq_len")
         self.parallel.check(m, global_batch_size=t.global_batch_size,
                             grad_accum_steps=t.grad_accum_steps, seq_len=t.seq_len)
@@ -572,50 +274,10 @@ class Config:
     def local_batch_size(self) -> int:
         """Sequences per optimizer step on one dp rank (needs a concrete ``parallel.dp``)."""
         if self.parallel.dp == -1:
-            _raise("parallel.dp", "is -1 (unresolved)", "call Config.resolved(world_size) first")
+            fail_key("parallel.dp", "is -1 (unresolved)", "call Config.resolved(world_size) first")
         return self.training.global_batch_size // self.parallel.dp
 
     @property
     def micro_batch_size(self) -> int:
         """Sequences per forward/backward on one dp rank: local batch / grad_accum_steps."""
         return self.local_batch_size // self.training.grad_accum_steps
-
-
-def _raise(key: str, problem: str, fix: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}: {problem}; {fix}", key=key)
-
-
-# ---------------------------------------------------------------- typing and parsing
-
-
-def type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        tp, str(tp).replace("typing.", ""))
-
-
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against annotation ``tp``; widen int->float and list->tuple."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return coerce(value, inner, key)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}",
-                              key=key)
-        return tuple(coerce(v, a, key) for v, a in zip(value, args))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table, got {value!r}", key=key)
-        return dict(value)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is str and isinstance(value, int) and not isinstance(value, bool) and key.endswith(
-            ".interval"):
-        return str(value)  # `interval = 50` in TOML means 50 steps
-    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
-        return value
-    raise ConfigError(f"{key}: expected {type_name(tp)}, got {value!r} "
-                      f"({type(value).__name__})", key=key)

@@ -10,9 +10,10 @@ all-reduced once per step instead, see ``build_parallel_model``) -> ``PipelineSt
 schedule when pp > 1. A degree of 1 skips that step (no FSDP on a 1-rank dp axis).
 Mixed precision: FSDP2's MixedPrecisionPolicy when FSDP runs, else autocast.
 
-``build_parallel_model`` returns a ``ParallelModel``; the train loop only needs
-``train_step`` / ``forward_backward``, ``clip_grad_norm_``, ``parameters``/``model_parts``
-and the state-dict helpers. All methods that communicate must be called by every rank
+The TP plan and the FSDP2 groups of one stage module are :mod:`trainer.parallel_plans`
+(``apply_tp``, ``apply_fsdp``, re-exported here). ``build_parallel_model`` returns a
+``ParallelModel``; the train loop only needs ``train_step`` / ``forward_backward``,
+``clip_grad_norm_``, ``parameters``/``model_parts`` and the state-dict helpers. All methods that communicate must be called by every rank
 of the mesh, in the same order.
 """
 
@@ -29,6 +30,7 @@ from torch import nn
 from trainer.config_schema import ParallelConfig
 from trainer.mesh import dp_mesh
 from trainer.model import ModelConfig, Transformer, cross_entropy_loss
+from trainer.parallel_plans import apply_fsdp, apply_tp
 from trainer.pipeline import (
     build_pipeline_stages,
     build_schedule,
@@ -37,86 +39,6 @@ from trainer.pipeline import (
 )
 
 __all__ = ["apply_tp", "apply_fsdp", "ParallelModel", "build_parallel_model"]
-
-
-def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False) -> None:
-    """Megatron-style TP on one (stage) module: q/k/v and w1/w3 column-sharded, wo and w2
-    row-sharded, embedding row-sharded (vocab), output projection column-sharded with
-    replicated logits. With ``sequence_parallel`` the norms run on sequence shards and
-    activations between blocks stay sharded along the sequence (dim 1)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    between_blocks = Shard(1) if sequence_parallel else Replicate()
-    plan = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=between_blocks
-        )
-    if model.output is not None:
-        if sequence_parallel:
-            plan["norm"] = SequenceParallel()
-        # Replicated logits keep the loss a plain cross-entropy; a vocab-sharded loss
-        # (loss_parallel) would save memory for large vocabularies.
-        plan["output"] = ColwiseParallel(
-            input_layouts=between_blocks, output_layouts=Replicate(), use_local_output=True
-        )
-    parallelize_module(model, tp_mesh, plan)
-
-    for block in model.layers.values():
-        block_plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between_blocks),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between_blocks),
-        }
-        if block.feed_forward.w3 is not None:
-            block_plan["feed_forward.w3"] = ColwiseParallel()
-        if sequence_parallel:
-            gather = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
-            block_plan.update(
-                {
-                    "attention_norm": SequenceParallel(),
-                    "attention": gather,
-                    "ffn_norm": SequenceParallel(),
-                    "feed_forward": gather,
-                }
-            )
-        parallelize_module(block, tp_mesh, block_plan)
-
-
-def apply_fsdp(
-    model: Transformer,
-    dp_mesh,
-    param_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: bool = True,
-) -> None:
-    """FSDP2 on one (stage) module: one group per block, one for the remaining root params.
-
-    ``dp_mesh`` is 1-D (FSDP: shard over all of it) or 2-D (HSDP: replicate over its first
-    axis, shard over the second).
-
-    Under pipelining pass ``reshard_after_forward=False``: a stage runs forward for every
-    micro-batch before the matching backwards, and resharding would all-gather per
-    micro-batch. Gradients are reduced in fp32 whatever the compute dtype.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # The root keeps its params gathered after forward: backward starts with them.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
 
 
 class ParallelModel:

@@ -2,7 +2,7 @@
 
 Pure arithmetic, no process group: weights, gradients, optimizer state, FSDP buffers,
 activations and logits of a :class:`Workload` on a :class:`Candidate` (a trainer layout,
-:class:`trainer.config_schema.ParallelConfig`, plus how the dp axis shards state). The
+:class:`trainer.config_parallel.ParallelConfig`, plus how the dp axis shards state). The
 formulas and their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks
 candidates with it and prints the report.
 """

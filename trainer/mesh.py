@@ -1,6 +1,6 @@
 """The (pp, dp, tp) DeviceMesh of a parallel layout.
 
-The layout itself is :class:`trainer.config_schema.ParallelConfig` (the ``[parallel]`` config
+The layout itself is :class:`trainer.config_parallel.ParallelConfig` (the ``[parallel]`` config
 section, re-exported here): its rules run when a config is built and resolved, or when a
 library caller runs ``ParallelConfig.check``; this module only turns a resolved layout into
 the one ``DeviceMesh`` every other part of ``trainer/`` uses.

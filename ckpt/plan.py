@@ -72,6 +72,9 @@ class Plan:
     """``1 - delta/tau - (rework + R) / M``, clipped at 0."""
     measured_write_bytes_per_second: float | None = None
     measured_read_bytes_per_second: float | None = None
+    load_seconds: float = 0.0
+    """Reading the checkpoint back after a restart (counted with ``restart_seconds`` in the
+    lost work; 0 unless given: ``ckpt plan`` folds it into ``--restart``)."""
 
 
 def make_plan(
@@ -84,8 +87,14 @@ def make_plan(
     step_seconds: float | None = None,
     overhead_budget: float | None = None,
     measurement: BandwidthMeasurement | None = None,
+    load_seconds: float = 0.0,
+    interval_seconds: float | None = None,
 ) -> Plan:
-    """The cadence ``Auto`` would settle on for these inputs, with its expected costs."""
+    """The cadence ``Auto`` would settle on for these inputs, with its expected costs.
+
+    ``load_seconds``: reading the checkpoint back after a restart, lost with the restart.
+    ``interval_seconds``: evaluate this interval instead of choosing one (``active_bound``
+    is then ``"given"``)."""
     if size_bytes < 0:
         raise ValueError(f"size_bytes={size_bytes!r} is invalid: pass the checkpoint size >= 0")
     if not bandwidth_bytes_per_second > 0:
@@ -96,14 +105,18 @@ def make_plan(
         raise ValueError(f"restart_seconds={restart_seconds!r} is invalid: pass seconds >= 0")
     delta = size_bytes / HOST_COPY_BYTES_PER_SECOND if stall_seconds is None else float(stall_seconds)
     persist = size_bytes / bandwidth_bytes_per_second
-    tau, bound = optimal_interval(delta, mtbf_seconds, persist, overhead_budget)
+    if interval_seconds is None:
+        tau, bound = optimal_interval(delta, mtbf_seconds, persist, overhead_budget)
+    else:
+        tau, bound = float(interval_seconds), "given"
     steps = None
     if step_seconds is not None:
         steps = max(1, math.ceil(tau / step_seconds - 1e-9))
         tau = steps * step_seconds
     overhead = delta / tau if tau > 0 else math.inf
     rework = (tau + delta) / 2 + persist
-    goodput = max(0.0, 1.0 - overhead - (rework + restart_seconds) / mtbf_seconds)
+    lost = rework + restart_seconds + load_seconds
+    goodput = max(0.0, 1.0 - overhead - lost / mtbf_seconds)
     return Plan(
         size_bytes=int(size_bytes),
         bandwidth_bytes_per_second=float(bandwidth_bytes_per_second),
@@ -120,10 +133,11 @@ def make_plan(
         active_bound=bound,
         overhead_fraction=min(overhead, 1.0),
         rework_seconds_per_failure=rework,
-        lost_seconds_per_failure=rework + restart_seconds,
+        lost_seconds_per_failure=lost,
         goodput=goodput,
         measured_write_bytes_per_second=measurement.write_bytes_per_second if measurement else None,
         measured_read_bytes_per_second=measurement.read_bytes_per_second if measurement else None,
+        load_seconds=float(load_seconds),
     )
 
 
@@ -135,15 +149,19 @@ class TierPlans:
     """The local tier: its own bandwidth, every failure's MTBF."""
     durable: Plan
     """The durable tier: its bandwidth, the MTBF of node losses (failures the local tier
-    does not survive)."""
+    does not survive); its interval a whole multiple of the local one (``active_bound``
+    ``"given"``), so that every durable save falls on a local save's step and shares its
+    stall."""
     goodput: float
-    """``1 - delta/tau_L - delta/tau_D - (1/M - 1/M_N) (rework_L + R) - (rework_D + R) / M_N``:
-    a failure the local tier survives redoes the local tier's rework, a node loss the
-    durable tier's. The stall is counted for both tiers (it is paid once when both are due)."""
+    """``1 - delta/tau_L - (1/M - 1/M_N) lost_L - lost_D / M_N``, ``lost`` = rework +
+    restart + load (reading the checkpoint back from that tier): a failure the local tier
+    survives redoes the local tier's rework and reads the local copy, a node loss redoes
+    the durable tier's and reads the durable copy. The stall is paid once per local save
+    (the durable saves share it)."""
     durable_only_goodput: float
-    """The goodput of the durable tier alone, at every failure's MTBF (``make_plan``'s), to
-    compare: a local tier pays off when the durable persist is long and most failures keep
-    their nodes; when the stall dominates, it does not."""
+    """The goodput of the durable tier alone, at every failure's MTBF, load included, to
+    compare: a local tier pays off when the durable persist or load is long and most
+    failures keep their nodes; when the stall dominates, it does not."""
 
 
 def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
@@ -161,17 +179,24 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                          f"but node losses are a subset of all failures: pass a node MTBF >= "
                          f"the MTBF")
     measurement = options.pop("measurement", None)
-    local = make_plan(size_bytes, local_bandwidth_bytes_per_second, mtbf_seconds=mtbf_seconds,
-                      **options)
-    durable = make_plan(size_bytes, bandwidth_bytes_per_second, mtbf_seconds=node_mtbf,
-                        measurement=measurement, **options)
-    restart = local.restart_seconds
+    local_bw, durable_bw = local_bandwidth_bytes_per_second, bandwidth_bytes_per_second
+    local = make_plan(size_bytes, local_bw, mtbf_seconds=mtbf_seconds,
+                      load_seconds=size_bytes / local_bw, **options)
+    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=node_mtbf,
+                        load_seconds=size_bytes / durable_bw, measurement=measurement,
+                        **options)
+    # The durable interval a whole multiple of the local one: each durable save is a step
+    # the local tier saves too, staged once (ckpt.tiers), so it adds no stall of its own.
+    multiple = max(1, round(durable.interval_seconds / local.interval_seconds))
+    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=node_mtbf,
+                        load_seconds=size_bytes / durable_bw, measurement=measurement,
+                        interval_seconds=multiple * local.interval_seconds, **options)
     survived_rate = 1.0 / mtbf_seconds - 1.0 / node_mtbf
-    goodput = (1.0 - local.overhead_fraction - durable.overhead_fraction
-               - survived_rate * (local.rework_seconds_per_failure + restart)
-               - (durable.rework_seconds_per_failure + restart) / node_mtbf)
-    alone = make_plan(size_bytes, bandwidth_bytes_per_second, mtbf_seconds=mtbf_seconds,
-                      **options)
+    goodput = (1.0 - local.overhead_fraction
+               - survived_rate * local.lost_seconds_per_failure
+               - durable.lost_seconds_per_failure / node_mtbf)
+    alone = make_plan(size_bytes, durable_bw, mtbf_seconds=mtbf_seconds,
+                      load_seconds=size_bytes / durable_bw, **options)
     return TierPlans(local, durable, max(0.0, goodput), alone.goodput)
 
 
@@ -276,10 +301,12 @@ def format_plan(plan: Plan) -> str:
         ("stall per checkpoint", _secs(plan.stall_seconds)),
         ("MTBF", _secs(plan.mtbf_seconds)),
         ("restart cost", _secs(plan.restart_seconds)),
+        *([("load after restart", _secs(plan.load_seconds))] if plan.load_seconds else []),
         ("Young/Daly interval", _secs(plan.young_daly_seconds)),
         ("recommended interval", _secs(plan.interval_seconds)
          + ("" if plan.interval_steps is None else f" = {plan.interval_steps} steps")),
-        ("active bound", plan.active_bound),
+        ("active bound", plan.active_bound if plan.active_bound != "given"
+         else "given (a multiple of the local tier's interval)"),
         ("checkpoint overhead", f"{100 * plan.overhead_fraction:.3f} %"),
         ("rework per failure", _secs(plan.rework_seconds_per_failure)),
         ("lost per failure", _secs(plan.lost_seconds_per_failure)),

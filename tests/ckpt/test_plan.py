@@ -25,6 +25,7 @@ FIELDS = {
     "mtbf_seconds", "restart_seconds", "step_seconds", "overhead_budget", "young_daly_seconds",
     "interval_seconds", "interval_steps", "active_bound", "overhead_fraction", "rework_seconds_per_failure",
     "lost_seconds_per_failure", "goodput", "measured_write_bytes_per_second", "measured_read_bytes_per_second",
+    "load_seconds",
 }
 
 
@@ -208,3 +209,26 @@ def test_plan_duration_error_names_value_and_forms(capsys):
         main(["--size", "1GB", "--bandwidth", "1GB/s", "--restart", "1w"])
     err = capsys.readouterr().err
     assert "invalid duration '1w'" in err and "'30sec'" in err and "'1d'" in err
+
+
+def test_tier_plans_share_the_stall_and_count_each_tiers_load():
+    from ckpt.plan import make_tier_plans
+
+    m, m_node = 4 * 3600.0, 48 * 3600.0
+    t = make_tier_plans(10**12, 2e9, 100e9, node_mtbf_seconds=m_node, mtbf_seconds=m,
+                        stall_seconds=10.0, step_seconds=5.0)
+    # Every durable save falls on a local save's step: one stall for both.
+    assert t.durable.interval_steps % t.local.interval_steps == 0
+    assert t.durable.active_bound == "given" and t.local.active_bound == "young_daly"
+    # A restart reads the checkpoint back from the tier it resumes from.
+    assert t.local.load_seconds == pytest.approx(10.0) and t.durable.load_seconds == pytest.approx(500.0)
+    assert t.durable.lost_seconds_per_failure == pytest.approx(
+        t.durable.rework_seconds_per_failure + 60.0 + 500.0)
+    assert t.goodput == pytest.approx(1 - t.local.overhead_fraction
+                                      - (1 / m - 1 / m_node) * t.local.lost_seconds_per_failure
+                                      - t.durable.lost_seconds_per_failure / m_node)
+    assert t.goodput > t.durable_only_goodput + 0.05  # a long durable persist and load
+    # A small checkpoint whose cost is the stall: the local tier does not pay.
+    small = make_tier_plans(14 * 10**9, 2e9, 40e9, node_mtbf_seconds=48 * 3600.0,
+                            mtbf_seconds=6 * 3600.0, step_seconds=1.2)
+    assert small.goodput < small.durable_only_goodput

@@ -26,8 +26,7 @@ This module orchestrates; each step is its own unit: the agreed decisions of a s
 thread (:mod:`ckpt.inflight`, :mod:`ckpt.persist`), the bookkeeping after a commit
 (:mod:`ckpt.manager_commit`), the lease (:mod:`ckpt.manager_lease`), the failure history
 (:mod:`ckpt.history`), resume (:mod:`ckpt.manager_load`) and the private groups
-(:mod:`ckpt.manager_groups`). It is longer than 400 lines because the contract of each
-public method (which ranks call it, what every rank agrees) is written where it is called.
+(:mod:`ckpt.manager_groups`).
 """
 
 from __future__ import annotations
@@ -44,21 +43,20 @@ from ckpt import api
 from ckpt.agreement import Agreement
 from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, release_lease
-from ckpt.distributed import warn_if_not_attempt_scoped
-from ckpt.cadence import CadencePolicy
+from ckpt.cadence import CadencePolicy, parse_interval
 from ckpt.events import EventBus
-from ckpt.history import HISTORY_NAME, load_job_history, write_history
+from ckpt.history import HISTORY_NAME, write_history
 from ckpt.inflight import InflightSave
-from ckpt.lease import Lease
 from ckpt.manager_commit import after_commit
 from ckpt.manager_groups import destroy_groups, private_groups
-from ckpt.manager_lease import take_lease
+from ckpt.manager_lease import claim_root
 from ckpt.manager_staging import StagedCopy, stage_copy
 from ckpt.manager_load import load_for_manager
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy
 from ckpt.persist import Persister, SaveAbandoned
-from ckpt.savestep import SaveGate, report_busy_skip, report_lease_lost
+from ckpt.savestep import (SaveGate, observe_step, report_busy_skip, report_lease_lost,
+                           use_slot)
 from ckpt.staging import StagingBuffers
 from ckpt.steptime import StepTimes
 from ckpt.storage import Storage
@@ -124,11 +122,7 @@ class CheckpointManager:
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.events = events or EventBus(rank=dist.get_rank() if self.distributed else 0)
-        if isinstance(cadence, str):
-            from ckpt.cadence import parse_interval
-
-            cadence = parse_interval(cadence)
-        self.cadence = cadence
+        self.cadence = parse_interval(cadence) if isinstance(cadence, str) else cadence
         if retention is None:
             retention = [KeepLast(3), KeepPinned(self.store)]
         self.retention = list(retention)
@@ -150,48 +144,30 @@ class CheckpointManager:
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
-        # They live in the default group's key space: per torchrun attempt when it was
-        # started by ckpt.init_distributed (ckpt.distributed says why that matters).
-        if self.distributed:
-            warn_if_not_attempt_scoped()
-            self._ctl_group, self._bg_group = private_groups(process_group)
-        else:
-            self._ctl_group = self._bg_group = None
+        self._ctl_group, self._bg_group = private_groups(process_group, self.distributed)
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
-        self._persister = Persister(self.life, self.events, Agreement(self._bg_group),
-                                    self._bg_group, rank=self.rank,
-                                    max_attempts=max_attempts,
-                                    retry_backoff_seconds=retry_backoff_seconds,
-                                    num_threads=num_threads, layout=self.layout,
-                                    abandon=self._abandon)
+        self._persister = Persister(
+            self.life, self.events, Agreement(self._bg_group), self._bg_group, rank=self.rank,
+            max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
+            num_threads=num_threads, layout=self.layout, abandon=self._abandon)
         if self.distributed:
             _open_managers.add(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
         self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
-        self.lease: Lease | None = None
-        self._found_aborted = False
         self._prepare_started = False
-        if use_lease:
-            # Rank 0 takes the lease (fencing off earlier writers) and removes dead
-            # attempts' leftovers; every rank learns whether it could.
-            self.lease, self._found_aborted = take_lease(
-                self.storage, self._ctl, self.life, self.events, coordinator=self.rank == 0,
-                ttl_seconds=lease_ttl_seconds, job_name=job_name, fingerprint=job_fingerprint)
-        self._load_history()
-        self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
-
-    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
-    def _load_history(self) -> None:
-        """The job's failure history, rank 0's view on every rank, shared with the cadence
-        (one history per job: the cadence accumulates uptime in it)."""
-        took_over = self.lease is not None and self.lease.took_over is not None
-        self.history = load_job_history(self.storage, self.events, self._ctl,
-                                        coordinator=self.rank == 0, took_over=took_over,
-                                        found_aborted=self._found_aborted)
+        # Rank 0 takes the lease (fencing off earlier writers), removes dead attempts'
+        # leftovers and reads the job's failure history; every rank learns both. One history
+        # per job, shared with the cadence (which accumulates uptime in it).
+        self.lease, self.history = claim_root(
+            self.storage, self._ctl, self.life, self.events, coordinator=self.rank == 0,
+            use_lease=use_lease, ttl_seconds=lease_ttl_seconds, job_name=job_name,
+            fingerprint=job_fingerprint)
         if self.cadence is not None:
             self.cadence.history = self.history
         self.save_history()
+        self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
 
+    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
     def save_history(self) -> None:
         """Write the failure history now (rank 0, holding the lease); saves also do. For a
         caller that changed ``history`` (``ckpt.tiers`` takes back a failure that was not a
@@ -229,8 +205,8 @@ class CheckpointManager:
         """The decision half of :meth:`maybe_save` (collective; same result on every rank):
         observe the step, then ask the cadence. Call once per step, then :meth:`save` when
         True (``maybe_save`` does both; ``ckpt.tiers`` decides for two managers first)."""
-        now = time.monotonic()
-        self._observe_step(now)
+        observe_step(self.step_times, self.cadence, self.history, time.monotonic(),
+                     busy=self.in_flight())
         if self.num_saves == 0 and not self._prepare_started:
             # Allocate (and fault in) the staging buffers in the background now, while
             # training runs, so that even the first save's stall is only the copy.
@@ -271,7 +247,7 @@ class CheckpointManager:
             self._slot.raise_agreed_failure()
         if lost:
             self.lease_lost = True
-            self._used_slot(step)  # one skip per due save, not one per step after it
+            use_slot(self.cadence, step)  # one skip per due save, not one per step after it
             report_lease_lost(self.events, step, self.storage.url)
             return False
         if exists:
@@ -281,7 +257,7 @@ class CheckpointManager:
             return False
         if busy:
             if self.busy == "skip" and not force:
-                self._used_slot(step)  # one skip per due save, not one per step after it
+                use_slot(self.cadence, step)  # one skip per due save, not one per step after it
                 self.num_skipped += 1
                 report_busy_skip(self.events, step, self._slot.step, self.num_skipped)
                 return False
@@ -300,7 +276,7 @@ class CheckpointManager:
         self.num_saves += 1
         self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else copy.stall_seconds,
                          bytes=copy.nbytes, first=first, reused=reuse is not None)
-        self._used_slot(step)
+        use_slot(self.cadence, step)
         self.step_times.save_started()
         self._slot.start(step, self._persist, step, copy.staged, copy.nbytes, copy.stall_seconds,
                          dict(user_metadata or {}), t0, attached, copy.wait_ready)
@@ -308,12 +284,6 @@ class CheckpointManager:
             self._slot.join()
             self._raise_pending_failure()
         return True
-
-    def _used_slot(self, step: int) -> None:
-        """The save due at ``step`` happened, or was skipped: either way its slot is used,
-        so the cadence counts the next interval from here (every rank alike)."""
-        if self.cadence is not None:
-            self.cadence.record_saved(step, time.monotonic())
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float,
@@ -339,15 +309,6 @@ class CheckpointManager:
                      store=self.store, retention=self.retention, coordinator=self.rank == 0,
                      stall=stall, copy_seconds=copy_seconds, nbytes=nbytes, t_start=t_start)
         return out.manifest
-
-    def _observe_step(self, now: float) -> None:
-        dt = self.step_times.observe(now, busy=self.in_flight())
-        if dt is None:
-            return
-        if self.cadence is None:
-            self.history.add_uptime(dt)
-        else:  # the cadence adds the uptime to the shared history itself
-            self.cadence.record_step(dt)
 
     def _raise_pending_failure(self) -> None:
         if self.raise_on_failure:
@@ -383,7 +344,7 @@ class CheckpointManager:
             process_group=self._ctl_group, verify=self.verify, num_threads=self.num_threads,
             scratch=None if self.in_flight() else self.staging, step=step, strict=strict,
             ignore_keys=ignore_keys, raise_if_all_damaged=raise_if_all_damaged,
-            extra_state=extra_state, on_loaded=self._used_slot)
+            extra_state=extra_state, on_loaded=lambda loaded: use_slot(self.cadence, loaded))
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

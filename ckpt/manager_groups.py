@@ -13,17 +13,25 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ckpt.distributed import warn_if_not_attempt_scoped
+
 __all__ = ["private_groups", "destroy_groups"]
 
 log = logging.getLogger(__name__)
 
 
-def private_groups(process_group) -> tuple[Any, Any]:
-    """Two new gloo groups over the ranks of ``process_group`` (None: the world).
+def private_groups(process_group, distributed: bool) -> tuple[Any, Any]:
+    """Two new gloo groups over the ranks of ``process_group`` (None: the world); (None,
+    None) when not ``distributed``.
 
-    With a subgroup, every rank of the world must construct its manager at the same time
-    (each with the group it belongs to): the groups of all members are learned with one
-    all-gather over the world and created together (``new_subgroups_by_enumeration``)."""
+    They live in the default group's key space: per torchrun attempt when it was started by
+    ``ckpt.init_distributed`` (``ckpt.distributed`` says why that matters). With a subgroup,
+    every rank of the world must construct its manager at the same time (each with the
+    group it belongs to): the groups of all members are learned with one all-gather over the
+    world and created together (``new_subgroups_by_enumeration``)."""
+    if not distributed:
+        return None, None
+    warn_if_not_attempt_scoped()
     if process_group is None:
         return (dist.new_group(backend="gloo", group_desc="ckpt_control"),
                 dist.new_group(backend="gloo", group_desc="ckpt_persist"))

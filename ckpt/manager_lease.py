@@ -1,8 +1,11 @@
-"""A manager's start under its root: take the write lease, clean up dead attempts' files.
+"""A manager's start under its root: take the write lease, clean up dead attempts' files,
+read the job's failure history.
 
 Rank 0 of the manager's group takes the lease (fencing off earlier writers) and removes the
 leftovers of every earlier generation's unfinished saves; every rank learns whether it could
-(``ckpt.commit.acquire_for_ranks`` agrees it). Cleanup is best effort.
+(``ckpt.commit.acquire_for_ranks`` agrees it). Cleanup is best effort. Then rank 0 reads the
+failure history (a takeover or leftovers count as a failure: ``ckpt.history``) and every
+rank gets its copy. Collective over the manager's control group.
 """
 
 from __future__ import annotations
@@ -10,14 +13,32 @@ from __future__ import annotations
 import logging
 
 from ckpt.agreement import Agreement
+from ckpt.cadence import FailureHistory
 from ckpt.commit import Lifecycle, acquire_for_ranks
 from ckpt.events import EventBus
+from ckpt.history import load_job_history
 from ckpt.lease import Lease
 from ckpt.storage import Storage
 
-__all__ = ["take_lease", "cleanup_aborted"]
+__all__ = ["claim_root", "take_lease", "cleanup_aborted"]
 
 log = logging.getLogger(__name__)
+
+
+def claim_root(storage: Storage, ctl: Agreement, life: Lifecycle, events: EventBus, *,
+               coordinator: bool, use_lease: bool, ttl_seconds: float, job_name: str | None,
+               fingerprint: str | None) -> tuple[Lease | None, FailureHistory]:
+    """Collective over ``ctl``'s group. Returns (the lease on the coordinator when
+    ``use_lease``, else None; the job's failure history, the same on every rank)."""
+    lease, found_aborted = None, False
+    if use_lease:
+        lease, found_aborted = take_lease(storage, ctl, life, events, coordinator=coordinator,
+                                          ttl_seconds=ttl_seconds, job_name=job_name,
+                                          fingerprint=fingerprint)
+    took_over = lease is not None and lease.took_over is not None
+    history = load_job_history(storage, events, ctl, coordinator=coordinator,
+                               took_over=took_over, found_aborted=found_aborted)
+    return lease, history
 
 
 def take_lease(storage: Storage, ctl: Agreement, life: Lifecycle, events: EventBus, *,

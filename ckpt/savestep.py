@@ -8,7 +8,9 @@ at each save and the smallest wins): a save is at most 5% of an interval late. W
 previous save is in flight, whether the step is committed (the coordinator answers without a
 storage request in the common case: :class:`CommittedSteps`), whether the lease is lost and
 whether a failure is pending are agreed in one all-reduce. ``ckpt.tiers`` agrees its local
-tier's period with :func:`check_period` too.
+tier's period with :func:`check_period` too. Also here: what feeds the decision (each
+step's time, :func:`observe_step`; each used save slot, :func:`use_slot`) and the report of
+a skipped save.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ import time
 from typing import Any, NamedTuple
 
 from ckpt.agreement import Agreement
+from ckpt.cadence import FailureHistory
 from ckpt.commit import Lifecycle
 from ckpt.errors import CheckpointError
 from ckpt.events import EventBus
 from ckpt.manifest import Manifest
+from ckpt.steptime import StepTimes
 from ckpt.store import CheckpointStore
 
-__all__ = ["CommittedSteps", "SaveChecks", "SaveGate", "check_period", "report_lease_lost",
-           "report_busy_skip"]
+__all__ = ["CommittedSteps", "SaveChecks", "SaveGate", "check_period", "observe_step",
+           "use_slot", "report_lease_lost", "report_busy_skip"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,26 @@ def check_period(cadence: Any) -> int:
     except Exception:  # noqa: BLE001 - advisory only
         steps = None
     return max(1, int(steps) // 20) if steps else 1
+
+
+def observe_step(step_times: StepTimes, cadence: Any, history: FailureHistory, now: float,
+                 busy: bool) -> None:
+    """One training step ended at ``now`` (``busy``: while a save persisted): its time goes
+    to ``step_times`` and, as uptime, to the cadence (or, without one, to ``history``)."""
+    dt = step_times.observe(now, busy=busy)
+    if dt is None:
+        return
+    if cadence is None:
+        history.add_uptime(dt)
+    else:  # the cadence adds the uptime to the shared history itself
+        cadence.record_step(dt)
+
+
+def use_slot(cadence: Any, step: int) -> None:
+    """The save due at ``step`` happened, or was skipped: either way its slot is used, so
+    the cadence counts the next interval from here (every rank alike)."""
+    if cadence is not None:
+        cadence.record_saved(step, time.monotonic())
 
 
 class CommittedSteps:
@@ -116,11 +140,11 @@ class SaveGate:
               pending_failure: bool, last_committed: Manifest | None) -> SaveChecks:
         """One all-reduce: the checks of a save of ``step``; also agrees ``check_every``."""
         committed = self.committed.contains(step, last_committed)
-        busy_, exists, lost, failed, neg_period = self.ctl.max(
+        any_busy, exists, lost, failed, neg_period = self.ctl.max(
             int(busy), int(committed), int(lease_lost), int(pending_failure),
             -check_period(cadence))
         self.check_every = max(1, -neg_period)  # the smallest any rank proposed
-        return SaveChecks(bool(busy_), bool(exists), bool(lost), bool(failed))
+        return SaveChecks(bool(any_busy), bool(exists), bool(lost), bool(failed))
 
 
 def report_lease_lost(events: EventBus, step: int, url: str) -> None:

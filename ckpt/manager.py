@@ -20,17 +20,21 @@ together; nothing is committed unless every rank wrote its files. The commit is 
 (``LeaseLostError``) when the write lease was taken by another job: every folder
 transition goes through :mod:`ckpt.commit`, which fences such a writer off. ``close``
 releases the lease and frees the two private groups.
+
+This module orchestrates; each step is its own unit: the agreed decisions of a save step
+(:mod:`ckpt.savestep`), staging and reuse (:mod:`ckpt.manager_staging`), the persist
+thread (:mod:`ckpt.inflight`, :mod:`ckpt.persist`), the bookkeeping after a commit
+(:mod:`ckpt.manager_commit`), the lease (:mod:`ckpt.manager_lease`), the failure history
+(:mod:`ckpt.history`), resume (:mod:`ckpt.manager_load`) and the private groups
+(:mod:`ckpt.manager_groups`).
 """
 
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 import weakref
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
@@ -38,35 +42,27 @@ import torch.distributed as dist
 from ckpt import api
 from ckpt.agreement import Agreement
 from ckpt.attachments import check_attachments
-from ckpt.commit import Lifecycle, acquire_for_ranks, release_lease
-from ckpt.distributed import warn_if_not_attempt_scoped
-from ckpt.errors import CheckpointError
-from ckpt.cadence import CadencePolicy
+from ckpt.commit import Lifecycle, release_lease
+from ckpt.cadence import CadencePolicy, parse_interval
 from ckpt.events import EventBus
-from ckpt.history import HISTORY_NAME, load_job_history, write_history
-from ckpt.lease import Lease
+from ckpt.history import HISTORY_NAME, write_history
+from ckpt.inflight import InflightSave
+from ckpt.manager_commit import after_commit
+from ckpt.manager_groups import destroy_groups, private_groups
+from ckpt.manager_lease import claim_root
+from ckpt.manager_staging import StagedCopy, stage_copy
+from ckpt.manager_load import load_for_manager
 from ckpt.manifest import Manifest
-from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy, apply_retention
+from ckpt.retention import KeepLast, KeepPinned, RetentionPolicy
 from ckpt.persist import Persister, SaveAbandoned
+from ckpt.savestep import (SaveGate, observe_step, report_busy_skip, report_lease_lost,
+                           use_slot)
 from ckpt.staging import StagingBuffers
 from ckpt.steptime import StepTimes
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
 __all__ = ["CheckpointManager", "SaveAbandoned", "StagedCopy", "HISTORY_NAME"]
-
-log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class StagedCopy:
-    """A copy of the state staged by a manager at ``step`` (in its staging buffers), which
-    another manager may persist too (``save(..., reuse=...)``): one stall for two saves."""
-
-    step: int
-    staged: Any
-    nbytes: int
-    stall_seconds: float
-    wait_ready: Callable[[], float | None] = lambda: None
 
 
 # Managers whose process groups are not freed yet (see CheckpointManager._destroy_groups).
@@ -77,30 +73,6 @@ _open_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 def _free_groups_at_exit() -> None:
     for manager in list(_open_managers):
         manager._destroy_groups()
-
-
-def _private_groups(process_group) -> tuple[Any, Any]:
-    """Two new gloo groups over the ranks of ``process_group`` (None: the world).
-
-    With a subgroup, every rank of the world must construct its manager at the same time
-    (each with the group it belongs to): the groups of all members are learned with one
-    all-gather over the world and created together (``new_subgroups_by_enumeration``)."""
-    if process_group is None:
-        return (dist.new_group(backend="gloo", group_desc="ckpt_control"),
-                dist.new_group(backend="gloo", group_desc="ckpt_persist"))
-    import torch
-
-    world = dist.get_world_size()
-    mine = torch.tensor([min(dist.get_process_group_ranks(process_group))], dtype=torch.int64)
-    leaders = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(leaders, mine)
-    partition: dict[int, list[int]] = {}
-    for rank, leader in enumerate(int(t) for t in leaders):
-        partition.setdefault(leader, []).append(rank)
-    groups = [sorted(ranks) for _, ranks in sorted(partition.items())]
-    ctl, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
-    bg, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
-    return ctl, bg
 
 
 class CheckpointManager:
@@ -150,11 +122,7 @@ class CheckpointManager:
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.events = events or EventBus(rank=dist.get_rank() if self.distributed else 0)
-        if isinstance(cadence, str):
-            from ckpt.cadence import parse_interval
-
-            cadence = parse_interval(cadence)
-        self.cadence = cadence
+        self.cadence = parse_interval(cadence) if isinstance(cadence, str) else cadence
         if retention is None:
             retention = [KeepLast(3), KeepPinned(self.store)]
         self.retention = list(retention)
@@ -165,11 +133,8 @@ class CheckpointManager:
         self.raise_on_failure = raise_on_failure
         self.layout = dict(layout or {})
         self.staging = StagingBuffers()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
-        self._inflight: Future | None = None
-        self._inflight_step: int | None = None
+        self._slot = InflightSave()  # the persist thread and the save it runs
         self._abandon = threading.Event()
-        self._failure: BaseException | None = None
         self.step_times = StepTimes()
         self.num_skipped = 0
         self.num_saves = 0
@@ -179,85 +144,36 @@ class CheckpointManager:
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
-        # They live in the default group's key space: per torchrun attempt when it was
-        # started by ckpt.init_distributed (ckpt.distributed says why that matters).
-        if self.distributed:
-            warn_if_not_attempt_scoped()
-            self._ctl_group, self._bg_group = _private_groups(process_group)
-        else:
-            self._ctl_group = self._bg_group = None
+        self._ctl_group, self._bg_group = private_groups(process_group, self.distributed)
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
-        self._persister = Persister(self.life, self.events, Agreement(self._bg_group),
-                                    self._bg_group, rank=self.rank,
-                                    max_attempts=max_attempts,
-                                    retry_backoff_seconds=retry_backoff_seconds,
-                                    num_threads=num_threads, layout=self.layout,
-                                    abandon=self._abandon)
+        self._persister = Persister(
+            self.life, self.events, Agreement(self._bg_group), self._bg_group, rank=self.rank,
+            max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
+            num_threads=num_threads, layout=self.layout, abandon=self._abandon)
         if self.distributed:
             _open_managers.add(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
         self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
-        self.lease: Lease | None = None
-        self._found_aborted = False
-        self._check_every = 1  # see maybe_save
         self._prepare_started = False
-        self._newest_known_step: int | None = None  # see _committed
-        if use_lease:
-            self._acquire_lease(lease_ttl_seconds, job_name, job_fingerprint)
-        self._load_history()
-        if self.rank == 0:
-            try:  # once, here, so that saves need no listing (see _committed)
-                self._newest_known_step = max(self.store.committed_steps(), default=-1)
-            except Exception:  # noqa: BLE001 - _committed retries lazily
-                self._newest_known_step = None
-
-    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
-    def _load_history(self) -> None:
-        """The job's failure history, rank 0's view on every rank, shared with the cadence
-        (one history per job: the cadence accumulates uptime in it)."""
-        took_over = self.lease is not None and self.lease.took_over is not None
-        self.history = load_job_history(self.storage, self.events, self._ctl,
-                                        coordinator=self.rank == 0, took_over=took_over,
-                                        found_aborted=self._found_aborted)
+        # Rank 0 takes the lease (fencing off earlier writers), removes dead attempts'
+        # leftovers and reads the job's failure history; every rank learns both. One history
+        # per job, shared with the cadence (which accumulates uptime in it).
+        self.lease, self.history = claim_root(
+            self.storage, self._ctl, self.life, self.events, coordinator=self.rank == 0,
+            use_lease=use_lease, ttl_seconds=lease_ttl_seconds, job_name=job_name,
+            fingerprint=job_fingerprint)
         if self.cadence is not None:
             self.cadence.history = self.history
-        self._save_history()
+        self.save_history()
+        self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
 
+    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
     def save_history(self) -> None:
         """Write the failure history now (rank 0, holding the lease); saves also do. For a
         caller that changed ``history`` (``ckpt.tiers`` takes back a failure that was not a
         node loss)."""
-        self._save_history()
-
-    def _save_history(self) -> None:
         if self.rank == 0 and (self.lease is None or self.lease.held):
             write_history(self.storage, self.history)
-
-    def _acquire_lease(self, ttl: float, job_name: str | None,
-                       fingerprint: str | None) -> None:
-        """Rank 0 takes the lease (fencing off earlier writers) and removes dead attempts'
-        leftovers; every rank learns whether it could."""
-        acquire_for_ranks(self.storage, self._ctl, self.rank == 0, lifecycle=self.life,
-                          ttl_seconds=ttl, job_name=job_name, fingerprint=fingerprint,
-                          on_lost=lambda why: self.events.emit("lease_lost", reason=why))
-        if self.rank == 0:
-            self.lease = self.life.lease
-            self.events.emit("lease_acquired", holder=self.lease.holder_id,
-                             took_over=self.lease.took_over is not None,
-                             generation=self.lease.generation)
-            self._cleanup_aborted()
-
-    def _cleanup_aborted(self) -> None:
-        """Remove the files of attempts whose writer is gone (every earlier generation)."""
-        def removed(step: int, names: list[str]) -> None:
-            self._found_aborted = True
-            self.events.emit("cleanup_aborted", step, files=len(names))
-            log.info("removed %d leftover file(s) of aborted saves at step %d", len(names), step)
-
-        try:
-            self.life.cleanup(on_removed=removed)
-        except Exception as exc:  # noqa: BLE001 - cleanup is best effort
-            log.warning("could not clean up aborted saves under %s: %s", self.storage.url, exc)
 
     @property
     def owner(self) -> str | None:
@@ -271,7 +187,7 @@ class CheckpointManager:
         self.staging.prepare(api.resolve_state(state))
 
     def in_flight(self) -> bool:
-        return self._inflight is not None and not self._inflight.done()
+        return self._slot.running()
 
     def maybe_save(self, step: int, state: dict[str, Any], *,
                    user_metadata: dict[str, Any] | None = None,
@@ -289,21 +205,14 @@ class CheckpointManager:
         """The decision half of :meth:`maybe_save` (collective; same result on every rank):
         observe the step, then ask the cadence. Call once per step, then :meth:`save` when
         True (``maybe_save`` does both; ``ckpt.tiers`` decides for two managers first)."""
-        now = time.monotonic()
-        self._observe_step(now)
+        observe_step(self.step_times, self.cadence, self.history, time.monotonic(),
+                     busy=self.in_flight())
         if self.num_saves == 0 and not self._prepare_started:
             # Allocate (and fault in) the staging buffers in the background now, while
             # training runs, so that even the first save's stall is only the copy.
             self._prepare_started = True
-            self._executor.submit(self.staging.prepare, api.resolve_state(state))
-        want = False
-        if self.cadence is not None:
-            want = bool(self.cadence.should_save(step, time.monotonic()))
-            if not self.cadence.deterministic:
-                # A time-based decision differs between ranks, so it is agreed; but only
-                # every ``_check_every`` steps (about 1/20 of the interval, agreed at each
-                # save), not at every step: a save is at most 5% of an interval late.
-                want = step % self._check_every == 0 and self._ctl.any(want)
+            self._slot.executor.submit(self.staging.prepare, api.resolve_state(state))
+        want = self._gate.due(self.cadence, step)  # agreed when time-based (ckpt.savestep)
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
@@ -329,20 +238,17 @@ class CheckpointManager:
         attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
-        lease_lost = self.lease is not None and not self.lease.held
-        pending_failure = self.raise_on_failure and self._failure is not None
-        busy, exists, lost, failed, neg_period = self._ctl.max(
-            int(self.in_flight() or busy_elsewhere), int(self._committed(step)), int(lease_lost),
-            int(pending_failure), -self._proposed_check_period())
-        self._check_every = max(1, -neg_period)  # the smallest any rank proposed
+        busy, exists, lost, failed = self._gate.agree(
+            step, cadence=self.cadence, busy=self.in_flight() or busy_elsewhere,
+            lease_lost=self.lease is not None and not self.lease.held,
+            pending_failure=self.raise_on_failure and self._slot.failure is not None,
+            last_committed=self.last_committed)
         if failed:
-            self._raise_agreed_failure()
+            self._slot.raise_agreed_failure()
         if lost:
             self.lease_lost = True
-            self._used_slot(step)  # one skip per due save, not one per step after it
-            self.events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
-            log.error("not saving step %d: the write lease on %s was lost to another job",
-                      step, self.storage.url)
+            use_slot(self.cadence, step)  # one skip per due save, not one per step after it
+            report_lease_lost(self.events, step, self.storage.url)
             return False
         if exists:
             self.newest_committed_step = max(step, self.newest_committed_step or step)
@@ -351,91 +257,33 @@ class CheckpointManager:
             return False
         if busy:
             if self.busy == "skip" and not force:
-                self._used_slot(step)  # one skip per due save, not one per step after it
+                use_slot(self.cadence, step)  # one skip per due save, not one per step after it
                 self.num_skipped += 1
-                self.events.emit("save_skipped", step, reason="previous save in flight",
-                                 outcome="skipped", in_flight_step=self._inflight_step,
-                                 num_skipped=self.num_skipped)
-                log.warning("checkpoint at step %d skipped: the save of step %s is still "
-                            "persisting (%d skipped so far)", step, self._inflight_step,
-                            self.num_skipped)
+                report_busy_skip(self.events, step, self._slot.step, self.num_skipped)
                 return False
             t0 = time.monotonic()
-            self._wait_inflight()
+            self._slot.join()
             self.events.emit("save_waited", step, wait_seconds=time.monotonic() - t0,
-                             in_flight_step=self._inflight_step)
+                             in_flight_step=self._slot.step)
             # The save waited for may have failed; its outcome is the same on every rank.
             self._raise_pending_failure()
         t0 = time.monotonic()
         first = self.num_saves == 0
-        if reuse is not None:
-            if reuse.step != step:
-                raise ValueError(f"reuse holds step {reuse.step}, not step {step}: pass the "
-                                 f"copy staged at this step")
-            # No stall here; the cadence still learns what a save of this state costs.
-            staged, nbytes, stall = reuse.staged, reuse.nbytes, reuse.stall_seconds
-        else:
-            staged, nbytes = self.staging.stage(api.resolve_state(state))
-            stall = time.monotonic() - t0
+        copy = stage_copy(self.staging, state, step, reuse)
+        if reuse is None:
             self.num_stages += 1
-            self.last_staged = StagedCopy(step, staged, nbytes, stall, self.staging.wait_ready)
+            self.last_staged = copy
         self.num_saves += 1
-        self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else stall,
-                         bytes=nbytes, first=first, reused=reuse is not None)
-        self._used_slot(step)
+        self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else copy.stall_seconds,
+                         bytes=copy.nbytes, first=first, reused=reuse is not None)
+        use_slot(self.cadence, step)
         self.step_times.save_started()
-        self._failure = None  # wait() reports the outcome of the newest save only
-        wait_copies = self.staging.wait_ready if reuse is None else reuse.wait_ready
-        job = self._executor.submit(self._persist, step, staged, nbytes, stall,
-                                    dict(user_metadata or {}), t0, attached, wait_copies)
-        self._inflight, self._inflight_step = job, step
+        self._slot.start(step, self._persist, step, copy.staged, copy.nbytes, copy.stall_seconds,
+                         dict(user_metadata or {}), t0, attached, copy.wait_ready)
         if block or not self.async_save:
-            self._wait_inflight()
+            self._slot.join()
             self._raise_pending_failure()
         return True
-
-    def _used_slot(self, step: int) -> None:
-        """The save due at ``step`` happened, or was skipped: either way its slot is used,
-        so the cadence counts the next interval from here (every rank alike)."""
-        if self.cadence is not None:
-            self.cadence.record_saved(step, time.monotonic())
-
-    def _proposed_check_period(self) -> int:
-        """Steps between agreements of a time-based cadence: ~1/20 of its interval."""
-        try:
-            steps = (self.cadence.describe() or {}).get("interval_steps") \
-                if self.cadence is not None else None
-        except Exception:  # noqa: BLE001 - advisory only
-            steps = None
-        return max(1, int(steps) // 20) if steps else 1
-
-    def _committed(self, step: int) -> bool:
-        """Rank 0: is ``step`` committed already? Asks storage only when it could be.
-
-        Only this job writes under the root (the lease), so a step above every step that was
-        committed when the job started and every step it committed since cannot exist: no
-        storage request on the training thread in the common case.
-        """
-        if self.rank != 0:
-            return False
-        if self.last_committed is not None and self.last_committed.step == step:
-            return True
-        if self._newest_known_step is None:
-            try:
-                self._newest_known_step = max(self.store.committed_steps(), default=-1)
-            except Exception:  # noqa: BLE001 - fall back to asking each time
-                self._newest_known_step = 1 << 62
-        newest = max(self._newest_known_step,
-                     self.last_committed.step if self.last_committed is not None else -1)
-        if step > newest:
-            return False
-        if not self.life.has_manifest(step):
-            return False
-        try:
-            self.life.read_committed(step)
-            return True
-        except CheckpointError:  # fenced off or damaged: it does not count, save again
-            return False
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
                  user_metadata: dict, t_start: float,
@@ -450,71 +298,21 @@ class CheckpointManager:
                                   user_metadata=user_metadata, attachments=attachments)
         if not out.committed:
             if out.error is not None:
-                self._failure = out.error
+                self._slot.failure = out.error
             return None
-        manifest, persist = out.manifest, out.persist_seconds
-        cost = out.cost
-        cost.lap()
+        out.cost.lap()
         self.newest_committed_step = step
         if self.rank == 0:
-            self.last_committed = manifest
-        self.events.emit("save_committed", step, outcome="committed", stall_seconds=stall,
-                         copy_seconds=copy_seconds, persist_seconds=persist,
-                         total_seconds=time.monotonic() - t_start,
-                         bytes=nbytes, bytes_per_second=nbytes / persist if persist > 0 else 0.0,
-                         retries=out.retries, attempts=out.attempts,
-                         total_bytes=manifest.total_bytes if manifest else None)
-        if self.cadence is not None:
-            try:
-                self.cadence.record_save(stall_seconds=stall, persist_seconds=persist,
-                                         num_bytes=nbytes,
-                                         slowdown_seconds=self.step_times.slowdown())
-                self.events.emit("cadence", step, **self.cadence.describe())
-            except Exception:  # noqa: BLE001 - a cadence bug must not lose the checkpoint
-                log.exception("cadence policy failed to record the save of step %d", step)
-        self._save_history()
-        cost.lap("bookkeep")
-        if self.rank == 0 and self.retention:
-            self._apply_retention(step)
-        cost.lap("retention")
-        self.events.emit("save_cost", step, **cost.fields())
-        return manifest
-
-    def _apply_retention(self, step: int) -> None:
-        try:
-            apply_retention(
-                self.store, self.retention, protect={step},
-                on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)),
-                newest_manifest=self.last_committed)
-        except Exception as exc:  # noqa: BLE001 - retention must never crash a job
-            log.warning("retention after step %d failed: %s", step, exc)
-            self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
-
-    def _observe_step(self, now: float) -> None:
-        dt = self.step_times.observe(now, busy=self.in_flight())
-        if dt is None:
-            return
-        if self.cadence is None:
-            self.history.add_uptime(dt)
-        else:  # the cadence adds the uptime to the shared history itself
-            self.cadence.record_step(dt)
-
-    def _wait_inflight(self) -> None:
-        if self._inflight is not None:
-            self._inflight.result()
+            self.last_committed = out.manifest
+        after_commit(step, out, events=self.events, cadence=self.cadence,
+                     slowdown=self.step_times.slowdown(), save_history=self.save_history,
+                     store=self.store, retention=self.retention, coordinator=self.rank == 0,
+                     stall=stall, copy_seconds=copy_seconds, nbytes=nbytes, t_start=t_start)
+        return out.manifest
 
     def _raise_pending_failure(self) -> None:
-        if self.raise_on_failure and self._failure is not None:
-            exc, self._failure = self._failure, None
-            raise exc
-
-    def _raise_agreed_failure(self) -> None:
-        """Some rank saw the last save fail: every rank did (or will), so all raise here."""
-        self._wait_inflight()
-        exc, self._failure = self._failure, None
-        raise exc if exc is not None else CheckpointError(
-            "the previous checkpoint save failed on another rank")
+        if self.raise_on_failure:
+            self._slot.raise_failure()
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
         """Block until the in-flight save (if any) is committed or failed.
@@ -522,11 +320,7 @@ class CheckpointManager:
         Returns the committed manifest (on rank 0; None elsewhere or on failure). Re-raises
         the newest save's failure when ``raise_errors``.
         """
-        result = self._inflight.result() if self._inflight is not None else None
-        if raise_errors and self._failure is not None:
-            exc, self._failure = self._failure, None
-            raise exc
-        return result
+        return self._slot.wait(raise_errors)
 
     # -- loading -----------------------------------------------------------------------------
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
@@ -541,40 +335,16 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager.load_latest() called after close()")
-        t0 = time.monotonic()
-        fallbacks: list[int] = []
-
-        def fell_back(skipped: int, reason: str) -> None:
-            fallbacks.append(skipped)
-            self.events.emit("load_fallback", skipped, reason=reason)
-
         # Read into the staging buffers (saves need them anyway, already touched) unless a
-        # save is persisting from them.
-        scratch = None if self.in_flight() else self.staging
-        if scratch is not None:
-            scratch.prepare(api.resolve_state(state))
-        if step is not None:
-            manifest = api.load_with_extra(
-                state, self.storage, self.store.read_manifest(step), extra_state,
-                verify=self.verify, strict=strict, process_group=self._ctl_group,
-                num_threads=self.num_threads, ignore_keys=ignore_keys, scratch=scratch)
-        else:
-            manifest = api.load_latest(state, self.storage, verify=self.verify, strict=strict,
-                                       process_group=self._ctl_group,
-                                       num_threads=self.num_threads, ignore_keys=ignore_keys,
-                                       on_fallback=fell_back,
-                                       raise_if_all_damaged=raise_if_all_damaged,
-                                       scratch=scratch, extra_state=extra_state)
-        if manifest is not None:
-            # Resumed at manifest.step: the cadence counts the next interval from there
-            # (a resumed run saves at 40 and 50 after resuming at 30 with a cadence of 10).
-            self._used_slot(manifest.step)
-            seconds = time.monotonic() - t0
-            self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
-                             bytes=manifest.total_bytes, verify=self.verify,
-                             bytes_per_second=manifest.total_bytes / seconds if seconds > 0
-                             else 0.0, num_fallbacks=len(fallbacks))
-        return manifest
+        # save is persisting from them. Resumed at a step, the cadence counts the next
+        # interval from there (a resumed run saves at 40 and 50 after resuming at 30 with a
+        # cadence of 10).
+        return load_for_manager(
+            state, storage=self.storage, store=self.store, events=self.events,
+            process_group=self._ctl_group, verify=self.verify, num_threads=self.num_threads,
+            scratch=None if self.in_flight() else self.staging, step=step, strict=strict,
+            ignore_keys=ignore_keys, raise_if_all_damaged=raise_if_all_damaged,
+            extra_state=extra_state, on_loaded=lambda loaded: use_slot(self.cadence, loaded))
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:
@@ -590,13 +360,8 @@ class CheckpointManager:
         if not flush:
             self._abandon.set()
         try:
-            if self._inflight is not None:
-                try:
-                    self._inflight.result()
-                except BaseException as exc:  # noqa: BLE001
-                    log.error("in-flight save failed during close: %s", exc)
+            self._slot.close()
         finally:
-            self._executor.shutdown(wait=True)
             if self.lease is not None:
                 release_lease(self.life)
             self._destroy_groups()
@@ -617,14 +382,8 @@ class CheckpointManager:
         self._persister.agreement.close()
         self._persister.group = None
         _open_managers.discard(self)
-        if not self.distributed:
-            return
-        for group in groups:
-            try:
-                if group is not None and dist.is_initialized():
-                    dist.destroy_process_group(group)
-            except Exception as exc:  # noqa: BLE001 - only a leak
-                log.debug("could not destroy a checkpoint process group: %s", exc)
+        if self.distributed:
+            destroy_groups(groups)
 
     def __enter__(self) -> "CheckpointManager":
         return self

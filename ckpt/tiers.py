@@ -42,18 +42,20 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.distributed as dist
 
+from ckpt import api
 from ckpt.agreement import Agreement
 from ckpt.cadence import CadencePolicy
-from ckpt.errors import (AllCheckpointsDamagedError, CheckpointError, CheckpointNotFoundError,
-                         CorruptCheckpointError, RankFailuresError)
+from ckpt.errors import AllCheckpointsDamagedError
 from ckpt.events import Event, EventBus
 from ckpt.manager import CheckpointManager
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, RetentionPolicy
+from ckpt.savestep import check_period
 from ckpt.storage import Storage
+from ckpt.tier_layout import check_node_local, node_groups, same_root
+from ckpt.tier_resume import common_local_steps, drop_newer_local, try_load
 
 __all__ = ["TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP"]
 
@@ -66,46 +68,6 @@ DEFAULT_LOCAL_KEEP = 2
 def node_local_root(local_root: str, node: int) -> str:
     """``local_root`` with ``{node}`` replaced by ``node`` (unchanged without one)."""
     return str(local_root).replace("{node}", str(int(node)))
-
-
-def _same_root(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
-def _cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str | None:
-    """The first key of ``state`` holding a DTensor whose shards (of this rank's slice of its
-    mesh) lie on several nodes, described; None if there is none."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            found = _cross_node_key(value, node_of_rank, f"{prefix}{key}.")
-            if found:
-                return found
-        return None
-    if isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            found = _cross_node_key(value, node_of_rank, f"{prefix}{i}.")
-            if found:
-                return found
-        return None
-    if not isinstance(state, torch.Tensor) or not hasattr(state, "device_mesh"):
-        return None
-    mesh, coord = state.device_mesh, state.device_mesh.get_coordinate()
-    if coord is None:
-        return None
-    for dim, placement in enumerate(state.placements):
-        if not placement.is_shard():
-            continue
-        index = list(coord)
-        index[dim] = slice(None)
-        ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()]
-        nodes = sorted({node_of_rank[r] for r in ranks})
-        if len(nodes) > 1:
-            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[dim] or f"dim {dim}"
-            return (f"'{prefix[:-1]}': mesh {name} shards it over ranks {ranks} on nodes "
-                    f"{nodes}")
-    return None
 
 
 class TieredCheckpointManager:
@@ -142,13 +104,13 @@ class TieredCheckpointManager:
             node_rank = int(os.environ.get("GROUP_RANK", "0") or 0)
         self.node_rank = int(node_rank)
         self.local_root = node_local_root(local_root, self.node_rank)
-        if _same_root(self.local_root, root_url):
+        if same_root(self.local_root, root_url):
             raise ValueError(f"local_root {self.local_root!r} is the durable root: give the "
                              f"local tier its own folder (e.g. on local NVMe or /dev/shm)")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.events = events or EventBus(rank=self.rank)
-        node_group, self.num_nodes = self._node_group()
+        node_group, self.num_nodes, self._node_of_rank = node_groups(self.node_rank)
         # The job-wide agreement of the tier logic (main thread only).
         self._group = dist.new_group(backend="gloo", group_desc="ckpt_tiers") \
             if self.distributed else None
@@ -182,25 +144,6 @@ class TieredCheckpointManager:
         local saves, which would hide a durable tier that stopped committing."""
         fields = {k: v for k, v in ev.fields.items() if k != "tier"}
         self.events.emit(f"local_{ev.kind}", ev.step, tier="local", **fields)
-
-    def _node_group(self) -> tuple[Any, int]:
-        """(this node's process group, number of nodes); None for the group when the job
-        has one node (the local tier then spans every rank, like the durable one)."""
-        if not self.distributed:
-            return None, 1
-        world = dist.get_world_size()
-        mine = torch.tensor([self.node_rank], dtype=torch.int64)
-        nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(nodes, mine)
-        by_node: dict[int, list[int]] = {}
-        self._node_of_rank = [int(t) for t in nodes]
-        for rank, node in enumerate(self._node_of_rank):
-            by_node.setdefault(node, []).append(rank)
-        if len(by_node) == 1:
-            return None, 1
-        group, _ = dist.new_subgroups_by_enumeration(
-            [ranks for _, ranks in sorted(by_node.items())], backend="gloo")
-        return group, len(by_node)
 
     # -- the durable tier's view, for callers of a plain manager ---------------------------
     @property
@@ -287,7 +230,7 @@ class TieredCheckpointManager:
             elsewhere = False
             if self.num_nodes > 1:
                 busy, neg_period = self._world.max(int(self.local.in_flight()),
-                                                   -self._local_check_proposal())
+                                                   -check_period(self.local.cadence))
                 elsewhere, self._local_check_every = bool(busy), max(1, -neg_period)
             started_local = self.local.save(step, state, user_metadata=user_metadata,
                                             force=force, attachments=attachments, reuse=reuse,
@@ -302,37 +245,14 @@ class TieredCheckpointManager:
         return started_durable or started_local
 
     def _check_node_local(self, state: dict[str, Any]) -> None:
-        """Refuse (on every rank alike) a state with a tensor sharded across nodes: a node's
-        local checkpoint must hold whole tensors, or it could never be loaded (its manifest
-        would lack the other nodes' chunks). Sharding within a node (HSDP, tensor
-        parallelism in a node), replicas across nodes and pipeline stages per node are fine.
-        """
+        """Once: refuse (on every rank alike) a state with a tensor sharded across nodes
+        (``ckpt.tier_layout.check_node_local`` says why and what is fine)."""
         self._checked_layout = True
-        if self.num_nodes == 1:
-            return
-        from ckpt import api
-
-        bad = _cross_node_key(api.resolve_state(state), self._node_of_rank)
-        flags = self._world.max(int(bad is not None))
-        if flags[0]:
-            where = f" ({bad})" if bad else " (on another rank)"
-            raise ValueError(
-                f"the local tier needs every tensor whole within a node, but a tensor is "
-                f"sharded across nodes{where}: shard within a node (HSDP: replicate across "
-                f"nodes) or leave local_root unset (checkpoint.local_root)")
+        if self.num_nodes > 1:
+            check_node_local(api.resolve_state(state), self._node_of_rank, self._world)
 
     _checked_layout = False
     _local_check_every = 1
-
-    def _local_check_proposal(self) -> int:
-        """Steps between job-wide agreements of a time-based local cadence: ~1/20 of its
-        interval (this node's estimate; the smallest proposal wins)."""
-        try:
-            steps = (self.local.cadence.describe() or {}).get("interval_steps") \
-                if self.local.cadence is not None else None
-        except Exception:  # noqa: BLE001 - advisory only
-            steps = None
-        return max(1, int(steps) // 20) if steps else 1
 
     @property
     def lease_lost_url(self) -> str | None:
@@ -347,59 +267,6 @@ class TieredCheckpointManager:
         return self.durable.wait(raise_errors=raise_errors)
 
     # -- loading -----------------------------------------------------------------------------
-    def _local_steps(self) -> list[int]:
-        """Local steps committed on every node (the same list on every rank)."""
-        try:
-            mine = [int(s) for s in self.local.store.committed_steps()]
-        except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
-            log.warning("local tier %s unreadable, not used: %s", self.local_root, exc)
-            mine = []
-        if not self.distributed:
-            return mine
-        lists: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(lists, mine, group=self._group)  # live peers' lists, no storage
-        common = set(lists[0])
-        for other in lists[1:]:
-            common &= set(other)
-        return sorted(common)
-
-    def _agree(self, ok: bool) -> bool:
-        return self._world.all(ok)
-
-    def _try(self, mgr: CheckpointManager, step: int, state: dict[str, Any],
-             any_error: bool, **load_options: Any) -> tuple[Manifest | None, str]:
-        """Load ``step`` of one tier if it verifies on every rank: (manifest, "") or (None,
-        reason), the same on every rank. ``any_error``: every failure falls back (the local
-        tier); else only damage does, other errors raise (as ``ckpt.load_latest``)."""
-        error: BaseException | None = None
-        manifest = None
-        try:
-            manifest = mgr.store.read_manifest(step)
-            if mgr.verify in ("full", "size"):
-                mgr.store.verify_manifest(manifest, full=False)  # every file there, full size
-        except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
-            error = exc
-        except CheckpointError as exc:
-            if not any_error:
-                raise
-            error = exc
-        if not self._agree(error is None):
-            return None, f"not usable ({error or 'failed on another rank'})"
-        try:
-            mgr.load_latest(state, step=step, **load_options)
-        except (CorruptCheckpointError, RankFailuresError) as exc:
-            if (not any_error and isinstance(exc, RankFailuresError)
-                    and not exc.any_of(CorruptCheckpointError)):
-                raise
-            error = exc
-        except Exception as exc:  # noqa: BLE001 - the local tier never stops a resume
-            if not any_error:
-                raise
-            error = exc
-        if self._agree(error is None):
-            return manifest, ""
-        return None, f"failed verification while loading ({error or 'failed on another rank'})"
-
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
                     strict: bool = True, ignore_keys: tuple[str, ...] = (),
                     raise_if_all_damaged: bool = False,
@@ -421,7 +288,8 @@ class TieredCheckpointManager:
             manifest = self.durable.load_latest(state, step=step, **options)
             self._after_load(manifest, "durable", set(), {step})
             return manifest
-        local_steps = set(self._local_steps())
+        local_steps = set(common_local_steps(self.local, self._group, self.distributed,
+                                             self.local_root))
         durable_steps = set(self._world.broadcast(
             [int(s) for s in self.durable.store.committed_steps()] if self.rank == 0 else None))
         failures: list[tuple[int, str]] = []
@@ -430,7 +298,8 @@ class TieredCheckpointManager:
                                      ("durable", self.durable, durable_steps)):
                 if candidate not in steps:
                     continue
-                manifest, reason = self._try(mgr, candidate, state, tier == "local", **options)
+                manifest, reason = try_load(self._world, mgr, candidate, state, tier == "local",
+                                            **options)
                 if manifest is not None:
                     self._after_load(manifest, tier, local_steps, durable_steps)
                     return manifest
@@ -464,20 +333,7 @@ class TieredCheckpointManager:
                     # (Without one: from the step resumed.)
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
-        self._drop_newer_local(step)
-
-    def _drop_newer_local(self, step: int) -> None:
-        """Each node's coordinator deletes its local steps newer than ``step``."""
-        if self.local.rank != 0:
-            return
-        try:
-            for newer in [s for s in self.local.store.committed_steps() if s > step]:
-                self.local.store.delete(newer)
-                self.events.emit("local_retention_deleted", newer, tier="local",
-                                 reason=f"newer than the resumed step {step}")
-        except Exception as exc:  # noqa: BLE001 - a later save of that step is refused
-            log.warning("could not delete local steps newer than %d in %s: %s", step,
-                        self.local_root, exc)
+        drop_newer_local(self.local, step, self.events, self.local_root)
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

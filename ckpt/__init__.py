@@ -1,26 +1,28 @@
 """ckpt: a sharded, verifiable checkpoint store for PyTorch training jobs.
 
-The modules by concern (imports go one way, from the bottom of this list up; none imports
-a module further down at import time):
+The modules by concern. Imports go one way: at import time a module imports only modules
+of its own group or of the groups above it (tests/ckpt/test_layers.py checks it).
 
 - **format**, what lies on storage: ``manifest`` (``manifest_schema`` records and names,
   ``manifest_check`` digest and validation of untrusted documents), ``jsonio`` (strict,
-  bounded JSON), ``codec`` (non-tensor values), ``errors``;
-- **storage**: ``storage`` (one interface, retries), ``backends`` (``local``, ``s3``);
-- **one writer per root**: ``lease``, ``fence``, ``commit`` (a checkpoint folder's whole
-  life-cycle: begin, commit, abandon, cleanup, rollback, restore, delete);
+  bounded JSON), ``codec`` (non-tensor values), ``errors``, ``_crc``;
+- **storage**: ``storage`` (one interface, ``_retry``), ``backends`` (``local``, ``s3``);
+- **a root and its one writer**: ``lease``, ``fence``, ``commit`` (a checkpoint folder's
+  whole life-cycle: begin, commit, abandon, cleanup, rollback, restore, delete), ``store``
+  (``CheckpointStore``: list, verify, read);
 - **bytes through DCP**: ``api`` (``save``/``load``/``load_latest``), ``planners``,
   ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``,
-  ``attachments``;
-- **a job's checkpoints**: ``manager`` (``CheckpointManager``, orchestration; its units
-  ``savestep``, ``inflight``, ``persist``, ``agreement``, ``manager_*``, ``steptime``,
-  ``savecost``, ``history``, ``retention``, ``events``), ``tiers`` (a local tier under the
-  durable one: ``tier_layout``, ``tier_resume``), ``distributed`` (``init_distributed``);
+  ``attachments``, ``agreement`` (ranks deciding together), ``savecost``;
 - **how often**: ``cadence`` (policies), ``interval``, ``units``, ``young_daly``, ``plan``
   (``ckpt plan``), ``bandwidth``, ``simulate``;
-- **operator tools**: ``store`` (``CheckpointStore``), ``inspect``, ``export``
-  (``export_select``, ``export_files``, ``export_hf``), ``cli`` (``cli_read``,
-  ``cli_admin``, ``cli_common``, ``cli_errors``).
+- **a job's checkpoints**: ``manager`` (``CheckpointManager``, orchestration; its units
+  ``savestep``, ``inflight``, ``persist``, ``manager_commit``, ``manager_groups``,
+  ``manager_lease``, ``manager_load``, ``manager_staging``, ``steptime``, ``history``,
+  ``retention``, ``events``), ``tiers`` (a local tier under the durable one:
+  ``tier_layout``, ``tier_resume``), ``distributed`` (``init_distributed``);
+- **operator tools**: ``inspect``, ``export`` (``export_select``, ``export_files``,
+  ``export_hf``), ``cli`` (``cli_read``, ``cli_admin``, ``cli_common``, ``cli_errors``),
+  ``__main__``.
 
 The package stays flat: every module path above is importable as it is
 (``ckpt.manager``, ``ckpt.store``, ...), and the documentation and users' code name them.

@@ -51,6 +51,17 @@ def _balance(tensors: list[torch.Tensor], n: int) -> list[list[torch.Tensor]]:
     return [b for b in buckets if b]
 
 
+def _timed_per_bucket(one, n: int) -> float:
+    """Seconds to run ``one(k)`` for every bucket ``k``, one thread per bucket."""
+    t0 = now()
+    if n == 1:
+        one(0)
+    else:
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(one, range(n)))
+    return now() - t0
+
+
 def raw_write(path_prefix: str, buckets: list[list[torch.Tensor]], crc: bool = False) -> float:
     """Write each bucket to its own file (one thread each), fsync every file; seconds.
 
@@ -67,13 +78,7 @@ def raw_write(path_prefix: str, buckets: list[list[torch.Tensor]], crc: bool = F
                 f.write(byte_view(t))
             os.fsync(f.fileno())
 
-    t0 = now()
-    if len(buckets) == 1:
-        one(0)
-    else:
-        with ThreadPoolExecutor(len(buckets)) as pool:
-            list(pool.map(one, range(len(buckets))))
-    return now() - t0
+    return _timed_per_bucket(one, len(buckets))
 
 
 def raw_read(path_prefix: str, buckets: list[list[torch.Tensor]]) -> float:
@@ -89,13 +94,7 @@ def raw_read(path_prefix: str, buckets: list[list[torch.Tensor]]) -> float:
                         raise EOFError(f"{path_prefix}.{k} is short")
                     got += n
 
-    t0 = now()
-    if len(buckets) == 1:
-        one(0)
-    else:
-        with ThreadPoolExecutor(len(buckets)) as pool:
-            list(pool.map(one, range(len(buckets))))
-    return now() - t0
+    return _timed_per_bucket(one, len(buckets))
 
 
 def _unlink(path: str) -> None:

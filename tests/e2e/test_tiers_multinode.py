@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 import uuid
 
 import pytest
@@ -65,6 +66,13 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
         committed = host.wait_event(
             lambda e: e["kind"] == "local_save_committed" and 11 <= e["step"] < 20,
             timeout=120, what="a local commit after durable 10")
+        # A local step counts only when every node committed it: wait for the second
+        # node's own commit of that step (its events are not logged) before the kill.
+        theirs = tmp_path / "local-1" / f"step_{committed['step']:09d}" / "manifest.json"
+        deadline = time.monotonic() + 60
+        while not theirs.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert theirs.exists(), f"node 1 never committed local step {committed['step']}"
         victim.kill_all()
         if lost == "node":
             shutil.rmtree(tmp_path / "local-1")

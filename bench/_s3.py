@@ -22,7 +22,6 @@ over the 2 cores, and the CPU split says which side a difference comes from.
 
 from __future__ import annotations
 
-import io
 import os
 import socket
 import subprocess
@@ -124,39 +123,6 @@ class MotoServer:
                 self.proc.wait(timeout=10)
 
 
-class _ViewBody(io.RawIOBase):
-    """A seekable read-only file over one memoryview (a request body without a copy)."""
-
-    def __init__(self, view: memoryview):
-        super().__init__()
-        self.view, self.pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.view)}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def readinto(self, b) -> int:
-        n = min(len(b), len(self.view) - self.pos)
-        if n <= 0:
-            return 0
-        memoryview(b).cast("B")[:n] = self.view[self.pos:self.pos + n]
-        self.pos += n
-        return n
-
-
 def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = None
            ) -> dict[str, Any]:
     own = server is None
@@ -164,6 +130,7 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
     warnings.filterwarnings("ignore", message=".*assuming the intent is")
     try:
         from ckpt import api
+        from ckpt.backends.s3 import SegmentsReader
         from ckpt.storage import Storage
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -214,7 +181,7 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
 
             def put(i: int) -> None:
                 raw_client.put_object(Bucket=BUCKET, Key=f"{prefix}/obj{i:05d}",
-                                      Body=_ViewBody(views[i]))
+                                      Body=SegmentsReader([views[i]]))
 
             t0 = now()
             with ThreadPoolExecutor(opts.s3_raw_threads) as pool:

@@ -31,9 +31,7 @@ thread (:mod:`ckpt.inflight`, :mod:`ckpt.persist`), the bookkeeping after a comm
 
 from __future__ import annotations
 
-import atexit
 import threading
-import weakref
 import time
 from typing import Any, Callable, Sequence
 
@@ -48,7 +46,7 @@ from ckpt.events import EventBus
 from ckpt.history import HISTORY_NAME, write_history
 from ckpt.inflight import InflightSave
 from ckpt.manager_commit import after_commit
-from ckpt.manager_groups import destroy_groups, private_groups
+from ckpt.manager_groups import destroy_groups, free_at_exit, freed, private_groups
 from ckpt.manager_lease import claim_root
 from ckpt.manager_staging import StagedCopy, stage_copy
 from ckpt.manager_load import load_for_manager
@@ -63,16 +61,6 @@ from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
 
 __all__ = ["CheckpointManager", "SaveAbandoned", "StagedCopy", "HISTORY_NAME"]
-
-
-# Managers whose process groups are not freed yet (see CheckpointManager._destroy_groups).
-_open_managers: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
-
-
-@atexit.register
-def _free_groups_at_exit() -> None:
-    for manager in list(_open_managers):
-        manager._destroy_groups()
 
 
 class CheckpointManager:
@@ -151,7 +139,7 @@ class CheckpointManager:
             max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
             num_threads=num_threads, layout=self.layout, abandon=self._abandon)
         if self.distributed:
-            _open_managers.add(self)  # its groups are freed at exit if close() is never called
+            free_at_exit(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
         self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
         self._prepare_started = False
@@ -286,14 +274,13 @@ class CheckpointManager:
         return True
 
     def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
-                 user_metadata: dict, t_start: float,
-                 attachments: dict[str, Any] | None = None,
-                 wait_copies: Callable[[], float | None] | None = None) -> Manifest | None:
+                 user_metadata: dict, t_start: float, attachments: dict[str, Any] | None,
+                 wait_copies: Callable[[], float | None]) -> Manifest | None:
         """Background thread: persist (with retries), then the bookkeeping of a commit:
         events, cadence, history, retention."""
         # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
         # off the training thread, before a byte is read (their device time: copy_seconds).
-        copy_seconds = (wait_copies or self.staging.wait_ready)()
+        copy_seconds = wait_copies()
         out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
                                   user_metadata=user_metadata, attachments=attachments)
         if not out.committed:
@@ -364,24 +351,18 @@ class CheckpointManager:
         finally:
             if self.lease is not None:
                 release_lease(self.life)
-            self._destroy_groups()
+            self.free_groups()
         if flush:
             self._raise_pending_failure()
 
-    def _destroy_groups(self) -> None:
-        """Free the two private groups (a job may build several managers over its life).
-
-        Destroying is not enough: a gloo group's worker threads stop only when the last
-        reference to the group goes, so every holder lets go here. A group still alive at
-        the interpreter's teardown can abort the process: a worker thread that releases a
-        finished collective's tensors then needs the interpreter ("terminate called without
-        an active exception"). That is also why an unclosed manager does this at exit.
-        """
+    def free_groups(self) -> None:
+        """Free the two private groups (a job may build several managers over its life):
+        destroy them and drop every reference (``ckpt.manager_groups`` says why both)."""
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
         self._ctl.close()
         self._persister.agreement.close()
         self._persister.group = None
-        _open_managers.discard(self)
+        freed(self)
         if self.distributed:
             destroy_groups(groups)
 

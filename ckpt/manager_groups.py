@@ -1,23 +1,57 @@
 """The two private gloo groups of a checkpoint manager: created together, freed together.
 
 One group is for the main thread's agreements, the other for the background persist (DCP's
-collectives); never the training loop's group from a background thread. Freeing them is the
-manager's job (``CheckpointManager._destroy_groups``, also at interpreter exit).
+collectives); never the training loop's group from a background thread.
+
+Freeing a gloo group means destroying it *and* dropping every reference to it: its worker
+threads stop only when the last reference goes. A group still alive at the interpreter's
+teardown can abort the process ("terminate called without an active exception"): a worker
+thread that releases a finished collective's tensors then needs the interpreter. So an
+owner of groups (``CheckpointManager``, ``TieredCheckpointManager``) registers with
+:func:`free_at_exit` and has ``free_groups()`` called at exit if it was never closed.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
-from typing import Any, Iterable
+import weakref
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ckpt.distributed import warn_if_not_attempt_scoped
 
-__all__ = ["private_groups", "destroy_groups"]
+__all__ = ["private_groups", "destroy_groups", "GroupOwner", "free_at_exit", "freed",
+           "free_all_at_exit"]
 
 log = logging.getLogger(__name__)
+
+
+class GroupOwner(Protocol):
+    def free_groups(self) -> None:
+        """Destroy the owner's groups and drop every reference to them (idempotent)."""
+
+
+_owners: "weakref.WeakSet[GroupOwner]" = weakref.WeakSet()  # groups not freed yet
+
+
+def free_at_exit(owner: GroupOwner) -> None:
+    """Call ``owner.free_groups()`` at interpreter exit unless :func:`freed` came first."""
+    _owners.add(owner)
+
+
+def freed(owner: GroupOwner) -> None:
+    """``owner`` freed its groups: nothing to do at exit."""
+    _owners.discard(owner)
+
+
+@atexit.register
+def free_all_at_exit() -> None:
+    """Free the groups of every owner not closed (run by the interpreter at exit)."""
+    for owner in list(_owners):
+        owner.free_groups()
 
 
 def private_groups(process_group, distributed: bool) -> tuple[Any, Any]:

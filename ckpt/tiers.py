@@ -50,6 +50,7 @@ from ckpt.cadence import CadencePolicy
 from ckpt.errors import AllCheckpointsDamagedError
 from ckpt.events import Event, EventBus
 from ckpt.manager import CheckpointManager
+from ckpt.manager_groups import destroy_groups, free_at_exit, freed
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, RetentionPolicy
 from ckpt.savestep import check_period
@@ -115,6 +116,11 @@ class TieredCheckpointManager:
         self._group = dist.new_group(backend="gloo", group_desc="ckpt_tiers") \
             if self.distributed else None
         self._world = Agreement(self._group)
+        if self._group is not None:
+            free_at_exit(self)
+        self._checked_layout = False  # whether the state's layout was checked (save)
+        self._local_check_every = 1  # steps between agreements of a time-based local due
+        self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
         t_start = time.time()
         self.durable = CheckpointManager(root, cadence=cadence, retention=retention,
                                          events=self.events, storage_options=storage_options,
@@ -128,7 +134,7 @@ class TieredCheckpointManager:
                 else local_retention, process_group=node_group, **manager_options)
         except BaseException:
             self.durable.close(flush=False)  # its lease is not left behind
-            self._close_group()
+            self.free_groups()
             raise
         # Did the durable tier count this start as a failure? (Rank 0's history, the same
         # on every rank.) If the resume finds the local tier intact, it was no node loss.
@@ -171,8 +177,6 @@ class TieredCheckpointManager:
         """Either tier lost its lease (agreed by every rank at a save)."""
         return self.durable.lease_lost or self._local_lease_lost
 
-    _local_lease_lost = False
-
     def in_flight(self) -> bool:
         return self.durable.in_flight() or self.local.in_flight()
 
@@ -191,7 +195,8 @@ class TieredCheckpointManager:
         """Call after every training step: saves each tier that is due (one stall when both
         are). Returns True if a save of either tier was started."""
         local_due = self.local.due(step, state)
-        if self.num_nodes > 1 and not getattr(self.local.cadence, "deterministic", True):
+        cadence = self.local.cadence
+        if self.num_nodes > 1 and cadence is not None and not cadence.deterministic:
             # One step on every node, or no local step. Agreed only every
             # ``_local_check_every`` steps (~1/20 of the interval, agreed at each local save),
             # as the manager does within a node: a due save waits at most that long.
@@ -250,9 +255,6 @@ class TieredCheckpointManager:
         self._checked_layout = True
         if self.num_nodes > 1:
             check_node_local(api.resolve_state(state), self._node_of_rank, self._world)
-
-    _checked_layout = False
-    _local_check_every = 1
 
     @property
     def lease_lost_url(self) -> str | None:
@@ -342,16 +344,14 @@ class TieredCheckpointManager:
             self.local.close(flush=flush)
         finally:
             self.durable.close(flush=flush)
-            self._close_group()
+            self.free_groups()
 
-    def _close_group(self) -> None:
-        if self._group is not None:
-            self._world.close()
-            try:
-                dist.destroy_process_group(self._group)
-            except Exception:  # noqa: BLE001 - only a leak
-                pass
-            self._group = None
+    def free_groups(self) -> None:
+        """Free the job-wide group of the tier logic (each tier frees its own)."""
+        group, self._group = self._group, None
+        self._world.close()
+        freed(self)
+        destroy_groups([group])
 
     def __enter__(self) -> "TieredCheckpointManager":
         return self

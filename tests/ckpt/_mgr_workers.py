@@ -266,8 +266,9 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     process while a worker thread releases a finished collective's tensors.)"""
     import gc
 
-    import ckpt.manager
     from ckpt.manager import CheckpointManager
+    from ckpt.manager_groups import free_all_at_exit
+    from ckpt.tiers import TieredCheckpointManager
 
     gc.collect()
     before = _native_threads()
@@ -282,7 +283,16 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     unclosed = CheckpointManager(root, cadence=None)
     assert unclosed.load_latest(state).step == 1
     opened = _native_threads()
-    ckpt.manager._free_groups_at_exit()  # what the interpreter runs at exit
+    free_all_at_exit()  # what the interpreter runs at exit
     at_exit = _native_threads()
     unclosed.close()  # still works: releases the lease
-    return {"before": before, "closed": closed, "opened": opened, "at_exit": at_exit}
+    # Two tiers: the tier logic's own group and both tiers' groups.
+    tiered = TieredCheckpointManager(root + "-durable", root + "-local", local_cadence="1")
+    tiered.maybe_save(1, state)
+    tiered.wait()
+    tiers_opened = _native_threads()
+    free_all_at_exit()
+    tiers_at_exit = _native_threads()
+    tiered.close()
+    return {"before": before, "closed": closed, "opened": opened, "at_exit": at_exit,
+            "tiers_opened": tiers_opened, "tiers_at_exit": tiers_at_exit}

@@ -98,3 +98,4 @@ def test_close_and_exit_leave_no_gloo_thread_behind(tmp_path):
     for r in results:
         assert r["closed"] == r["before"], r
         assert r["opened"] > r["before"] and r["at_exit"] == r["before"], r
+        assert r["tiers_opened"] > r["before"] and r["tiers_at_exit"] == r["before"], r

@@ -28,21 +28,22 @@ log = logging.getLogger(__name__)
 
 def common_local_steps(local: CheckpointManager, group, distributed: bool,
                        local_root: str) -> list[int]:
-    """Local steps committed on every node (the same list on every rank). ``group``: the
-    job's tier group."""
-    try:
-        mine = [int(s) for s in local.store.committed_steps()]
-    except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
-        log.warning("local tier %s unreadable, not used: %s", local_root, exc)
-        mine = []
+    """Local steps committed on every node (the same list on every rank): each node's
+    coordinator lists its root once, the lists are gathered. ``group``: the job's tier
+    group."""
+    mine: list[int] | None = None  # None: not a node's coordinator, no listing
+    if local.rank == 0:
+        try:
+            mine = [int(s) for s in local.store.committed_steps()]
+        except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
+            log.warning("local tier %s unreadable, not used: %s", local_root, exc)
+            mine = []
     if not distributed:
-        return mine
+        return mine or []
     lists: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(lists, mine, group=group)  # live peers' lists, no storage
-    common = set(lists[0])
-    for other in lists[1:]:
-        common &= set(other)
-    return sorted(common)
+    nodes = [set(steps) for steps in lists if steps is not None]
+    return sorted(set.intersection(*nodes))
 
 
 def try_load(world: Agreement, mgr: CheckpointManager, step: int, state: dict[str, Any],

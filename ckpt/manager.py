@@ -129,6 +129,7 @@ class CheckpointManager:
         self.last_committed: Manifest | None = None
         self.newest_committed_step: int | None = None  # by this manager, known on every rank
         self.lease_lost = False  # agreed on every rank at a save
+        self.resumed_tier: str | None = None  # a plain manager has one tier ("durable")
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
@@ -162,6 +163,11 @@ class CheckpointManager:
         node loss)."""
         if self.rank == 0 and (self.lease is None or self.lease.held):
             write_history(self.storage, self.history)
+
+    @property
+    def lease_lost_url(self) -> str | None:
+        """The root whose lease this job lost, or None (as ``TieredCheckpointManager``'s)."""
+        return self.storage.url if self.lease_lost else None
 
     @property
     def owner(self) -> str | None:
@@ -326,12 +332,14 @@ class CheckpointManager:
         # save is persisting from them. Resumed at a step, the cadence counts the next
         # interval from there (a resumed run saves at 40 and 50 after resuming at 30 with a
         # cadence of 10).
-        return load_for_manager(
+        manifest = load_for_manager(
             state, storage=self.storage, store=self.store, events=self.events,
             process_group=self._ctl_group, verify=self.verify, num_threads=self.num_threads,
             scratch=None if self.in_flight() else self.staging, step=step, strict=strict,
             ignore_keys=ignore_keys, raise_if_all_damaged=raise_if_all_damaged,
             extra_state=extra_state, on_loaded=lambda loaded: use_slot(self.cadence, loaded))
+        self.resumed_tier = "durable" if manifest is not None else None
+        return manifest
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

@@ -190,7 +190,7 @@ class Trainer:
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
         self._reconcile_config(manifest)
         if self.env.rank == 0:
-            tier = getattr(self.manager, "resumed_tier", None)
+            tier = self.manager.resumed_tier
             log.info("resumed from %s step %d%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same else f" (saved on layout {manifest.layout}, resharded)")
@@ -351,7 +351,7 @@ class Trainer:
         if m is None:
             return exit_code
         if exit_code == EXIT_LEASE_LOST or (exit_code == EXIT_OK and m.lease_lost):
-            url = getattr(m, "lease_lost_url", None) or m.storage.url  # a tier's root
+            url = m.lease_lost_url or m.storage.url
             log.error("stopped at step %d: another job took over the write lease on %s; this "
                       "job's saves no longer count (exit %d). Check which job should own "
                       "the root (`ckpt list %s --all`).", self.step, url,

@@ -157,8 +157,9 @@ def test_lost_lease_stops_saves_and_blocks_the_commit_in_flight(root):
         mgr.save(1, state)  # in flight while another writer takes the lease
         assert storage.writing.wait(30)
         storage.write_bytes(LEASE_NAME, _foreign_record(60))
-        assert wait_for(lambda: mgr.lease.lost, timeout=10)  # noticed by the heartbeat
-        assert mgr.events.of_kind("lease_lost")[0].fields["reason"]
+        # Noticed by the heartbeat, which marks the lease lost and then emits the event.
+        assert wait_for(lambda: mgr.events.of_kind("lease_lost"), timeout=10)
+        assert mgr.lease.lost and mgr.events.of_kind("lease_lost")[0].fields["reason"]
         mgr.wait(raise_errors=False)
         failed = mgr.events.of_kind("save_failed")[-1]
         assert failed.fields["outcome"] == "abandoned" and "lease lost" in failed.fields["error"]

@@ -21,8 +21,8 @@ Sections (``--only stall,train``):
 * **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2) under torchrun on 1 GPU with
   checkpoints: an uninterrupted run, and a run SIGKILLed after its first commit and then
   resumed; their final checkpoints must be equal bit for bit and their losses equal. The
-  launches record the process-group backends: NCCL for the training group, gloo for the
-  checkpoint manager's two groups.
+  launches record the process-group backends: NCCL for the training group, gloo for every
+  group the store makes (the manager's two among them).
 
 Results: ``bench/results/gpu_check.json`` and ``gpu_check.md`` (``--out``). Exit status 1
 when a check fails (resume not bit for bit, a wrong backend), 0 otherwise.
@@ -293,8 +293,10 @@ def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") ->
         out["error"] = str(exc)[:2000]
     records = [json.loads(x) for x in backends.read_text().splitlines() if x.strip()]
     train_backend = [r["backend"] for r in records if r["kind"] == "init"]
+    # The store's groups, whichever of its modules makes them (ckpt.manager_groups,
+    # ckpt.groups, ckpt.tiers): all gloo, never the training group's backend.
     mgr_backends = [r["backend"] for r in records
-                    if r["kind"] == "new_group" and r["caller"] == "ckpt.manager"]
+                    if r["kind"] == "new_group" and r["caller"].split(".")[0] == "ckpt"]
     out["training_backends"] = sorted(set(train_backend))
     out["manager_backends"] = sorted(set(mgr_backends))
     want = "nccl" if device == "cuda" else "gloo"

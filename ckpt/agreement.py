@@ -1,9 +1,10 @@
 """Rank agreement: the one way ranks of a checkpointing job decide something together.
 
 Decisions that could differ between ranks (a time-based cadence, whether the previous save
-is in flight, whether a checkpoint verified) are agreed with a tiny collective on a process
-group that only one thread uses. Without a process group (one process), every answer is the
-local one.
+is in flight, whether a checkpoint verified) are agreed with a tiny collective on CPU tensors,
+on a process group that only one thread uses and that has a CPU backend: a gloo group of the
+store (``ckpt.groups``), never the default group, which under NCCL has none. Without a
+default process group (one process), every answer is the local one.
 
 Contract: every rank of ``group`` calls the same methods in the same order, from the one
 thread that owns this ``Agreement`` (the manager's control group: the training thread; its
@@ -22,11 +23,17 @@ __all__ = ["Agreement"]
 
 
 class Agreement:
-    """Agree on values across the ranks of ``group`` (default: the world)."""
+    """Agree on values across the ranks of ``group``, a group with a CPU backend (e.g. from
+    ``ckpt.groups.cpu_group``). None only in one process, without a default group: the
+    default group is never used in its place."""
 
     def __init__(self, group=None):
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed and group is None:
+            raise ValueError("Agreement needs a process group with a CPU backend when a "
+                             "default group exists (ckpt.groups.cpu_group), never the "
+                             "default group itself")
         self._closed = False
 
     def close(self) -> None:

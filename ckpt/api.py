@@ -4,6 +4,12 @@
 same arguments (its own shard of the state). Without an initialised process group they run
 in one process. ``state`` maps names to either state dicts or objects with
 ``state_dict()``/``load_state_dict()`` (a model, an optimizer wrapper, a data loader ...).
+
+Their collectives (the lease agreement, DCP's plans, the all-or-nothing load) never run on
+the default group, which under NCCL cannot carry them: without a ``process_group``, or with
+the default group, they run on the store's gloo group over the world (``ckpt.groups``; made
+at the first such call, collectively, and reused); with a group that has a CPU backend, on
+it. A subgroup without one (NCCL) is refused with ``ValueError``: pass a gloo group.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from ckpt.errors import (
     CorruptCheckpointError,
     RankFailuresError,
 )
+from ckpt.groups import cpu_group
 from ckpt.manifest import Manifest, step_dirname
 from ckpt.staging import StagingBuffers
 from ckpt.storage import Storage
@@ -48,8 +55,8 @@ def _is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank(process_group=None) -> int:
-    return dist.get_rank(process_group) if _is_dist() else 0
+def _rank(group) -> int:
+    return dist.get_rank(group) if _is_dist() else 0
 
 
 def _in_rank_order(state: dict[str, Any]) -> list[str]:
@@ -135,7 +142,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          save_id: str | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
          cost: SaveCost | None = None) -> Manifest | None:
-    """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``.
+    """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
+    (None: the world; which group its collectives run on: the module docstring).
 
     Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
     Raises ``FileExistsError`` if that step is already committed (nothing is overwritten).
@@ -149,14 +157,15 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
     :class:`ckpt.savecost.SaveCost` to add this save's phases to (created on this thread).
     """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
     attached = check_attachments(attachments)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     sd = state if resolved else resolve_state(state)
     distributed = _is_dist()
-    world = dist.get_world_size(process_group) if distributed else 1
+    world = dist.get_world_size(group) if distributed else 1
     own_lease = lifecycle is None and use_lease
     if own_lease:
-        lifecycle = _acquire_for_save(storage, process_group)
+        lifecycle = _acquire_for_save(storage, group)
     extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
              "user_metadata": dict(user_metadata or {})}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
@@ -167,7 +176,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
         with warnings.catch_warnings(), writer.cost.collective_scope():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(cost=writer.cost),
-                     process_group=process_group, no_dist=not distributed)
+                     process_group=group, no_dist=not distributed)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc
     finally:
@@ -176,12 +185,12 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     return writer.manifest
 
 
-def _acquire_for_save(storage: Storage, process_group) -> Lifecycle:
-    """The coordinator takes the lease; every rank learns whether it could."""
-    if _rank(process_group) == 0:
+def _acquire_for_save(storage: Storage, group) -> Lifecycle:
+    """The coordinator takes the lease; every rank learns whether it could. ``group``: from
+    ``cpu_group``."""
+    if _rank(group) == 0:
         storage.makedirs("")
-    return acquire_for_ranks(storage, Agreement(process_group), _rank(process_group) == 0,
-                             heartbeat=True)
+    return acquire_for_ranks(storage, Agreement(group), _rank(group) == 0, heartbeat=True)
 
 
 def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
@@ -191,7 +200,8 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
          on_bytes_read: Callable[[int], None] | None = None) -> Manifest:
     """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
 
-    Collective over ``process_group``. ``verify``: 'full' checks every chunk's crc32c,
+    Collective over ``process_group`` (None: the world; see the module docstring for the
+    group its collectives run on). ``verify``: 'full' checks every chunk's crc32c,
     'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
     ``ignore_keys`` may be left unloaded without counting as unexpected. Raises
     ``CorruptCheckpointError`` (naming the file) on any corruption, ``StateMismatchError``
@@ -205,6 +215,7 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
     for saves anyway); no save may be using them during the load.
     """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
     manifest = step if isinstance(step, Manifest) else store.read_manifest(step)
@@ -218,14 +229,14 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.load(sd, storage_reader=reader, planner=planner,
-                     process_group=process_group, no_dist=not _is_dist())
+                     process_group=group, no_dist=not _is_dist())
     except CheckpointException as exc:
         error = unwrap_dcp_error(exc)
         if error is not exc:
             error.__cause__ = exc
     # DCP already fails every rank when one fails; agreeing again makes "apply only after
     # every rank verified its whole read" this function's own guarantee.
-    if not Agreement(process_group).all(error is None):
+    if not Agreement(group).all(error is None):
         reader.discard()
         raise error or CorruptCheckpointError(
             f"loading {where} failed on another rank (see that rank's error); nothing was "
@@ -272,13 +283,15 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
     ``extra_state(manifest)``: more entries to load from that checkpoint in the same
     transaction, chosen once its manifest is known (e.g. RNG state only on the same layout).
-    Collective over ``process_group``.
+    Collective over ``process_group`` (as for :func:`load`).
     """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
+    agreement = Agreement(group)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
     candidates = store.committed_steps()
     # Every rank must walk the same candidate list.
-    candidates = Agreement(process_group).broadcast(candidates)
+    candidates = agreement.broadcast(candidates)
     failures: list[tuple[int, str]] = []
     for step in reversed(candidates):
         error: BaseException | None = None
@@ -291,21 +304,21 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
                 store.verify_manifest(manifest, full=False)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
-        if not Agreement(process_group).all(error is None):
+        if not agreement.all(error is None):
             reason = str(error or "failed verification on another rank")
             failures.append((step, reason))
             _fell_back(step, f"not usable ({reason})", on_fallback)
             continue
         try:
             load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
-                            process_group=process_group, num_threads=num_threads,
+                            process_group=group, num_threads=num_threads,
                             ignore_keys=ignore_keys, scratch=scratch)
             error = None
         except (CorruptCheckpointError, RankFailuresError) as exc:
             if isinstance(exc, RankFailuresError) and not exc.any_of(CorruptCheckpointError):
                 raise
             error = exc
-        if Agreement(process_group).all(error is None):
+        if agreement.all(error is None):
             return manifest
         reason = str(error or "failed verification on another rank")
         failures.append((step, reason))

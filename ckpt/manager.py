@@ -43,10 +43,11 @@ from ckpt.attachments import check_attachments
 from ckpt.commit import Lifecycle, release_lease
 from ckpt.cadence import CadencePolicy, parse_interval
 from ckpt.events import EventBus
+from ckpt.groups import destroy_groups, free_at_exit, freed
 from ckpt.history import HISTORY_NAME, write_history
 from ckpt.inflight import InflightSave
 from ckpt.manager_commit import after_commit
-from ckpt.manager_groups import destroy_groups, free_at_exit, freed, private_groups
+from ckpt.manager_groups import private_groups
 from ckpt.manager_lease import claim_root
 from ckpt.manager_staging import StagedCopy, stage_copy
 from ckpt.manager_load import load_for_manager
@@ -365,7 +366,7 @@ class CheckpointManager:
 
     def free_groups(self) -> None:
         """Free the two private groups (a job may build several managers over its life):
-        destroy them and drop every reference (``ckpt.manager_groups`` says why both)."""
+        destroy them and drop every reference (``ckpt.groups`` says why both)."""
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
         self._ctl.close()
         self._persister.agreement.close()

@@ -1,6 +1,7 @@
 """Where a tiered job's local checkpoints live: one per node, each holding whole tensors.
 
-Every rank of the job learns every rank's node (one all-gather) and joins its node's group;
+Every rank of the job learns every rank's node (one all-gather on the tier logic's gloo group,
+never the default group: ``ckpt.groups``) and joins its node's group;
 a state whose tensor is sharded across nodes is refused on every rank alike (a node's local
 checkpoint must hold whole tensors, or it could never be loaded on its own). Used by
 :class:`ckpt.tiers.TieredCheckpointManager`.
@@ -60,16 +61,18 @@ def cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str
     return None
 
 
-def node_groups(node_rank: int) -> tuple[Any, int, list[int]]:
-    """(this node's process group, number of nodes, the node of each rank). Collective over
-    the world. The group is None when the job has one node (the local tier then spans every
-    rank, like the durable one) or is not distributed."""
+def node_groups(node_rank: int, world_group) -> tuple[Any, int, list[int]]:
+    """(this node's gloo group, number of nodes, the node of each rank). Collective over
+    the world: every rank calls it at once. ``world_group``: a group over the whole world
+    with a CPU backend (the tier logic's), which the all-gather runs on. The node group is
+    None when the job has one node (the local tier then spans every rank, like the durable
+    one) or is not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1, []
     world = dist.get_world_size()
     mine = torch.tensor([node_rank], dtype=torch.int64)
     nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(nodes, mine)
+    dist.all_gather(nodes, mine, group=world_group)
     by_node: dict[int, list[int]] = {}
     node_of_rank = [int(t) for t in nodes]
     for rank, node in enumerate(node_of_rank):

@@ -49,8 +49,8 @@ from ckpt.agreement import Agreement
 from ckpt.cadence import CadencePolicy
 from ckpt.errors import AllCheckpointsDamagedError
 from ckpt.events import Event, EventBus
+from ckpt.groups import destroy_groups, free_at_exit, freed
 from ckpt.manager import CheckpointManager
-from ckpt.manager_groups import destroy_groups, free_at_exit, freed
 from ckpt.manifest import Manifest
 from ckpt.retention import KeepLast, RetentionPolicy
 from ckpt.savestep import check_period
@@ -111,13 +111,20 @@ class TieredCheckpointManager:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.events = events or EventBus(rank=self.rank)
-        node_group, self.num_nodes, self._node_of_rank = node_groups(self.node_rank)
-        # The job-wide agreement of the tier logic (main thread only).
+        # The job-wide agreement of the tier logic (main thread only), and where each rank's
+        # node is learned: never the default group (``ckpt.groups``).
         self._group = dist.new_group(backend="gloo", group_desc="ckpt_tiers") \
             if self.distributed else None
         self._world = Agreement(self._group)
+        self._node_group = None  # the local tier's ranks: this node's (several nodes only)
         if self._group is not None:
             free_at_exit(self)
+        try:
+            self._node_group, self.num_nodes, self._node_of_rank = node_groups(
+                self.node_rank, self._group)
+        except BaseException:
+            self.free_groups()
+            raise
         self._checked_layout = False  # whether the state's layout was checked (save)
         self._local_check_every = 1  # steps between agreements of a time-based local due
         self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
@@ -131,7 +138,7 @@ class TieredCheckpointManager:
             self.local = CheckpointManager(
                 self.local_root, cadence=local_cadence, events=local_events,
                 retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
-                else local_retention, process_group=node_group, **manager_options)
+                else local_retention, process_group=self._node_group, **manager_options)
         except BaseException:
             self.durable.close(flush=False)  # its lease is not left behind
             self.free_groups()
@@ -347,11 +354,12 @@ class TieredCheckpointManager:
             self.free_groups()
 
     def free_groups(self) -> None:
-        """Free the job-wide group of the tier logic (each tier frees its own)."""
-        group, self._group = self._group, None
+        """Free the job-wide group of the tier logic and the node group (each tier frees
+        its own)."""
+        groups, self._group, self._node_group = (self._group, self._node_group), None, None
         self._world.close()
         freed(self)
-        destroy_groups([group])
+        destroy_groups(groups)
 
     def __enter__(self) -> "TieredCheckpointManager":
         return self

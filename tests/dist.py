@@ -1,10 +1,14 @@
 """Run a test body on N real processes joined in a gloo process group.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes; each one calls
-``init_process_group("gloo")`` over a TCP rendezvous on loopback, runs
+``init_process_group(backend)`` over a TCP rendezvous on loopback, runs
 ``fn(rank, world_size, *args)``, and reports its result or traceback back to the parent.
 The parent raises one error that lists every failing rank. ``fn`` must be a module-level
 function (it is pickled by reference into the spawned processes).
+
+``backend="cuda:gloo"`` starts a default group with no CPU backend, as NCCL's is on a GPU
+host: a collective on CPU tensors over it raises "No backend type associated with device
+type cpu", as it would under NCCL, while groups made with ``new_group(backend="gloo")`` work.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, queue, env):
+def _worker(fn, rank, world_size, port, args, queue, env, backend):
     os.environ.update(env)
     os.environ.update(
         {
@@ -43,13 +47,14 @@ def _worker(fn, rank, world_size, port, args, queue, env):
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
         )
         result = fn(rank, world_size, *args)
-        dist.barrier()
+        # Under "cuda:gloo" the default group cannot run a CPU barrier: a gloo group can.
+        dist.barrier(group=None if backend == "gloo" else dist.new_group(backend="gloo"))
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -74,15 +79,17 @@ def run_ranks(
     *args: Any,
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks joined in a default group
+    of ``backend`` (``"cuda:gloo"``: one without a CPU backend); return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, args, queue, dict(env or {})),
+            args=(fn, rank, world_size, port, args, queue, dict(env or {}), backend),
             daemon=False,
         )
         for rank in range(world_size)

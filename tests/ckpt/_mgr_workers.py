@@ -252,7 +252,7 @@ def fsdp_save_body(rank: int, world: int, root: str) -> dict:
     return {"state": blob, "local_numel": local_numel}
 
 
-def _native_threads() -> int:
+def native_threads() -> int:
     """Threads of this process that Python did not start (gloo's among them)."""
     import os
     import threading
@@ -267,32 +267,32 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     import gc
 
     from ckpt.manager import CheckpointManager
-    from ckpt.manager_groups import free_all_at_exit
+    from ckpt.groups import free_all_at_exit
     from ckpt.tiers import TieredCheckpointManager
 
     gc.collect()
-    before = _native_threads()
+    before = native_threads()
     state = {"w": torch.arange(8.0) + rank, "step": 0}
     with CheckpointManager(root, cadence=None) as mgr:
-        assert _native_threads() > before  # the two groups' gloo threads
+        assert native_threads() > before  # the two groups' gloo threads
         mgr.save(1, {"w": torch.arange(8.0), "step": 1}, block=True)
         assert mgr.load_latest(state).step == 1
-    closed = _native_threads()
+    closed = native_threads()
     with pytest.raises(RuntimeError, match="after close"):
         mgr.load_latest(state)
     unclosed = CheckpointManager(root, cadence=None)
     assert unclosed.load_latest(state).step == 1
-    opened = _native_threads()
+    opened = native_threads()
     free_all_at_exit()  # what the interpreter runs at exit
-    at_exit = _native_threads()
+    at_exit = native_threads()
     unclosed.close()  # still works: releases the lease
     # Two tiers: the tier logic's own group and both tiers' groups.
     tiered = TieredCheckpointManager(root + "-durable", root + "-local", local_cadence="1")
     tiered.maybe_save(1, state)
     tiered.wait()
-    tiers_opened = _native_threads()
+    tiers_opened = native_threads()
     free_all_at_exit()
-    tiers_at_exit = _native_threads()
+    tiers_at_exit = native_threads()
     tiered.close()
     return {"before": before, "closed": closed, "opened": opened, "at_exit": at_exit,
             "tiers_opened": tiers_opened, "tiers_at_exit": tiers_at_exit}

@@ -13,9 +13,10 @@ they are done. Until then the buffers hold no data yet: whoever reads them on th
 calls ``wait_ready()`` first (the manager's persist thread does, before writing a byte).
 The source tensors are marked as used by the side stream (``record_stream``), so the
 caching allocator does not hand their memory out again before the copies finish. CPU
-tensors are copied synchronously, as before; a stage of CPU tensors only has nothing to
-wait for. DTensors keep their mesh and placements around the staged local shard, so
-``torch.distributed.checkpoint`` plans the same chunks as for the live state.
+tensors are copied synchronously; a stage of CPU tensors only has nothing to wait for. A
+staged DTensor is the live one's spec (mesh, placements, global shape and stride) around
+the host buffer itself, so ``torch.distributed.checkpoint`` plans the same chunks as for
+the live state, and nothing of it is moved back to the device.
 
 Host memory added is about one copy of this rank's shard (buffers of tensors that are no
 longer in the state are dropped at the next ``stage``). ``prepare`` allocates (and
@@ -195,9 +196,11 @@ class StagingBuffers:
                     buf.copy_(local)
                 total += buf.numel() * buf.element_size()
                 if is_d:
-                    return dtensor.from_local(buf, value.device_mesh, value.placements,
-                                              run_check=False, shape=value.shape,
-                                              stride=value.stride())
+                    # The same spec (mesh, placements, global shape and stride) around the
+                    # host buffer itself. Not ``DTensor.from_local``: it moves a local tensor
+                    # to the mesh's device type, i.e. back to the GPU while the copy into it
+                    # is still running (stale values, and a second copy of the shard there).
+                    return dtensor(buf, value._spec, requires_grad=False)
                 return buf
             if isinstance(value, dict):
                 return {k: visit(path + (k,), v) for k, v in value.items()}

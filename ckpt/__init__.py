@@ -11,8 +11,8 @@ of its own group or of the groups above it (tests/ckpt/test_layers.py checks it)
   whole life-cycle: begin, commit, abandon, cleanup, rollback, restore, delete), ``store``
   (``CheckpointStore``: list, verify, read);
 - **bytes through DCP**: ``api`` (``save``/``load``/``load_latest``), ``planners``,
-  ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``,
-  ``attachments``, ``agreement`` (ranks deciding together), ``savecost``;
+  ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``
+  (``host_arena``), ``attachments``, ``agreement`` (ranks deciding together), ``savecost``;
 - **how often**: ``cadence`` (policies), ``interval``, ``units``, ``young_daly``, ``plan``
   (``ckpt plan``), ``bandwidth``, ``simulate``;
 - **a job's checkpoints**: ``manager`` (``CheckpointManager``, orchestration; its units

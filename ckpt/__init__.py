@@ -11,9 +11,10 @@ of its own group or of the groups above it (tests/ckpt/test_layers.py checks it)
   whole life-cycle: begin, commit, abandon, cleanup, rollback, restore, delete), ``store``
   (``CheckpointStore``: list, verify, read);
 - **bytes through DCP**: ``api`` (``save``/``load``/``load_latest``), ``planners``,
-  ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``,
-  ``attachments``, ``agreement`` (ranks deciding together), ``groups`` (the gloo groups
-  the store's collectives run on, never the default group; freed at exit), ``savecost``;
+  ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``
+  (``host_arena``), ``attachments``, ``agreement`` (ranks deciding together), ``groups``
+  (the gloo groups the store's collectives run on, never the default group; freed at
+  exit), ``savecost``;
 - **how often**: ``cadence`` (policies), ``interval``, ``units``, ``young_daly``, ``plan``
   (``ckpt plan``), ``bandwidth``, ``simulate``;
 - **a job's checkpoints**: ``manager`` (``CheckpointManager``, orchestration; its units

@@ -344,7 +344,8 @@ class CheckpointManager:
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:
-        """Finish (``flush``) or abandon the in-flight save, then release the lease.
+        """Finish (``flush``) or abandon the in-flight save, then release the lease and
+        free the staging buffers.
 
         An abandoned save is never committed: its leftovers are removed by a later run.
         Collective when a save is in flight (its remaining attempts involve every rank).
@@ -361,6 +362,10 @@ class CheckpointManager:
             if self.lease is not None:
                 release_lease(self.life)
             self.free_groups()
+            # The persist thread is done with the staged copy (and so is another tier
+            # that persisted ``last_staged``): free the host memory it took.
+            self.last_staged = None
+            self.staging.close()
         if flush:
             self._raise_pending_failure()
 

@@ -72,6 +72,21 @@ class RNGState:
 
     Stored under the rank's own key (:func:`rank_key`) so that every rank restores its own
     streams; it loads only where the same global ranks exist (the same world size).
+
+    The CUDA stream (of the current device) is part of the state wherever CUDA is available,
+    whether or not anything has used CUDA yet (reading it initialises CUDA), so a job saves
+    and expects the same keys before and after its first CUDA operation. Between hosts:
+
+    - saved with CUDA, loaded without (a GPU checkpoint inspected or exported on a CPU
+      host): ``rankN.cuda`` is a checkpoint key the state does not ask for, so a strict
+      load refuses it (``StateMismatchError``); ``strict=False`` or ``ignore_keys=("rng.",)``
+      restores the CPU and Python streams and leaves the CUDA one out (there is none here).
+    - saved without CUDA, loaded with it: ``rankN.cuda`` is missing from the checkpoint, so
+      a strict load refuses it; ``strict=False`` restores the CPU and Python streams and
+      leaves this host's CUDA stream as it is.
+
+    ``load_state_dict`` given a CUDA state where CUDA is not available raises
+    ``ValueError`` rather than drop it silently.
     """
 
     def __init__(self, rank: int | None = None):
@@ -81,7 +96,7 @@ class RNGState:
         import random
 
         state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
         return {rank_key(self.rank): state}
 
@@ -89,10 +104,14 @@ class RNGState:
         import random
 
         state = state_dict[rank_key(self.rank)]
+        if "cuda" in state and not torch.cuda.is_available():
+            raise ValueError(f"{rank_key(self.rank)} holds a CUDA RNG state but CUDA is not "
+                             f"available here; load without it (strict=False, or "
+                             f"ignore_keys=('rng.',) for the trainer's RNG state)")
         torch.set_rng_state(state["cpu"])
         py = state["python"]
         random.setstate((py[0], tuple(py[1]), py[2]))
-        if "cuda" in state and torch.cuda.is_available():
+        if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
 
 

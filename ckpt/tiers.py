@@ -89,8 +89,8 @@ class TieredCheckpointManager:
 
     Contract: every rank of the job constructs it (collective: process groups per node) and
     calls ``maybe_save``/``save``/``load_latest``/``close`` at the same points with the same
-    step, as for ``CheckpointManager``. Host memory: one staging copy per tier (two copies
-    of the rank's shard).
+    step, as for ``CheckpointManager``. Host memory: one staging arena per tier (two copies
+    of the rank's shard, aligned; docs/store.md, "Two tiers"), freed by ``close``.
     """
 
     def __init__(self, root: str | Storage, local_root: str, *,

@@ -91,7 +91,7 @@ def test_save_stalls_only_for_staging_and_buffers_are_reused(tmp_path):
         storage.delay_seconds = 0.0
 
         allocs = mgr.staging.num_allocations
-        assert allocs == 6  # one buffer per tensor, allocated by the first save
+        assert allocs == 1  # one arena for the whole state, allocated by the first save
         # About one copy of the state: exactly the tensors' bytes.
         assert mgr.staging.nbytes == _tensor_bytes(state)
         ptrs = sorted(b.data_ptr() for b in mgr.staging._buffers.values())
@@ -399,11 +399,11 @@ def test_staging_memory_follows_the_state():
     staging = StagingBuffers()
     state = {"a": torch.ones(64), "b": torch.ones(32)}
     staging.prepare(state)
-    assert staging.num_allocations == 2 and staging.nbytes == 96 * 4
+    assert staging.num_allocations == 1 and staging.nbytes == 96 * 4
     staging.stage(state)
-    assert staging.num_allocations == 2  # prepare() already allocated: the save only copies
+    assert staging.num_allocations == 1  # prepare() already allocated: the save only copies
     # A tensor changes shape and another disappears: at most one copy of the current state.
     state = {"a": torch.ones(16)}
     staged, nbytes = staging.stage(state)
-    assert nbytes == 64 and staging.nbytes == 64 and staging.num_allocations == 3
+    assert nbytes == 64 and staging.nbytes == 64 and staging.num_allocations == 2
     assert torch.equal(staged["a"], state["a"]) and staged["a"] is not state["a"]

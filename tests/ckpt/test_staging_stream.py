@@ -177,7 +177,7 @@ def test_cuda_copies_on_a_side_stream_land_before_the_next_kernel():
     before = {k: v.cpu() for k, v in params.items()}
     torch.cuda.synchronize()
     staged, _ = staging.stage(params)
-    assert isinstance(staging.ready, CopyReady) and staged["w"].is_pinned()
+    assert isinstance(staging.ready, CopyReady) and staging.pinned and staged["w"].is_pinned()
     for v in params.values():
         v.mul_(0)  # the training stream's next kernel: must run after the copies
     assert staging.wait_ready() > 0

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - bad input is one line, not a traceback
         return _fail("python -m trainer", exc, debug,
                      EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED)
-    env = init_distributed(cfg.training.resolved_device())
+    env = init_distributed(cfg.training.resolved_device(),
+                           timeout_seconds=cfg.process_group_timeout_seconds())
     try:
         code = run(cfg, env)
     except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid-collective

@@ -111,6 +111,10 @@ class TrainingConfig(Section):
     seed: int = _f(0, "Seed for model init and any training randomness.")
     mixed_precision: str = _f("fp32", "'fp32', or 'bf16' compute with fp32 master weights.")
     device: str = _f("auto", "'cpu', 'cuda', or 'auto' (cuda when available).")
+    deterministic: bool = _f(
+        True, "Deterministic kernels (torch.use_deterministic_algorithms, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmark): what a bit-exact resume on "
+        "GPU needs; false trades that for speed.")
     log_every: int = _f(10, "Log loss and throughput every this many steps.")
     override_schedule_on_resume: bool = _f(
         False, "On resume, apply this config's LR schedule (lr, min_lr, warmup_steps, "

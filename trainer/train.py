@@ -40,6 +40,7 @@ from trainer.checkpointing import (
 )
 from trainer.config import Config, ConfigError, config_fingerprint
 from trainer.data import build_loader, split_microbatches
+from trainer.determinism import apply_determinism
 from trainer.distributed import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -79,6 +80,8 @@ class Trainer:
 
         self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
                                 for f in dataclasses.fields(_MC)})
+        # Deterministic kernels (python -m trainer set them before CUDA started already).
+        apply_determinism(t.deterministic)
         # Every random stream a rank may use starts from the config's seed, so two runs of
         # one config are the same run (and a resumed one restores the streams it saved).
         torch.manual_seed(t.seed)

@@ -18,11 +18,13 @@ Sections (``--only stall,train``):
   (``DefaultStager(StagingOptions(use_pinned_memory=True, ...))``), synchronous staging
   (time until it returns) and asynchronous staging (until its staging completes, which a
   loop must wait for before the next optimizer step).
-* **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2) under torchrun on 1 GPU with
-  checkpoints: an uninterrupted run, and a run SIGKILLed after its first commit and then
-  resumed; their final checkpoints must be equal bit for bit and their losses equal. The
-  launches record the process-group backends: NCCL for the training group, gloo for the
-  checkpoint manager's two groups.
+* **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2, ``training.deterministic`` at
+  its default, on) under torchrun on 1 GPU with checkpoints: an uninterrupted run, and a
+  run SIGKILLed after its first commit and then resumed; their final checkpoints must be
+  equal bit for bit and their losses equal. The launches record every process group's
+  backend, ``group_desc`` and creating module (bench/_gpu_groups.py): NCCL for the training
+  group, gloo for the checkpoint store's groups (at least the manager's two), which are
+  known by their ``group_desc`` (``ckpt_*``) or by a creator in the ``ckpt`` package.
 
 Results: ``bench/results/gpu_check.json`` and ``gpu_check.md`` (``--out``). Exit status 1
 when a check fails (resume not bit for bit, a wrong backend), 0 otherwise.
@@ -43,51 +45,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-_BACKENDS_ENV = "GPU_CHECK_BACKENDS"  # set: this file runs as the trainer (see _as_trainer)
+_BACKENDS_ENV = "GPU_CHECK_BACKENDS"  # set: this file runs as the trainer (below)
 GiB = 1 << 30
 
 
-def _as_trainer() -> None:
-    """Run ``python -m trainer`` with the command line given, recording every process
-    group's backend and the module that created it (one JSON line each) in the file
-    named by $GPU_CHECK_BACKENDS."""
-    import runpy
+if os.environ.get(_BACKENDS_ENV) and __name__ == "__main__":
+    # This file runs as the trainer (the train section's launches): record every process
+    # group's backend and creator, in the file named by $GPU_CHECK_BACKENDS.
+    from _gpu_groups import run_trainer_recording_groups
 
-    import torch.distributed as dist
-
-    record = os.environ[_BACKENDS_ENV]
     here = Path(__file__).resolve().parent  # run as a script: bench/ is first on the path
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    init, new_group = dist.init_process_group, dist.new_group
-
-    def write(kind: str, caller: str, backend: Any) -> None:
-        with open(record, "a") as f:
-            f.write(json.dumps({"kind": kind, "caller": caller, "backend": str(backend),
-                                "rank": dist.get_rank()}) + "\n")
-
-    def init_recorded(*args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
-        out = init(*args, **kwargs)
-        write("init", caller, dist.get_backend())
-        return out
-
-    def new_group_recorded(*args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
-        group = new_group(*args, **kwargs)
-        try:
-            backend = dist.get_backend(group)
-        except (RuntimeError, ValueError):  # a group this rank is not a member of
-            backend = None
-        write("new_group", caller, backend)
-        return group
-
-    dist.init_process_group, dist.new_group = init_recorded, new_group_recorded
-    sys.argv[0] = "trainer"
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
-
-
-if os.environ.get(_BACKENDS_ENV) and __name__ == "__main__":
-    _as_trainer()
+    run_trainer_recording_groups(os.environ[_BACKENDS_ENV])
     sys.exit(0)
 
 import torch  # noqa: E402
@@ -252,10 +221,13 @@ def _ms(x: float | None) -> float | None:
 
 # -- train: kill and resume under torchrun ----------------------------------------------------
 def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") -> dict[str, Any]:
+    from _gpu_groups import check_backends
     from tests.e2e._jobs import Job, assert_same_checkpoint, base_env, loss_history, trainer_argv
 
     backends = work / "backends.jsonl"
-    env = base_env(**{_BACKENDS_ENV: str(backends), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    # No CUBLAS_WORKSPACE_CONFIG here: the trainer's training.deterministic sets it, and
+    # that is what this check is to show.
+    env = base_env(**{_BACKENDS_ENV: str(backends)})
     common = (f"--training.device={device}", "--training.mixed_precision=bf16",
               "--parallel.dp_mode=fsdp", f"--training.steps={steps}",
               f"--checkpoint.interval={interval}", "--checkpoint.keep_last=0")
@@ -292,14 +264,7 @@ def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") ->
         out["bit_for_bit"] = False
         out["error"] = str(exc)[:2000]
     records = [json.loads(x) for x in backends.read_text().splitlines() if x.strip()]
-    train_backend = [r["backend"] for r in records if r["kind"] == "init"]
-    mgr_backends = [r["backend"] for r in records
-                    if r["kind"] == "new_group" and r["caller"] == "ckpt.manager"]
-    out["training_backends"] = sorted(set(train_backend))
-    out["manager_backends"] = sorted(set(mgr_backends))
-    want = "nccl" if device == "cuda" else "gloo"
-    out["backends_ok"] = (bool(train_backend) and all(want in b for b in train_backend)
-                          and len(mgr_backends) >= 2 and all(b == "gloo" for b in mgr_backends))
+    out.update(check_backends(records, device))
     out["ok"] = bool(out["bit_for_bit"] and out["losses_equal"] and out["resume_line"]
                      and out["backends_ok"])
     return out

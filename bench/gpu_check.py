@@ -1,14 +1,32 @@
-"""GPU check: what a save costs the training loop on a GPU, and that a GPU job resumes exactly.
+"""GPU check: what a save costs the training loop on a GPU, that a GPU job resumes exactly,
+and that staged sharded state is a host copy of the live shards.
 
 One command, under 8 minutes on one GPU; on a machine without CUDA it prints that it
 skipped and exits 0 at once::
 
     bash scripts/gpu_check.sh            # = python bench/gpu_check.py [--sizes 1,4 ...]
 
-Sections (``--only stall,train``):
+Sections, in this order (``--only train,dtensor,stall``):
 
+* **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2, ``training.deterministic`` at
+  its default, on) under torchrun on 1 GPU with checkpoints: an uninterrupted run, and a
+  run SIGKILLed after its first commit and then resumed; their final checkpoints must be
+  equal bit for bit and their losses equal. The launches record every process group's
+  backend, ``group_desc`` and creating module (bench/_gpu_groups.py): NCCL for the training
+  group, gloo for the checkpoint store's groups (at least the manager's two), which are
+  known by their ``group_desc`` (``ckpt_*``) or by a creator in the ``ckpt`` package.
+* **dtensor** (bench/_gpu_dtensor.py, under torchrun on 1 GPU, and on 2 where two are
+  present): an FSDP2-sharded MLP (fp32, uneven shards on 2 ranks) and a tensor-parallel one
+  (bf16), one AdamW step each; their model and optimizer state (DTensors) staged with
+  ``ckpt.staging.StagingBuffers`` while the training stream changes every parameter right
+  after the stage, and saved by a ``CheckpointManager`` (``block=True``) then loaded back.
+  Every staged tensor must hold the source's local bytes from before the change, every
+  staged DTensor the source's mesh, placements and global shape around a local tensor on
+  the host, the GPU memory allocated must not grow by the staged copy (1 MiB or 1 % of it
+  at most), and the loaded checkpoint must equal the saved state bit for bit.
 * **stall** (1 and 4 GiB, bf16 and fp32 tensors on the GPU; a warm-up round, then
-  ``--repeats`` interleaved rounds, every ratio the median of per-round ratios):
+  ``--repeats`` interleaved rounds, every ratio the median of per-round ratios; cases that
+  would start after 390 s are skipped, to stay within the 8 minutes):
   ``CheckpointManager.save`` (its ``save_staged`` stall, the time until ``save()`` returns,
   the time the training stream waits on the device for the side-stream copies, and their
   device time ``copy_seconds``), also with ~50 ms of GPU work queued before the save;
@@ -18,14 +36,14 @@ Sections (``--only stall,train``):
   (``DefaultStager(StagingOptions(use_pinned_memory=True, ...))``), synchronous staging
   (time until it returns) and asynchronous staging (until its staging completes, which a
   loop must wait for before the next optimizer step).
-* **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2) under torchrun on 1 GPU with
-  checkpoints: an uninterrupted run, and a run SIGKILLed after its first commit and then
-  resumed; their final checkpoints must be equal bit for bit and their losses equal. The
-  launches record the process-group backends: NCCL for the training group, gloo for every
-  group the store makes (the manager's two among them).
+
+``--train-device cpu`` and ``--dtensor-device cpu`` run those two sections' harness on CPU
+(gloo everywhere, 1 and 2 ranks for dtensor, no GPU memory measured);
+tests/test_gpu_check_harness.py does.
 
 Results: ``bench/results/gpu_check.json`` and ``gpu_check.md`` (``--out``). Exit status 1
-when a check fails (resume not bit for bit, a wrong backend), 0 otherwise.
+when a check fails (resume not bit for bit, a wrong backend, a staged copy that differs or
+holds GPU memory), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -43,51 +61,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-_BACKENDS_ENV = "GPU_CHECK_BACKENDS"  # set: this file runs as the trainer (see _as_trainer)
+_BACKENDS_ENV = "GPU_CHECK_BACKENDS"  # set: this file runs as the trainer (below)
 GiB = 1 << 30
 
 
-def _as_trainer() -> None:
-    """Run ``python -m trainer`` with the command line given, recording every process
-    group's backend and the module that created it (one JSON line each) in the file
-    named by $GPU_CHECK_BACKENDS."""
-    import runpy
+if os.environ.get(_BACKENDS_ENV) and __name__ == "__main__":
+    # This file runs as the trainer (the train section's launches): record every process
+    # group's backend and creator, in the file named by $GPU_CHECK_BACKENDS.
+    from _gpu_groups import run_trainer_recording_groups
 
-    import torch.distributed as dist
-
-    record = os.environ[_BACKENDS_ENV]
     here = Path(__file__).resolve().parent  # run as a script: bench/ is first on the path
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    init, new_group = dist.init_process_group, dist.new_group
-
-    def write(kind: str, caller: str, backend: Any) -> None:
-        with open(record, "a") as f:
-            f.write(json.dumps({"kind": kind, "caller": caller, "backend": str(backend),
-                                "rank": dist.get_rank()}) + "\n")
-
-    def init_recorded(*args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
-        out = init(*args, **kwargs)
-        write("init", caller, dist.get_backend())
-        return out
-
-    def new_group_recorded(*args, **kwargs):
-        caller = sys._getframe(1).f_globals.get("__name__", "?")
-        group = new_group(*args, **kwargs)
-        try:
-            backend = dist.get_backend(group)
-        except (RuntimeError, ValueError):  # a group this rank is not a member of
-            backend = None
-        write("new_group", caller, backend)
-        return group
-
-    dist.init_process_group, dist.new_group = init_recorded, new_group_recorded
-    sys.argv[0] = "trainer"
-    runpy.run_module("trainer", run_name="__main__", alter_sys=True)
-
-
-if os.environ.get(_BACKENDS_ENV) and __name__ == "__main__":
-    _as_trainer()
+    run_trainer_recording_groups(os.environ[_BACKENDS_ENV])
     sys.exit(0)
 
 import torch  # noqa: E402
@@ -252,10 +237,13 @@ def _ms(x: float | None) -> float | None:
 
 # -- train: kill and resume under torchrun ----------------------------------------------------
 def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") -> dict[str, Any]:
+    from _gpu_groups import check_backends
     from tests.e2e._jobs import Job, assert_same_checkpoint, base_env, loss_history, trainer_argv
 
     backends = work / "backends.jsonl"
-    env = base_env(**{_BACKENDS_ENV: str(backends), "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    # No CUBLAS_WORKSPACE_CONFIG here: the trainer's training.deterministic sets it, and
+    # that is what this check is to show.
+    env = base_env(**{_BACKENDS_ENV: str(backends)})
     common = (f"--training.device={device}", "--training.mixed_precision=bf16",
               "--parallel.dp_mode=fsdp", f"--training.steps={steps}",
               f"--checkpoint.interval={interval}", "--checkpoint.keep_last=0")
@@ -292,19 +280,72 @@ def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") ->
         out["bit_for_bit"] = False
         out["error"] = str(exc)[:2000]
     records = [json.loads(x) for x in backends.read_text().splitlines() if x.strip()]
-    train_backend = [r["backend"] for r in records if r["kind"] == "init"]
-    # The store's groups, whichever of its modules makes them (ckpt.manager_groups,
-    # ckpt.groups, ckpt.tiers): all gloo, never the training group's backend.
-    mgr_backends = [r["backend"] for r in records
-                    if r["kind"] == "new_group" and r["caller"].split(".")[0] == "ckpt"]
-    out["training_backends"] = sorted(set(train_backend))
-    out["manager_backends"] = sorted(set(mgr_backends))
-    want = "nccl" if device == "cuda" else "gloo"
-    out["backends_ok"] = (bool(train_backend) and all(want in b for b in train_backend)
-                          and len(mgr_backends) >= 2 and all(b == "gloo" for b in mgr_backends))
+    out.update(check_backends(records, device))
     out["ok"] = bool(out["bit_for_bit"] and out["losses_equal"] and out["resume_line"]
                      and out["backends_ok"])
     return out
+
+
+# -- dtensor: staged FSDP2 and TP shards --------------------------------------------------------
+def _dtensor_check(work: Path, device: str, world_sizes: list[int],
+                   timeout: float = 240.0) -> list[dict[str, Any]]:
+    """bench/_gpu_dtensor.py under torchrun, once per world size; one entry each."""
+    import signal
+    import subprocess
+
+    from tests.e2e._jobs import base_env
+
+    out = []
+    for world in world_sizes:
+        run_dir = work / f"ranks_{world}"
+        run_dir.mkdir(parents=True)
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(world), str(ROOT / "bench" / "_gpu_dtensor.py"),
+                str(run_dir), device]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+            log, _ = proc.communicate()
+            log += f"\n(killed after {timeout:.0f} s)"
+        ranks = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
+        entry: dict[str, Any] = {"world": world, "device": device, "exit": proc.returncode,
+                                 "seconds": round(time.monotonic() - t0, 1), "ranks": ranks}
+        entry["ok"] = (proc.returncode == 0 and len(ranks) == world
+                       and all(r["ok"] for r in ranks))
+        if not entry["ok"]:
+            entry["log_tail"] = log[-4000:]
+        out.append(entry)
+    return out
+
+
+def _dtensor_rows(entry: dict[str, Any]) -> list[str]:
+    """One table row per rank and layout."""
+    from _common import fmt_bytes
+
+    rows = []
+    for rank in entry["ranks"]:
+        for name, r in rank["layouts"].items():
+            if "error" in r:
+                rows.append(f"| {entry['world']} | {rank['rank']} | {name} | - | - | - | - | - "
+                            f"| **FAIL**: {r['error'][:200]} |")
+                continue
+            st, mg, ld = r["stage"], r["manager"], r["loaded"]
+            held = [x for x in (st["held_gpu_bytes"], mg["held_gpu_bytes"]) if x is not None]
+            problems = st["problems"] + mg["problems"] + ld["problems"]
+            rows.append(
+                f"| {entry['world']} | {rank['rank']} | {name} | "
+                f"{fmt_bytes(st['staged_bytes'])}, {st['num_tensors']} tensors | "
+                f"{st['num_problems']} | {'-' if not held else fmt_bytes(max(held))} | "
+                f"{mg['num_problems']} | {ld['num_problems']} | "
+                f"{'PASS' if r['ok'] else 'FAIL: ' + '; '.join(problems)[:300]} |")
+    if not entry["ok"] and all("PASS" in row for row in rows):  # the launch itself failed
+        rows.append(f"| {entry['world']} | - | - | - | - | - | - | - | **FAIL** (exit "
+                    f"{entry['exit']}): {entry.get('log_tail', '')[-300:]!r} |")
+    return rows
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -342,6 +383,19 @@ def _markdown(results: dict[str, Any]) -> str:
             for name, err in case["errors"].items():
                 lines.append(f"\n! {name} failed: {err}")
         lines.append("")
+    if results.get("dtensor"):
+        lines += ["Staged DTensors, FSDP2 (fp32) and TP (bf16), per rank: problems found in "
+                  "the copy `StagingBuffers.stage` made while the training stream changed the "
+                  "parameters right after it (bytes, mesh, placements, local tensor on the "
+                  "host), GPU memory still allocated with the staged copies alive (stage or "
+                  "manager, the larger), in `CheckpointManager.save`'s staged copy, and in "
+                  "the checkpoint loaded back.", "",
+                  "| ranks | rank | layout | staged | stage: problems | GPU memory held | "
+                  "manager: problems | loaded: problems | result |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for entry in results["dtensor"]:
+            lines += _dtensor_rows(entry)
+        lines.append("")
     t = results.get("train")
     if t:
         lines += [f"Trainer, bf16 FSDP2, torchrun with 1 rank on {t['device']}, SIGKILL after "
@@ -363,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,4", help="state sizes in GiB (default 1,4)")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds after a warm-up")
-    p.add_argument("--only", default="stall,train")
+    p.add_argument("--only", default="train,dtensor,stall", help="sections to run "
+                   "(default train,dtensor,stall)")
     p.add_argument("--steps", type=int, default=300, help="trainer steps per run")
     p.add_argument("--interval", type=int, default=25, help="trainer checkpoint interval")
     p.add_argument("--dir", default=None, help="work folder (default: /dev/shm if large "
@@ -371,16 +426,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--train-device", default="cuda", help="'cpu' checks the train section's "
                    "harness without a GPU (gloo expected instead of NCCL)")
+    p.add_argument("--dtensor-device", default="cuda", help="'cpu' checks the dtensor "
+                   "section's harness without a GPU (on 1 and 2 gloo ranks)")
     args = p.parse_args(argv)
-    if args.train_device == "cpu" and args.only == "train":
-        pass  # the harness alone, on CPU
-    elif not torch.cuda.is_available():
+    only = set(args.only.split(","))
+    harness = (only <= {"train", "dtensor"}
+               and ("train" not in only or args.train_device == "cpu")
+               and ("dtensor" not in only or args.dtensor_device == "cpu"))
+    if not harness and not torch.cuda.is_available():
         _log(f"gpu_check: skipped: no CUDA device here (torch {torch.__version__}, "
              f"cuda {torch.version.cuda})")
         return 0
     sizes = [float(s) for s in args.sizes.split(",") if s]
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    only = set(args.only.split(","))
     base = args.dir
     if base is None:
         need = 3 * max(sizes, default=1) * GiB
@@ -389,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=base))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, Any] = {"device": device, "torch": torch.__version__,
-                               "work_dir": str(work), "stall": [], "train": None}
+                               "work_dir": str(work), "stall": [], "train": None,
+                               "dtensor": []}
     t_start = time.monotonic()
     ok = True
     try:
@@ -400,6 +459,16 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.train_device)
             ok &= t["ok"]
             _log(json.dumps(t, indent=1))
+        if "dtensor" in only:
+            if args.dtensor_device == "cuda":  # a second variant where two GPUs are
+                worlds = [1, 2] if torch.cuda.device_count() >= 2 else [1]
+            else:
+                worlds = [1, 2]
+            _log(f"== dtensor: staged FSDP2 and TP shards, {' and '.join(map(str, worlds))} "
+                 f"rank(s) on {args.dtensor_device}")
+            results["dtensor"] = _dtensor_check(work / "dtensor", args.dtensor_device, worlds)
+            ok &= all(e["ok"] for e in results["dtensor"])
+            _log(json.dumps(results["dtensor"], indent=1, default=str)[:20000])
         if "stall" in only:
             for size in sizes:
                 for name in args.dtypes.split(","):

@@ -33,7 +33,8 @@ from ckpt._crc import crc32c_combine
 from ckpt.attachments import attachment_bytes
 from ckpt.commit import Lifecycle, attachment_file
 from ckpt.dcp_layout import buffer_nbytes, default_threads, tensor_view_bytes
-from ckpt.manifest import Attachment, FileRecord, ItemLocation, Manifest, dtype_name
+from ckpt.manifest import (Attachment, DTYPE_NAMES, FileRecord, ItemLocation, Manifest,
+                           dtype_from_name, dtype_name)
 from ckpt.savecost import SaveCost
 from ckpt.storage import Storage, crc32c_of
 
@@ -41,6 +42,8 @@ __all__ = ["CkptWriter"]
 
 _S3_FILE_BYTES = 32 << 20  # one S3 part (Storage.write_buffers' default part size)
 _FILE_KEY = "__file__:"
+_MAX_NAMED = 10  # keys named in one error
+_FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES)
 
 @dataclasses.dataclass
 class _RankPrefix:
@@ -87,6 +90,21 @@ class CkptWriter(StorageWriter):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Every rank, before any byte of the save is written (the attempt's marker
+        included): refuse a tensor whose dtype the format cannot hold. Found later, at the
+        commit, it would cost every rank a whole write for nothing."""
+        unsupported = sorted({(item.index.fqn, str(item.tensor_data.properties.dtype))
+                              for item in plan.items if item.tensor_data is not None
+                              and item.tensor_data.properties.dtype not in _FORMAT_DTYPES})
+        if unsupported:
+            named = ", ".join(f"{fqn!r} ({dtype})" for fqn, dtype in unsupported[:_MAX_NAMED])
+            more = len(unsupported) - _MAX_NAMED
+            raise ValueError(
+                f"cannot save step {self.step}: the checkpoint format does not support the "
+                f"dtype of state key(s) {named}{f' and {more} more' if more > 0 else ''}. "
+                f"Supported: {', '.join(DTYPE_NAMES)} (docs/format.md, 'Manifest'). Convert "
+                f"such a tensor to one of them before saving (e.g. t.view(torch.uint8) for "
+                f"bit-packed data, t.dequantize() for a quantized tensor).")
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

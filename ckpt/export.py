@@ -35,6 +35,7 @@ way: those never import this module).
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -59,6 +60,7 @@ from ckpt.export_hf import (
 )
 from ckpt.export_select import cast_floats, nest, parse_dtype, select_keys
 from ckpt.manifest import Manifest, dtype_from_name, step_dirname
+from ckpt.manifest_schema import is_packed
 from ckpt.plan import parse_size
 from ckpt.storage import Storage
 from ckpt.store import CheckpointStore
@@ -108,7 +110,10 @@ def consolidate(root: str | Storage, step: int | Manifest | None = None, *,
     flat: dict[str, Any] = {}
     for fqn, t in manifest.tensors.items():
         if renamed is None or fqn in wanted:
-            flat[fqn] = torch.zeros(t["shape"], dtype=dtype_from_name(t["dtype"], fqn))
+            shape, dtype = t["shape"], dtype_from_name(t["dtype"], fqn)
+            # No fill for an empty tensor: torch has none for float4 ("fill_cpu").
+            flat[fqn] = torch.zeros(shape, dtype=dtype) if math.prod(shape) else \
+                torch.empty(shape, dtype=dtype)
     for fqn in manifest.objects:
         if renamed is None or fqn in wanted:
             flat[fqn] = None
@@ -211,6 +216,17 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
     return manifest
 
 
+def _check_safetensors_shapes(state: dict[str, Any]) -> None:
+    """safetensors stores float4 as 4-bit values (a shape with twice the last dimension),
+    so a 0-dimensional packed tensor (two values in no dimension) has no shape there."""
+    scalars = [k for k, v in state.items()
+               if isinstance(v, torch.Tensor) and v.dim() == 0 and is_packed(v.dtype)]
+    if scalars:
+        raise ValueError(f"safetensors cannot hold a 0-dimensional {state[scalars[0]].dtype} "
+                         f"tensor ({', '.join(map(repr, scalars[:10]))}); export to a .pt file, "
+                         f"or leave these keys out with --select")
+
+
 def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *, verify: str,
                     select: Sequence[str] | None, cast_to: torch.dtype | None,
                     attached: dict[str, bytes], max_shard_bytes: int, force: bool,
@@ -218,6 +234,8 @@ def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *,
     state, manifest = consolidate(storage, manifest, verify=verify, select=select,
                                   nested=False, progress=progress)
     state = cast_floats(state, cast_to)
+    if fmt in ("safetensors", "hf"):
+        _check_safetensors_shapes(state)
     if fmt == "hf":
         write_hf_folder(out, state, attached, max_shard_bytes, force)
         return

@@ -13,14 +13,16 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.manifest_schema import DTYPE_NAMES
+from ckpt.manifest_schema import DTYPE_NAMES, is_packed
 
 __all__ = ["parse_dtype", "select_keys", "cast_floats", "nest"]
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64"}
-# What a checkpoint can hold and is floating-point (complex is not cast).
-_FLOAT_DTYPES = tuple(n for n in DTYPE_NAMES if getattr(torch, n).is_floating_point)
+# What a checkpoint can hold and is floating-point (complex is not cast), less the packed
+# dtypes, to which nothing converts.
+_FLOAT_DTYPES = tuple(n for n in DTYPE_NAMES if getattr(torch, n).is_floating_point
+                      and not is_packed(getattr(torch, n)))
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -38,11 +40,13 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 
 def cast_floats(flat: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    """Floating tensors as ``dtype``, one at a time (each original freed as it goes)."""
+    """Floating tensors as ``dtype``, one at a time (each original freed as it goes).
+    Packed tensors (``float4_e2m1fn_x2``) stay as they are: torch converts them to nothing."""
     if dtype is None:
         return flat
     for k, v in flat.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype \
+                and not is_packed(v.dtype):
             flat[k] = v.to(dtype)
     return flat
 

@@ -21,6 +21,7 @@ from ckpt.codec import decode_object
 from ckpt.commit import COMMITTED
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, crc_mismatch_error
 from ckpt.manifest import ItemLocation, Manifest, dtype_from_name, step_dirname
+from ckpt.manifest_schema import is_packed
 from ckpt.storage import crc32c_of
 from ckpt.store import CheckpointStore
 
@@ -174,7 +175,8 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _is_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
+    """Whether a difference has a size (packed dtypes compare by bytes only)."""
+    return (dtype.is_floating_point or dtype.is_complex) and not is_packed(dtype)
 
 
 def _as(data: bytes, dtype: torch.dtype) -> torch.Tensor:

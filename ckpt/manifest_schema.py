@@ -28,9 +28,12 @@ __all__ = [
     "check_attachment_name",
     "step_dirname",
     "parse_step_dirname",
+    "FORMAT_DTYPE_NAMES",
     "DTYPE_NAMES",
+    "PACKED_DTYPE_NAMES",
     "dtype_name",
     "dtype_from_name",
+    "is_packed",
 ]
 
 FORMAT_NAME = "ckpt"
@@ -43,13 +46,21 @@ _STEP_RE = re.compile(r"^step_(\d{9,})$")
 _ATTACHMENT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_ATTACHMENT_BYTES = 64 << 20
 
+# Every dtype the format defines (docs/format.md): whole-byte elements stored as raw bytes,
+# little-endian. Not here: quantized dtypes (their scale and zero point are not bytes of the
+# tensor) and the sub-byte uintN/intN and bitsN types (torch cannot copy or stage them).
+FORMAT_DTYPE_NAMES: tuple[str, ...] = (
+    "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+    "int64", "int32", "int16", "int8", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+    "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+)
+# Packed dtypes: one element (one byte) holds two 4-bit values. torch converts them to no
+# other dtype, so they are only ever copied, compared and exported as bytes.
+PACKED_DTYPE_NAMES: tuple[str, ...] = ("float4_e2m1fn_x2",)
+
 _DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
-    )
+    name: getattr(torch, name) for name in FORMAT_DTYPE_NAMES
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)  # the dtypes a manifest may hold (this torch has)
@@ -60,6 +71,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name not in _DTYPES:
         raise ValueError(f"dtype {dtype} is not supported by the checkpoint format")
     return name
+
+
+def is_packed(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` packs several values per element (no numeric conversion exists)."""
+    return str(dtype).removeprefix("torch.") in PACKED_DTYPE_NAMES
 
 
 def dtype_from_name(name: str, where: str) -> torch.dtype:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check: staging stall against a pinned copy and DCP's pinned async_save, the training
-# stream's wait, and a bf16 FSDP2 job killed and resumed bit for bit under torchrun on 1 GPU.
+# GPU check: a bf16 FSDP2 job killed and resumed bit for bit under torchrun on 1 GPU (and
+# its process groups' backends); staged FSDP2 and TP DTensors equal to the live shards, on the
+# host, holding no GPU memory (1 GPU, and 2 where present); the staging stall against a pinned
+# copy and DCP's pinned async_save, and the training stream's wait.
 # Under 8 minutes on one GPU; prints that it skipped and exits 0 where there is no CUDA.
 # Results: bench/results/gpu_check.{json,md}. Arguments go to bench/gpu_check.py (--help).
 set -euo pipefail

@@ -154,6 +154,27 @@ class S3Server:
             self._set_auth("inf")
 
 
+@pytest.fixture(autouse=True)
+def _process_determinism_restored():
+    """A Trainer built in this process turns deterministic kernels on for the whole process
+    (``training.deterministic``); each test leaves the flags as it found them."""
+    import os
+
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2:4]
+    if before[4] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = before[4]
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's HTTP server on loopback with bucket ``S3_BUCKET``; fake credentials in the env."""

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     from trainer.config import ConfigError, config_from_argv
+    from trainer.determinism import apply_determinism
     from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
     from trainer.train import check_startup, run
 
@@ -61,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - bad input is one line, not a traceback
         return _fail("python -m trainer", exc, debug,
                      EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED)
-    env = init_distributed(cfg.training.resolved_device())
+    # Before the process group, which starts CUDA: cuBLAS reads its workspace setting then.
+    apply_determinism(cfg.training.deterministic)
+    env = init_distributed(cfg.training.resolved_device(),
+                           timeout_seconds=cfg.process_group_timeout_seconds())
     try:
         code = run(cfg, env)
     except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid-collective

@@ -36,6 +36,7 @@ __all__ = [
     "FaultConfig",
     "Config",
     "SECTIONS",
+    "PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS",
     "coerce",
     "type_name",
 ]
@@ -110,6 +111,10 @@ class TrainingConfig(Section):
     seed: int = _f(0, "Seed for model init and any training randomness.")
     mixed_precision: str = _f("fp32", "'fp32', or 'bf16' compute with fp32 master weights.")
     device: str = _f("auto", "'cpu', 'cuda', or 'auto' (cuda when available).")
+    deterministic: bool = _f(
+        True, "Deterministic kernels (torch.use_deterministic_algorithms, "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmark): what a bit-exact resume on "
+        "GPU needs; false trades that for speed.")
     log_every: int = _f(10, "Log loss and throughput every this many steps.")
     override_schedule_on_resume: bool = _f(
         False, "On resume, apply this config's LR schedule (lr, min_lr, warmup_steps, "
@@ -212,6 +217,12 @@ class FaultConfig(Section):
 
     _section: ClassVar[str] = "fault"
     hang_timeout_seconds: float = _f(300.0, "Abort when no step completes for this long; 0 = off.")
+    blocking_save_grace_seconds: float = _f(
+        3600.0, "Extra time the hang watchdog allows a blocking (final or preemption) save.")
+    process_group_timeout_seconds: float | None = _f(
+        None, "Timeout of the training process group's collectives (NCCL's watchdog); "
+        "unset = hang + blocking-save grace + metrics linger + 60, so the hang watchdog "
+        "acts first.")
     nan_policy: str = _f("skip", "On NaN/inf or spiking loss: 'skip', 'rollback' or 'stop'.")
     spike_factor: float = _f(10.0, "Loss > factor * recent mean counts as a spike; 0 = off.")
     spike_window: int = _f(20, "Steps in the running mean used for spike detection.")
@@ -222,6 +233,10 @@ class FaultConfig(Section):
 
     def _validate(self) -> None:
         self._at_least("hang_timeout_seconds", 0, "use 0 to disable")
+        self._at_least("blocking_save_grace_seconds", 0)
+        if self.process_group_timeout_seconds is not None:
+            self._at_least("process_group_timeout_seconds", 1,
+                           "or leave it unset to derive it from the hang timeout")
         self._choice("nan_policy", ("skip", "rollback", "stop"))
         if self.spike_factor != 0 and self.spike_factor <= 1:
             self._fail("spike_factor", f"must be > 1 or 0 (off), got {self.spike_factor}")
@@ -231,6 +246,10 @@ class FaultConfig(Section):
             self._fail("straggler_factor", f"must be > 1 or 0 (off), got {self.straggler_factor}")
         self._at_least("inject_nan_step", 0, "use 0 to disable")
 
+
+# Beyond the hang deadline: the watchdog polls every 5 s at most, then dumps the stacks of
+# every thread and exits.
+PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS = 60.0
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig,
@@ -260,6 +279,42 @@ class Config:
                    "raise model.max_seq_len or lower training.seq_len")
         self.parallel.check(m, global_batch_size=t.global_batch_size,
                             grad_accum_steps=t.grad_accum_steps, seq_len=t.seq_len)
+        self._check_timeout_order()
+
+    def hang_deadline_seconds(self) -> float:
+        """The longest a rank may wait in a collective while the hang watchdog has not yet
+        acted: the hang timeout plus the grace of a blocking save (the final save, during
+        which the other ranks also wait for rank 0's retention) plus the metrics linger
+        before the watchdog exits (only with a metrics port)."""
+        f, m = self.fault, self.metrics
+        return (f.hang_timeout_seconds + f.blocking_save_grace_seconds
+                + (m.linger_seconds if m.port else 0.0))
+
+    def process_group_timeout_seconds(self) -> float:
+        """``fault.process_group_timeout_seconds``, or derived from the hang deadline: the
+        process group's own timeout must come after the hang watchdog, which dumps every
+        stack, reports the hang and exits 124; NCCL's watchdog aborts without any of that."""
+        explicit = self.fault.process_group_timeout_seconds
+        if explicit is not None:
+            return explicit
+        return self.hang_deadline_seconds() + PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS
+
+    def _check_timeout_order(self) -> None:
+        explicit = self.fault.process_group_timeout_seconds
+        least = self.hang_deadline_seconds() + PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS
+        if explicit is not None and explicit < least:
+            f, m = self.fault, self.metrics
+            linger = (f" + metrics.linger_seconds ({m.linger_seconds:g}, metrics.port is set)"
+                      if m.port else "")
+            fail_key("fault.process_group_timeout_seconds",
+                     f"{explicit:g} s would let the process group's own timeout (NCCL's "
+                     f"watchdog) abort the job before the hang watchdog reports a hang (no "
+                     f"stack dump, no hang event, not exit 124); it must be at least "
+                     f"fault.hang_timeout_seconds ({f.hang_timeout_seconds:g}) + "
+                     f"fault.blocking_save_grace_seconds ({f.blocking_save_grace_seconds:g})"
+                     f"{linger} + {PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS:g} = {least:g}",
+                     f"set it to {least:g} or more, lower fault.hang_timeout_seconds or "
+                     f"fault.blocking_save_grace_seconds, or leave it unset (derived)")
 
     def resolved(self, world_size: int) -> Config:
         """A copy whose ``parallel`` is :meth:`ParallelConfig.resolved` for ``world_size``

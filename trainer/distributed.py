@@ -51,8 +51,11 @@ class DistEnv:
         return self.backend is not None
 
 
-def init_distributed(device: str = "auto", timeout_seconds: float = 300.0) -> DistEnv:
-    """Join the job's process group (torchrun's env://) or stay a single process."""
+def init_distributed(device: str = "auto", *, timeout_seconds: float) -> DistEnv:
+    """Join the job's process group (torchrun's env://) or stay a single process.
+
+    ``timeout_seconds``: of the group's collectives (``Config.process_group_timeout_seconds``,
+    which orders it after the hang watchdog)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)

@@ -13,6 +13,7 @@ re-exported here).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
 import random
@@ -39,6 +40,7 @@ from trainer.checkpointing import (
 )
 from trainer.config import Config, ConfigError, config_fingerprint
 from trainer.data import build_loader, split_microbatches
+from trainer.determinism import apply_determinism
 from trainer.distributed import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -54,10 +56,6 @@ from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, Str
 __all__ = ["Trainer", "TrainingStopped", "check_startup"]
 
 log = logging.getLogger("trainer")
-
-
-# Extra time the hang watchdog allows a blocking (final or preemption) save.
-_BLOCKING_SAVE_GRACE_SECONDS = 3600.0
 
 
 class TrainingStopped(RuntimeError):
@@ -82,6 +80,8 @@ class Trainer:
 
         self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
                                 for f in dataclasses.fields(_MC)})
+        # Deterministic kernels (python -m trainer set them before CUDA started already).
+        apply_determinism(t.deterministic)
         # Every random stream a rank may use starts from the config's seed, so two runs of
         # one config are the same run (and a resumed one restores the streams it saved).
         torch.manual_seed(t.seed)
@@ -113,7 +113,9 @@ class Trainer:
         self.nan_injector = NanInjector(cfg.fault.inject_nan_step)
         self.preemption = Preemption()
         self.events = events or EventBus(rank=env.rank)
-        self.ctl_group = dist.new_group(backend="gloo") if env.distributed else None
+        # The same timeout as the training group's: after the hang watchdog (Config says).
+        self.ctl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=cfg.process_group_timeout_seconds())) if env.distributed else None
         self.losses: list[tuple[int, float]] = []
         self.metrics = None
         if cfg.metrics.port:  # every rank, on base port + LOCAL_RANK (docs/monitoring.md)
@@ -317,7 +319,7 @@ class Trainer:
                     log.warning("preemption signal: saving step %d and exiting", self.step)
                     self.events.emit("failure", self.step, failure="preempted")
                     if self.manager is not None:
-                        watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
+                        watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                         self.manager.save(self.step, self.checkpoint_state(), force=True,
                                           block=True, user_metadata=self._metadata(loss))
                     exit_code = EXIT_PREEMPTED
@@ -332,7 +334,7 @@ class Trainer:
                 if self.manager is not None:
                     # The last step is always checkpointed, so a finished run can be exported.
                     # A blocking save is slow, not hung: the watchdog gives it time.
-                    watchdog.grace_seconds = _BLOCKING_SAVE_GRACE_SECONDS
+                    watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                     self.manager.save(self.step, self.checkpoint_state(), force=True,
                                       block=True, user_metadata=self._metadata(
                                           self.losses[-1][1] if self.losses else None))

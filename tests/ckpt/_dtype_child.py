@@ -47,6 +47,10 @@ def _values(dtype: torch.dtype, rows: int, seed: int) -> torch.Tensor:
     shape = (rows, COLS)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        # float8 and float4 (packed): every bit pattern, NaN encodings included, from
+        # random bytes (torch converts nothing to float4).
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(dtype)
     if dtype.is_complex:
         return torch.randn(shape, generator=g, dtype=dtype)
     if dtype.is_floating_point:

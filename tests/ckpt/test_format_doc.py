@@ -122,3 +122,13 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
     _documented(manifest["writer"], writer_row, "the manifest's writer")
     pins = doc("pins.json")
     _documented(pins, SPEC, "pins.json")
+
+
+def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():
+    from ckpt.manifest_schema import DTYPE_NAMES, FORMAT_DTYPE_NAMES
+
+    m = re.search(r"^`dtype` is one of `([^`]*)`", SPEC, re.M)
+    assert m, "docs/format.md no longer says which dtypes a manifest may hold"
+    listed = m.group(1).split()
+    assert len(listed) == len(set(listed))
+    assert set(listed) == set(FORMAT_DTYPE_NAMES) == set(DTYPE_NAMES)

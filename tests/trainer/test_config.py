@@ -285,3 +285,59 @@ def test_model_section_matches_trainer_model():
     built = model.ModelConfig(**dataclasses.asdict(cfg.model))
     assert built.num_params() == cfg.model.num_params()
     assert 0.9e9 < cfg.model.num_params() < 1.2e9
+
+
+# -- timeouts: the process group's after the hang watchdog ------------------------------------
+def test_process_group_timeout_is_derived_after_the_hang_watchdog():
+    cfg = Config()
+    f = cfg.fault
+    assert (f.hang_timeout_seconds, f.blocking_save_grace_seconds) == (300.0, 3600.0)
+    assert f.process_group_timeout_seconds is None
+    assert cfg.process_group_timeout_seconds() == 300.0 + 3600.0 + 60.0
+    assert cfg.process_group_timeout_seconds() > cfg.hang_deadline_seconds()
+    # It follows the values it is derived from, the metrics linger only with a port.
+    cfg = load_config(None, ["--fault.hang_timeout_seconds=900",
+                             "--fault.blocking_save_grace_seconds=100"])
+    assert cfg.process_group_timeout_seconds() == 900 + 100 + 60
+    cfg = load_config(None, ["--metrics.port=9100", "--metrics.linger_seconds=30"])
+    assert cfg.process_group_timeout_seconds() == 300 + 3600 + 30 + 60
+    cfg = load_config(None, ["--fault.hang_timeout_seconds=0"])  # watchdog off: the grace
+    assert cfg.process_group_timeout_seconds() == 3600 + 60
+
+
+def test_an_explicit_process_group_timeout_is_kept_when_it_comes_later():
+    cfg = load_config(None, ["--fault.process_group_timeout_seconds=7200"])
+    assert cfg.process_group_timeout_seconds() == 7200.0
+    cfg = load_config(None, ["--fault.hang_timeout_seconds=60",
+                             "--fault.blocking_save_grace_seconds=600",
+                             "--fault.process_group_timeout_seconds=720"])
+    assert cfg.process_group_timeout_seconds() == 720.0
+
+
+@pytest.mark.parametrize("args,least", [
+    (["--fault.process_group_timeout_seconds=300"], 3960),  # NCCL's old 300 s: equal to hang
+    (["--fault.process_group_timeout_seconds=3900"], 3960),  # no margin
+    (["--fault.hang_timeout_seconds=60", "--fault.blocking_save_grace_seconds=600",
+      "--fault.process_group_timeout_seconds=719"], 720),
+    (["--metrics.port=9100", "--fault.process_group_timeout_seconds=3960"], 3975),
+])
+def test_a_process_group_timeout_before_the_hang_watchdog_is_refused(args, least):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, args)
+    message = str(info.value)
+    assert info.value.key == "fault.process_group_timeout_seconds"
+    assert message.startswith("fault.process_group_timeout_seconds: ")
+    for field in ("fault.hang_timeout_seconds", "fault.blocking_save_grace_seconds"):
+        assert field in message, message
+    assert ("metrics.linger_seconds" in message) == ("--metrics.port=9100" in args)
+    assert f"set it to {least} or more" in message and "leave it unset" in message, message
+    assert "set by --fault.process_group_timeout_seconds=" in message  # where it came from
+
+
+def test_timeout_fields_are_validated():
+    with pytest.raises(ConfigError, match="fault.blocking_save_grace_seconds: must be >= 0"):
+        load_config(None, ["--fault.blocking_save_grace_seconds=-1"])
+    with pytest.raises(ConfigError, match="fault.process_group_timeout_seconds: must be >= 1"):
+        load_config(None, ["--fault.process_group_timeout_seconds=0"])
+    assert load_config(None, ["--fault.process_group_timeout_seconds=none"]) \
+        .fault.process_group_timeout_seconds is None

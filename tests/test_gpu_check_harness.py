@@ -1,0 +1,44 @@
+"""bench/gpu_check.py's train and dtensor sections, run on CPU (gloo) as their own harness.
+
+Without a GPU only the harness can be checked: the trainer killed after its first commit and
+resumed bit for bit under torchrun, every process group on the backend it should have (the
+checkpoint store's found wherever the package creates them), and the staged FSDP2 and TP
+shards of 1 and 2 ranks equal to the live ones. The GPU run is docs/performance.md's "GPU".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_train_and_dtensor_sections_pass_on_cpu(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--only", "train,dtensor",
+         "--train-device", "cpu", "--dtensor-device", "cpu", "--steps", "20",
+         "--interval", "5", "--dir", str(tmp_path), "--out", str(tmp_path / "results")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    report = (tmp_path / "results" / "gpu_check.json")
+    results = json.loads(report.read_text()) if report.exists() else {}
+    assert proc.returncode == 0, (json.dumps(results.get("train"), indent=1)
+                                  + proc.stdout[-4000:] + proc.stderr[-4000:])
+    train = results["train"]
+    assert train["bit_for_bit"] and train["losses_equal"] and train["resume_line"]
+    assert train["training_backends"] == ["gloo"] and train["manager_backends"] == ["gloo"]
+    assert train["backends_ok"]
+    assert [e["world"] for e in results["dtensor"]] == [1, 2]
+    for entry in results["dtensor"]:
+        assert entry["ok"] and len(entry["ranks"]) == entry["world"]
+        for rank in entry["ranks"]:
+            assert set(rank["layouts"]) == {"fsdp2", "tp"}
+    assert "| 2 | 1 | tp |" in (tmp_path / "results" / "gpu_check.md").read_text()

@@ -7,7 +7,7 @@ rows that do not divide evenly over 2 ranks) and a tensor-parallel one (bf16, co
 row-wise), takes one AdamW step, and for the model's and the optimizer's state dicts
 (DTensors: this rank's shards, and the plain ``step`` counters):
 
-* **stage**: ``ckpt.staging.StagingBuffers.stage`` with ~50 ms of GPU work queued first, then
+* **stage**: ``ckpt.dcp.staging.StagingBuffers.stage`` with ~50 ms of GPU work queued first, then
   an in-place change of every parameter on the training stream right away; after
   ``wait_ready`` every staged tensor must hold the bytes of the state *before* the change
   (the training stream waits for the copies), every staged DTensor must have the source's
@@ -26,7 +26,6 @@ Each rank writes ``rank{R}.json`` into OUT_DIR: the problems found per layout an
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -187,8 +186,11 @@ class _Mlp(torch.nn.Module):
 
 
 def _tp_model(mesh, device: torch.device) -> torch.nn.Module:
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(0)
     model = _Mlp().to(device=device, dtype=torch.bfloat16)  # ~16 MiB of bf16 parameters
@@ -226,9 +228,8 @@ def _busy(device: torch.device) -> None:
 
 # -- one rank ----------------------------------------------------------------------------------
 def _check_layout(name: str, model, dtype, device, work: Path) -> dict[str, Any]:
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepLast
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers
+    from ckpt.job import CheckpointManager, KeepLast
 
     optimizer = _trained(model, device, dtype)
     state = _state(model, optimizer)

@@ -10,7 +10,7 @@ on CPU), and the checkpoint store's groups, at least the manager's two, gloo. Th
 groups are known by their ``group_desc`` (``ckpt_control``, ``ckpt_persist``, any
 ``ckpt_*``) or by a creator anywhere in the ``ckpt`` package: a group created by a
 subgroup call has no description, and the modules that create them move
-(``ckpt.manager`` first, ``ckpt.manager_groups`` now, sub-packages next).
+(``ckpt.manager`` first, ``ckpt.manager_groups`` next, ``ckpt.ranks.groups`` now).
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-
 from _common import (
     Contender,
     byte_view,
@@ -110,8 +109,7 @@ def _rm_prefix(prefix: str) -> None:
 
 
 def _manager(root: str, num_threads: int):
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepLast
+    from ckpt.job import CheckpointManager, KeepLast
 
     mgr = CheckpointManager(root, retention=[KeepLast(1)], num_threads=num_threads)
     marks: dict[int, float] = {}
@@ -281,7 +279,7 @@ def first_phase(state: dict, work: str, repeats: int, opts, log) -> dict[str, An
 
 def load_phase(state: dict, work: str, repeats: int, opts, log) -> dict[str, Any]:
     """Write one checkpoint per format (untimed), then time loads into the live state."""
-    from ckpt import api
+    from ckpt.dcp import api
 
     src = tensors_of(state)
     ours_root = os.path.join(work, "ours_load")

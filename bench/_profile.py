@@ -56,23 +56,31 @@ def profile_ours(state: dict, root: str, num_threads: int) -> dict[str, Any]:
     """One staging copy, one synchronous ``ckpt.save``, loads with verify full and none."""
     import torch.distributed.checkpoint.state_dict_saver as saver
 
-    from ckpt import api, dcp_io, dcp_layout, dcp_reader, dcp_writer, planners, staging, storage
+    from ckpt.dcp import (
+        api,
+        layout as dcp_layout,
+        planners,
+        reader as dcp_reader,
+        staging,
+        writer as dcp_writer,
+    )
+    from ckpt.storage import Storage
 
     out: dict[str, Any] = {}
     targets = [
         (staging.StagingBuffers, "stage", "StagingBuffers.stage"),
-        (dcp_io.CkptWriter, "prepare_global_plan", "CkptWriter.prepare_global_plan"),
-        (dcp_io.CkptWriter, "write_data", "CkptWriter.write_data"),
-        (dcp_io.CkptWriter, "finish", "CkptWriter.finish (manifest commit)"),
+        (dcp_writer.CkptWriter, "prepare_global_plan", "CkptWriter.prepare_global_plan"),
+        (dcp_writer.CkptWriter, "write_data", "CkptWriter.write_data"),
+        (dcp_writer.CkptWriter, "finish", "CkptWriter.finish (manifest commit)"),
         (dcp_layout, "tensor_view_bytes", "dcp_layout.tensor_view_bytes"),
         (planners, "crc32c_of", "crc32c on save, planning (planners.crc32c_of)"),
         (dcp_writer, "crc32c_of", "crc32c on save, writer (dcp_writer.crc32c_of)"),
         (dcp_reader, "crc32c_of", "crc32c on load (dcp_reader.crc32c_of)"),
-        (storage.Storage, "write_buffers", "Storage.write_buffers (write+fsync)"),
-        (storage.Storage, "create_exclusive", "Storage.create_exclusive"),
-        (storage.Storage, "read_bytes", "Storage.read_bytes"),
-        (storage.Storage, "size", "Storage.size"),
-        (dcp_io.CkptReader, "read_data", "CkptReader.read_data"),
+        (Storage, "write_buffers", "Storage.write_buffers (write+fsync)"),
+        (Storage, "create_exclusive", "Storage.create_exclusive"),
+        (Storage, "read_bytes", "Storage.read_bytes"),
+        (Storage, "size", "Storage.size"),
+        (dcp_reader.CkptReader, "read_data", "CkptReader.read_data"),
         (planners.SafeLoadPlanner, "create_local_plan", "SafeLoadPlanner.create_local_plan"),
         (saver, "_save_state_dict", "dcp _save_state_dict (whole save)"),
     ]

@@ -51,13 +51,12 @@ def _reset_peak() -> bool:
 def worker(mode: str, size_bytes: int, num_tensors: int, num_saves: int, work: str) -> dict:
     import warnings
 
-    import torch.distributed.checkpoint as dcp
     import torch
-
+    import torch.distributed.checkpoint as dcp
     from _common import make_state, state_nbytes
-    from ckpt import api
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepLast
+
+    from ckpt.dcp import api
+    from ckpt.job import CheckpointManager, KeepLast
 
     warnings.filterwarnings("ignore")
     if int(os.environ.get("BENCH_TORCH_THREADS", "0")) > 0:

@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-
 from _common import Contender, byte_view, interleave, now, tensors_of
 
 BUCKET = "ckpt-bench"
@@ -129,10 +128,10 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
     server = server or MotoServer()
     warnings.filterwarnings("ignore", message=".*assuming the intent is")
     try:
-        from ckpt import api
-        from ckpt.backends.s3 import SegmentsReader
-        from ckpt.storage import Storage
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        from ckpt.dcp import api
+        from ckpt.storage import SegmentsReader, Storage
 
         tensors = tensors_of(state)
         views = [byte_view(t) for t in tensors]

@@ -51,7 +51,6 @@ SETUPS = {
 
 def _state(total: int, shapes: str, values: bool):
     import torch
-
     from _common import make_state
 
     if shapes == "varied":
@@ -71,10 +70,9 @@ def _faults() -> int:
 def child(args) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
-
     from _common import scrub_cpu_caches, tensors_of
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepLast
+
+    from ckpt.job import CheckpointManager, KeepLast
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

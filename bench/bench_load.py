@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench._common import (  # noqa: E402
+    Contender,
     GiB,
     MiB,
-    Contender,
     interleave,
     make_state,
     median,
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import ckpt
-    from ckpt.storage import crc32c_of
+    from ckpt.format import crc32c_of
 
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench-load-", dir=args.dir)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
         staging = None
         if args.staging:
-            from ckpt.staging import StagingBuffers
+            from ckpt.dcp import StagingBuffers
 
             staging = StagingBuffers()
             staging.prepare(state)

@@ -3,7 +3,7 @@
     python bench/bench_replica_check.py --size 0.25 --repeats 5
 
 Before a save, every rank checksums its plain (non-DTensor) tensors so that the coordinator
-can refuse a key whose "replicas" differ (ckpt/planners.py, ``SafeSavePlanner``). This times,
+can refuse a key whose "replicas" differ (ckpt/dcp/planners.py, ``SafeSavePlanner``). This times,
 interleaved round by round in one process, on a state of ``--size`` GiB of plain float32
 tensors (the worst case: a fully replicated model, nothing sharded):
 
@@ -30,15 +30,21 @@ for p in (HERE, REPO):
         sys.path.insert(0, p)
 
 import torch  # noqa: E402
-from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: E402
-
 from _common import (  # noqa: E402
-    GiB, Contender, fmt_bytes, interleave, make_state, median, paired_ratio, rmtree,
+    Contender,
+    GiB,
+    fmt_bytes,
+    interleave,
+    make_state,
+    median,
+    paired_ratio,
+    rmtree,
     state_nbytes,
 )
+from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.planners import SafeSavePlanner  # noqa: E402
+from ckpt.dcp import SafeSavePlanner  # noqa: E402
 
 
 def _plan_seconds(planner_cls, state) -> float:

@@ -1,7 +1,7 @@
 """Scale of a save: coordinator time and manifest size against the number of ranks.
 
 No processes and no tensor data: for each simulated world size this program builds the
-local ``SavePlan`` every rank would send (what ``ckpt.planners.SafeSavePlanner`` produces for
+local ``SavePlan`` every rank would send (what ``ckpt.dcp.planners.SafeSavePlanner`` produces for
 the trainer's state: FSDP2 shards on dim 0 over ``dp``, TP column/row splits over ``tp``,
 AdamW moments sharded like their parameters, replicated ``step`` tensors and param-group
 values, per-rank RNG state, the flatten mappings and replica checksums in ``planner_data``),
@@ -23,7 +23,7 @@ measures the layer scaling too).
 
 ``--sizing`` prints, instead, bytes per rank and per node for 7B/70B/405B on common layouts,
 the stall at a host-copy bandwidth, persist time at 1/5/20 GB/s per node and the interval
-``ckpt.cadence.optimal_interval`` recommends for an assumed MTBF.
+``ckpt.cadence.policies.optimal_interval`` recommends for an assumed MTBF.
 
     python3 bench/bench_scale.py                         # 7B and 70B, 8..4096 ranks
     python3 bench/bench_scale.py --models 7b --ranks 8,64,512
@@ -63,12 +63,16 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
 )
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
-from ckpt.cadence import optimal_interval  # noqa: E402
-from ckpt.commit import Lifecycle  # noqa: E402
-from ckpt.dcp_io import CkptWriter  # noqa: E402
-from ckpt.manifest import FileRecord, ItemLocation, Manifest  # noqa: E402
-from ckpt.plan import make_tier_plans  # noqa: E402
-from ckpt.planners import SafeSavePlanner  # noqa: E402
+from ckpt.cadence import (
+    make_tier_plans,  # noqa: E402
+    optimal_interval,  # noqa: E402
+)
+from ckpt.dcp import (
+    CkptWriter,  # noqa: E402
+    SafeSavePlanner,  # noqa: E402
+)
+from ckpt.format import FileRecord, ItemLocation, Manifest  # noqa: E402
+from ckpt.root import Lifecycle  # noqa: E402
 from ckpt.storage import Storage  # noqa: E402
 
 
@@ -183,7 +187,7 @@ def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
             mappings[fqn] = tuple(fqn.split(".", 1))
             digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn)]
-        # Per-rank state under per-rank keys (ckpt.stateful.PerRankState).
+        # Per-rank state under per-rank keys (ckpt.dcp.stateful.PerRankState).
         fqn = f"rng.rank{rank}.cpu"
         rng = torch.Size([_RNG_BYTES])
         items.append(WriteItem(MetadataIndex(fqn, torch.Size([0])), WriteItemType.TENSOR,
@@ -377,9 +381,9 @@ def run_sizing(args) -> None:
           f"moments); {gpus} ranks per node; stall = bytes per rank / {args.copy_gbps:g} GB/s "
           f"host copy (the device-to-host staging copy, per rank, all ranks in parallel); "
           f"persist = bytes per node / node bandwidth; job MTBF = {args.node_mtbf_hours:g} h per "
-          f"node / nodes; recommended interval = ckpt.cadence.optimal_interval(delta=stall, "
+          f"node / nodes; recommended interval = ckpt.cadence.policies.optimal_interval(delta=stall, "
           f"mtbf=job MTBF, persist_seconds=persist at 5 GB/s per node), no overhead budget.\n")
-    print(f"Two tiers (last three columns, ckpt.plan.make_tier_plans as `ckpt plan "
+    print(f"Two tiers (last three columns, ckpt.cadence.plan.make_tier_plans as `ckpt plan "
           f"--local-bandwidth` computes them): a local tier at {args.local_gbps:g} GB/s per node, "
           f"saved at every failure's MTBF; the durable tier at {args.durable_gbps:g} GB/s per "
           f"node, saved at the "

@@ -18,7 +18,7 @@ Sections, in this order (``--only train,dtensor,stall``):
 * **dtensor** (bench/_gpu_dtensor.py, under torchrun on 1 GPU, and on 2 where two are
   present): an FSDP2-sharded MLP (fp32, uneven shards on 2 ranks) and a tensor-parallel one
   (bf16), one AdamW step each; their model and optimizer state (DTensors) staged with
-  ``ckpt.staging.StagingBuffers`` while the training stream changes every parameter right
+  ``ckpt.dcp.staging.StagingBuffers`` while the training stream changes every parameter right
   after the stage, and saved by a ``CheckpointManager`` (``block=True``) then loaded back.
   Every staged tensor must hold the source's local bytes from before the change, every
   staged DTensor the source's mesh, placements and global shape around a local tensor on
@@ -116,11 +116,10 @@ def _tensors(state: dict[str, Any]) -> list[torch.Tensor]:
 
 def _stall_case(work: Path, nbytes: int, dtype: torch.dtype, repeats: int) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
+    from _common import Contender, interleave
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from _common import Contender, interleave
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepLast
+    from ckpt.job import CheckpointManager, KeepLast
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist
     state = _gpu_state(nbytes, dtype)
@@ -238,6 +237,7 @@ def _ms(x: float | None) -> float | None:
 # -- train: kill and resume under torchrun ----------------------------------------------------
 def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") -> dict[str, Any]:
     from _gpu_groups import check_backends
+
     from tests.e2e._jobs import Job, assert_same_checkpoint, base_env, loss_history, trainer_argv
 
     backends = work / "backends.jsonl"

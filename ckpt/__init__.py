@@ -1,41 +1,43 @@
 """ckpt: a sharded, verifiable checkpoint store for PyTorch training jobs.
 
-The modules by concern. Imports go one way: at import time a module imports only modules
-of its own group or of the groups above it (tests/ckpt/test_layers.py checks it).
+The packages, bottom up: each imports only from those before it (and the three modules at
+the top level), never from one after it (tests/ckpt/test_layers.py checks the real import
+graph, function-level imports included).
 
-- **format**, what lies on storage: ``manifest`` (``manifest_schema`` records and names,
-  ``manifest_check`` digest and validation of untrusted documents), ``jsonio`` (strict,
-  bounded JSON), ``codec`` (non-tensor values), ``errors``, ``_crc``;
-- **storage**: ``storage`` (one interface, ``_retry``), ``backends`` (``local``, ``s3``);
-- **a root and its one writer**: ``lease``, ``fence``, ``commit`` (a checkpoint folder's
-  whole life-cycle: begin, commit, abandon, cleanup, rollback, restore, delete), ``store``
-  (``CheckpointStore``: list, verify, read);
-- **bytes through DCP**: ``api`` (``save``/``load``/``load_latest``), ``planners``,
-  ``dcp_io`` (``dcp_writer``, ``dcp_reader``, ``dcp_layout``), ``stateful``, ``staging``
-  (``host_arena``), ``attachments``, ``agreement`` (ranks deciding together), ``groups``
-  (the gloo groups the store's collectives run on, never the default group; freed at
-  exit), ``savecost``;
-- **how often**: ``cadence`` (policies), ``interval``, ``units``, ``young_daly``, ``plan``
-  (``ckpt plan``), ``bandwidth``, ``simulate``;
-- **a job's checkpoints**: ``manager`` (``CheckpointManager``, orchestration; its units
-  ``savestep``, ``inflight``, ``persist``, ``manager_commit``, ``manager_groups``,
-  ``manager_lease``, ``manager_load``, ``manager_staging``, ``steptime``, ``history``,
-  ``retention``, ``events``), ``tiers`` (a local tier under the durable one:
-  ``tier_layout``, ``tier_resume``), ``distributed`` (``init_distributed``);
-- **operator tools**: ``inspect``, ``export`` (``export_select``, ``export_files``,
-  ``export_hf``), ``cli`` (``cli_read``, ``cli_admin``, ``cli_common``, ``cli_errors``),
-  ``__main__``.
+- ``errors``, ``events``, ``units``: what every package may use;
+- ``format``: what lies on storage: the manifest (the commit), strict JSON, values, CRC32C;
+- ``storage``: one interface over fsspec, retries, and everything that knows a backend;
+- ``ranks``: torchrun's process group, the gloo groups the store talks on, agreements;
+- ``root``: a root and its one writer: lease, fence, the folder life-cycle, the store;
+- ``cadence``: how often to save: policies, Young/Daly, failure history, ``ckpt plan``;
+- ``dcp``: bytes through torch.distributed.checkpoint: save/load, planners, writer and
+  reader, host staging, stateful adapters, attachments;
+- ``job``: a job's checkpoints: the manager, its save gate, the background persist,
+  retention, the two-tier manager;
+- ``export``: a checkpoint as full tensors (``.pt``, ``.safetensors``, Hugging Face);
+- ``cli``: the ``ckpt`` command and its read-only inspection.
 
-The package stays flat: every module path above is importable as it is
-(``ckpt.manager``, ``ckpt.store``, ...), and the documentation and users' code name them.
+A save is planned in ``dcp`` (planners), written in ``dcp`` (writer) and committed in
+``root`` (lifecycle); a job decides when in ``job`` (gate) with ``cadence``; a resume finds
+its checkpoint through ``root`` (store) and loads it through ``dcp`` (reader).
+
+This module is the public API: what users import, and what the documentation names.
 """
 
-__version__ = "0.1.0"
-
-from ckpt.api import load, load_latest, save  # noqa: E402
-from ckpt.attachments import list_attachments, read_attachment  # noqa: E402
-from ckpt.distributed import init_distributed  # noqa: E402
-from ckpt.errors import (  # noqa: E402
+from ckpt._version import __version__
+from ckpt.cadence import parse_interval
+from ckpt.dcp import (
+    ModelState,
+    PerRankState,
+    RNGState,
+    list_attachments,
+    load,
+    load_latest,
+    rank_key,
+    read_attachment,
+    save,
+)
+from ckpt.errors import (
     AllCheckpointsDamagedError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -47,22 +49,51 @@ from ckpt.errors import (  # noqa: E402
     StateMismatchError,
     StorageUnavailableError,
 )
-from ckpt.manifest import Manifest  # noqa: E402
-from ckpt.storage import Storage  # noqa: E402
-from ckpt.store import CheckpointInfo, CheckpointStore  # noqa: E402
+from ckpt.events import Event, EventBus, JsonlEventLog
+from ckpt.format import Manifest
+from ckpt.job import (
+    CheckpointManager,
+    KeepAll,
+    KeepEvery,
+    KeepLast,
+    KeepPinned,
+    TieredCheckpointManager,
+)
+from ckpt.ranks import init_distributed
+from ckpt.root import CheckpointInfo, CheckpointStore
+from ckpt.storage import Storage
 
 __all__ = [
     "__version__",
+    # saving and loading
     "save",
     "load",
     "load_latest",
     "read_attachment",
     "list_attachments",
     "init_distributed",
+    # a job's checkpoints
+    "CheckpointManager",
+    "TieredCheckpointManager",
+    "parse_interval",
+    "KeepLast",
+    "KeepEvery",
+    "KeepPinned",
+    "KeepAll",
+    "Event",
+    "EventBus",
+    "JsonlEventLog",
+    # what to save
+    "ModelState",
+    "RNGState",
+    "PerRankState",
+    "rank_key",
+    # a root
     "Storage",
     "CheckpointStore",
     "CheckpointInfo",
     "Manifest",
+    # errors
     "CheckpointError",
     "AllCheckpointsDamagedError",
     "CheckpointNotFoundError",

@@ -18,6 +18,8 @@ __all__ = [
     "LeaseLostError",
     "StorageUnavailableError",
     "RankFailuresError",
+    "FencedCheckpointError",
+    "SaveAbandoned",
     "missing_file_error",
     "size_mismatch_error",
     "crc_mismatch_error",
@@ -153,3 +155,11 @@ class RankFailuresError(CheckpointError, RuntimeError):
 
 class LeaseLostError(CheckpointError, RuntimeError):
     """This writer's lease was taken over: it is fenced off and its commit does not count."""
+
+
+class FencedCheckpointError(CheckpointNotFoundError):
+    """A manifest exists but was created by a writer that had lost the lease: no checkpoint."""
+
+
+class SaveAbandoned(CheckpointError):
+    """A save was abandoned before its commit (shutdown without flushing)."""

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #   save_cost       (step, wall_seconds, cpu_seconds, total_wall_seconds,
 #                    persist_thread_cpu_seconds, helper_cpu_seconds, background_cpu_seconds,
 #                    process_cpu_seconds): what a committed save cost in the background,
-#                    per phase (ckpt.savecost.PHASES), emitted after its retention
+#                    per phase (ckpt.dcp.savecost.PHASES), emitted after its retention
 #   save_failed     (step, outcome, error, attempt, final, stall_seconds, persist_seconds,
 #                    bytes, retries)
 #   save_skipped    (step, outcome, reason[, in_flight_step, num_skipped])

@@ -1,7 +1,7 @@
 """Quantities with units, as users type them: durations, sizes, bandwidths and fractions.
 
 One grammar (a number, then an optional unit, case-insensitive) behind every such value: the
-trainer's config, ``CheckpointManager(cadence=...)`` (through :mod:`ckpt.interval`),
+trainer's config, ``CheckpointManager(cadence=...)`` (through :mod:`ckpt.cadence.interval`),
 ``ckpt plan`` and ``ckpt export --max-shard-size``. Each parser raises ``ValueError`` naming the
 value and the accepted forms.
 """

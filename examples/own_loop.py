@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt.manager import CheckpointManager
-from ckpt.stateful import ModelState, RNGState
+from ckpt.dcp import ModelState, RNGState
+from ckpt.job import CheckpointManager
 
 
 def train(root: str, steps: int = 30) -> None:

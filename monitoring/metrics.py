@@ -38,8 +38,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ckpt.dcp import PHASES
 from ckpt.events import Event, EventBus
-from ckpt.savecost import PHASES
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS"]
 
@@ -113,7 +113,7 @@ class Metrics:
         self.last_time = gauge("ckpt_last_commit_timestamp_seconds",
                                "Unix time of the newest commit (process start when none)",
                                self.start_time)
-        # The fast local tier (ckpt.tiers): its own series, never the durable tier's above.
+        # The fast local tier (ckpt.job.tiers): its own series, never the durable tier's above.
         self.local_saves = counter("ckpt_local_saves_total",
                                    "Local-tier checkpoint saves by outcome", ["outcome"],
                                    [(o,) for o in SAVE_OUTCOMES])
@@ -171,7 +171,7 @@ class Metrics:
 
     # -- start-up state --------------------------------------------------------------------
     def observe_store(self, store: Any) -> None:
-        """Set the newest commit from ``store`` (a ``ckpt.store.CheckpointStore``), read-only.
+        """Set the newest commit from ``store`` (a ``ckpt.root.store.CheckpointStore``), read-only.
 
         Call once at start-up on every rank: checkpoint age and the last committed step then
         survive restarts instead of being unknown until this process saves. Errors are

@@ -33,7 +33,7 @@ def _wrong_copies(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers
 
     m = _module()
     mesh = init_device_mesh("cpu", (world,))

@@ -2,8 +2,8 @@
 
 The train section records each group a trainer launch creates (kind, ``group_desc``,
 creating module, backend) and requires the store's groups on gloo. It used to look for the
-creator ``ckpt.manager``; the groups moved to ``ckpt.manager_groups``, so the check failed
-on every machine. Here the judging function gets the records a launch writes today, and
+creator ``ckpt.manager``; the groups had moved to another module, so the check failed on
+every machine. Here the judging function gets the records a launch writes today, and
 those of a package laid out otherwise.
 """
 
@@ -31,7 +31,7 @@ def _launch(manager_module: str, training: str = "nccl", subgroups: bool = False
             ckpt_backend: str = "gloo") -> list[dict]:
     """The records of a one-node trainer launch: the default group, the DeviceMesh's and
     the trainer's own gloo group, and the checkpoint manager's two groups."""
-    records = [{"kind": "init", "caller": "ckpt.distributed", "desc": None,
+    records = [{"kind": "init", "caller": "ckpt.ranks.torchrun", "desc": None,
                 "backend": training, "rank": 0},
                {"kind": "new_group", "caller": "trainer.train", "desc": None,
                 "backend": "gloo", "rank": 0},
@@ -44,7 +44,7 @@ def _launch(manager_module: str, training: str = "nccl", subgroups: bool = False
     return records
 
 
-@pytest.mark.parametrize("module", ["ckpt.manager_groups", "ckpt.manager",
+@pytest.mark.parametrize("module", ["ckpt.ranks.groups", "ckpt.job.manager",
                                     "ckpt.checkpoint_managers._groups", "ckpt._src.groups"])
 def test_the_managers_groups_are_found_wherever_they_are_created(groups, module):
     out = groups.check_backends(_launch(module), "cuda")
@@ -60,7 +60,7 @@ def test_found_by_description_from_any_creator(groups):
 def test_subgroups_are_found_by_their_creator(groups):
     """A manager over a subgroup (each node's local tier) creates its groups with
     ``new_subgroups_by_enumeration``: no description, only the creator tells."""
-    records = _launch("ckpt.manager_groups", subgroups=True)
+    records = _launch("ckpt.ranks.groups", subgroups=True)
     assert groups.checkpoint_group_backends(records) == ["gloo", "gloo"]
 
 
@@ -80,7 +80,7 @@ def test_other_groups_are_not_the_stores(groups):
     (dict(ckpt_backend="nccl"), "cuda", False),      # a store group on NCCL
 ])
 def test_backends_verdict(groups, case, device, ok):
-    assert groups.check_backends(_launch("ckpt.manager_groups", **case), device)[
+    assert groups.check_backends(_launch("ckpt.ranks.groups", **case), device)[
         "backends_ok"] is ok
 
 

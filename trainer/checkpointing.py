@@ -2,7 +2,7 @@
 what a resume settles (layout match, which LR schedule continues, how the config changed).
 
 :class:`trainer.train.Trainer` calls these; ``check_startup`` runs before any rank builds
-anything. Nothing here communicates except the manager it builds (see ``ckpt.manager``).
+anything. Nothing here communicates except the manager it builds (see ``ckpt.job.manager``).
 """
 
 from __future__ import annotations
@@ -110,9 +110,8 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
     set): cadence, retention, the layout recorded in every manifest. Every rank builds it."""
     from ckpt.cadence import parse_interval
-    from ckpt.manager import CheckpointManager
-    from ckpt.retention import KeepEvery, KeepLast, KeepPinned
-    from ckpt.store import CheckpointStore
+    from ckpt.job import CheckpointManager, KeepEvery, KeepLast, KeepPinned
+    from ckpt.root import CheckpointStore
 
     c, par = cfg.checkpoint, cfg.parallel
     auto = dict(overhead_budget=c.overhead_budget,
@@ -134,7 +133,7 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
                    layout=layout, events=events, raise_on_failure=c.fail_on_error,
                    job_fingerprint=fingerprint)
     if c.local_root:
-        from ckpt.tiers import TieredCheckpointManager
+        from ckpt.job import TieredCheckpointManager
 
         mgr = TieredCheckpointManager(
             c.root, c.local_root, local_cadence=parse_interval(
@@ -222,7 +221,7 @@ def uncommit_newer(store, events: EventBus, step: int) -> None:
     stale checkpoint) and the next automatic resume would jump onto them. As with
     ``ckpt rollback``, nothing is deleted: each becomes a rolled-back version that
     ``ckpt restore --id`` brings back; saving the step again writes a new version.
-    ``store`` is the manager's :class:`ckpt.store.CheckpointStore`; ``step`` -1 means a
+    ``store`` is the manager's :class:`ckpt.root.store.CheckpointStore`; ``step`` -1 means a
     deliberate fresh start.
     """
     for newer, kept, exc in store.uncommit_newer(step):
@@ -245,8 +244,8 @@ def check_startup(cfg: Config) -> None:
     import os
 
     from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-    from ckpt.manifest import step_dirname
-    from ckpt.store import CheckpointStore
+    from ckpt.format import step_dirname
+    from ckpt.root import CheckpointStore
 
     c = cfg.checkpoint
     if not c.enabled:
@@ -270,7 +269,7 @@ def check_startup(cfg: Config) -> None:
                               f"writable; fix its permissions or choose another root",
                               key="checkpoint.root")
     if c.local_root and "://" not in c.local_root:
-        from ckpt.tiers import node_local_root
+        from ckpt.job import node_local_root
 
         path = os.path.abspath(os.path.expanduser(
             node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0") or 0))))

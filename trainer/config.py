@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 from trainer.config_schema import (  # the types (trainer/config_schema.py), re-exported
+    SECTIONS,
     CheckpointConfig,
     Config,
     ConfigError,
@@ -61,7 +62,6 @@ from trainer.config_schema import (  # the types (trainer/config_schema.py), re-
     ModelConfig,
     ParallelConfig,
     TrainingConfig,
-    SECTIONS,
     coerce,
     type_name,
 )

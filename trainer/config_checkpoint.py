@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckpt.cadence import Interval
-from trainer.config_section import Section
-from trainer.config_section import config_field as _f
+from trainer.config_section import Section, config_field as _f
 
 __all__ = ["CheckpointConfig"]
 

@@ -8,8 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trainer.config_section import Section, fail_key
-from trainer.config_section import config_field as _f
+from trainer.config_section import Section, config_field as _f, fail_key
 
 __all__ = ["ParallelConfig", "DP_MODES", "PP_SCHEDULES"]
 

@@ -20,8 +20,14 @@ from typing import ClassVar
 
 from trainer.config_checkpoint import CheckpointConfig
 from trainer.config_parallel import DP_MODES, PP_SCHEDULES, ParallelConfig
-from trainer.config_section import ConfigError, Section, coerce, fail_key, type_name
-from trainer.config_section import config_field as _f
+from trainer.config_section import (
+    ConfigError,
+    Section,
+    coerce,
+    config_field as _f,
+    fail_key,
+    type_name,
+)
 
 __all__ = [
     "ConfigError",

@@ -3,7 +3,7 @@
 Restarts: with ``torchrun --max-restarts``, restarted gloo workers can read the dead
 attempt's addresses from the shared rendezvous store and hang or fail in
 ``connectFullMesh``. The group is therefore started by ``ckpt.init_distributed``, which
-gives every attempt its own key space (``ckpt.distributed`` explains).
+gives every attempt its own key space (``ckpt.ranks.torchrun`` explains).
 
 Exit: a gloo worker thread releasing a tensor while Python finalises can abort the process
 (``terminate called without an active exception``). ``shutdown`` barriers, destroys the
@@ -21,7 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ckpt import distributed as ckpt_distributed
+from ckpt.ranks import torchrun as ckpt_distributed
 
 __all__ = ["DistEnv", "init_distributed", "shutdown", "EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG",
            "EXIT_PREEMPTED", "EXIT_HANG", "EXIT_NOT_CHECKPOINTED", "EXIT_LEASE_LOST"]

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.agreement import Agreement
+from ckpt.dcp import RNGState, init_optimizer_state
 from ckpt.errors import LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
-from ckpt.stateful import RNGState, init_optimizer_state
+from ckpt.ranks import Agreement
 from trainer.checkpointing import (
     ListState,
     ModelOptimState,

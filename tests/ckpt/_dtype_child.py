@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ckpt.manifest import dtype_name
+from ckpt.format import dtype_name
 
 
 def _format_dtypes() -> list[torch.dtype]:
@@ -103,7 +103,7 @@ def save_sharded(rank: int, world: int, root: str) -> None:
 
 def _check(root: str, options, state: dict, expected: dict) -> str:
     import ckpt
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     manifest = CheckpointStore(root, storage_options=options).read_manifest(1) \
         if options is not None else CheckpointStore(root).read_manifest(1)

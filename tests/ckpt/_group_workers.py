@@ -38,7 +38,7 @@ def api_body(rank: int, world: int, root: str, store_path: str) -> dict:
     """ckpt.save / load / load_latest without a process group, with the default group, with
     groups of either kind, and after the default group was made again."""
     import ckpt
-    from ckpt.groups import world_group
+    from ckpt.ranks import world_group
 
     out: dict = {}
     ckpt.save(state_at(rank, 1), root, 1)
@@ -81,7 +81,7 @@ def api_body(rank: int, world: int, root: str, store_path: str) -> dict:
 def manager_body(rank: int, world: int, root: str) -> dict:
     """CheckpointManager: maybe_save, save, load_latest and close, over the world and over
     a subgroup without a CPU backend (only its ranks are used)."""
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
 
     out: dict = {}
     with CheckpointManager(root, cadence="2", busy="wait", retention=[]) as mgr:
@@ -103,8 +103,8 @@ def manager_body(rank: int, world: int, root: str) -> dict:
 def tiers_body(rank: int, world: int, root: str, local_root: str) -> dict:
     """TieredCheckpointManager on two "nodes" (a local root each): saves of both tiers,
     then a resume from the local tier."""
-    from ckpt.store import CheckpointStore
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
+    from ckpt.root import CheckpointStore
 
     def tiered():
         return TieredCheckpointManager(root, local_root, cadence="4", local_cadence="2",
@@ -157,7 +157,7 @@ def world_group_freed_body(rank: int, world: int, root: str) -> dict:
     import gc
 
     import ckpt
-    from ckpt.groups import free_all_at_exit
+    from ckpt.ranks import free_all_at_exit
     from tests.ckpt._mgr_workers import native_threads
 
     gc.collect()

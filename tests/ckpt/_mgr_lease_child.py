@@ -22,7 +22,7 @@ def main() -> int:
     import torch
 
     from ckpt.errors import LeaseHeldError
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
     from tests.ckpt._mgr_util import FaultyStorage
 
     never = threading.Event()

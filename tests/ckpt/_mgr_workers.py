@@ -59,9 +59,8 @@ def async_resume_body(rank: int, world: int, root: str) -> dict:
     """Several async saves of DDP + FSDP2 state while training; resume bit-for-bit."""
     import torch.distributed as dist
 
-    from ckpt.api import resolve_state
-    from ckpt.manager import CheckpointManager
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.job import CheckpointManager
 
     ddp, ddp_opt, fsdp, fsdp_opt = _build(world, 0)
     # Plain tensors are taken as replicated by DCP: per-rank values need per-rank keys.
@@ -116,8 +115,8 @@ def failure_body(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     from ckpt.errors import RankFailuresError
-    from ckpt.lease import LEASE_NAME
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
+    from ckpt.root import LEASE_NAME
 
     storage = FaultyStorage(root, fail_attempts=-1 if rank == 1 else 0)
     mgr = CheckpointManager(storage, retention=[], max_attempts=2, retry_backoff_seconds=0.05)
@@ -185,7 +184,7 @@ def exit_body(rank: int, world: int, root: str) -> dict:
     abandons it (never committed); the next job's manager removes the leftovers."""
     import torch.distributed as dist
 
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
 
     storage = FaultyStorage(root, delay_seconds=0.3)
     state = {f"w{rank}": torch.full((4,), float(rank))}
@@ -218,9 +217,8 @@ def fsdp_save_body(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ckpt.api import resolve_state
-    from ckpt.manager import CheckpointManager
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.job import CheckpointManager
 
     torch.manual_seed(0)
     model = _mlp()
@@ -266,9 +264,8 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     process while a worker thread releases a finished collective's tensors.)"""
     import gc
 
-    from ckpt.manager import CheckpointManager
-    from ckpt.groups import free_all_at_exit
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import CheckpointManager, TieredCheckpointManager
+    from ckpt.ranks import free_all_at_exit
 
     gc.collect()
     before = native_threads()

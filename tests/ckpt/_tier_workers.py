@@ -27,7 +27,7 @@ def step_of(state: dict, rank: int) -> int:
 
 
 def _mgr(root: str, local_root: str, node_rank: int | None, **kw):
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     return TieredCheckpointManager(root, local_root, cadence=kw.pop("cadence", "4"),
                                    local_cadence=kw.pop("local_cadence", "2"), busy="wait",
@@ -47,7 +47,7 @@ def _local_files(local_root: str, step: int) -> list[Path]:
 
 def nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     """Two ranks as two nodes (a local root each): cadences, resume order and fall back."""
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     out: dict = {}
     mine = local_root.replace("{node}", str(rank))
@@ -102,7 +102,7 @@ def nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
 
 def one_node_body(rank: int, world: int, root: str, local_root: str) -> dict:
     """Two ranks on one node: one stall when both tiers are due; per-tier retention."""
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     mgr = _mgr(root, local_root, 0, cadence="3", local_cadence="1")
     copies = []
@@ -126,7 +126,7 @@ def one_node_body(rank: int, world: int, root: str, local_root: str) -> dict:
 def cross_node_shards_body(rank: int, world: int, root: str, local_root: str) -> str:
     """FSDP2 over two "nodes" (a tensor sharded across nodes): the local tier refuses it at
     its first save, on every rank, before anything is written."""
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState
     from tests.ckpt._mgr_workers import _build
 
     _, _, fsdp, fsdp_opt = _build(world, seed=3)
@@ -148,8 +148,7 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ckpt.api import resolve_state
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState, resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._mgr_workers import _mlp, _train
 
@@ -180,7 +179,7 @@ def timed_nodes_body(rank: int, world: int, root: str, local_root: str) -> list[
     nodes still save the same local steps (decisions and busy skips agreed job-wide)."""
     import time
 
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     mgr = _mgr(root, local_root, rank, cadence="1000", local_cadence="60ms")
     mgr.local.busy = "skip"

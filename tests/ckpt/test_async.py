@@ -20,9 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckpt
-from ckpt.errors import CheckpointError
-from ckpt.manager import CheckpointManager, SaveAbandoned
-from ckpt.savecost import PHASES
+from ckpt.dcp import PHASES
+from ckpt.errors import CheckpointError, SaveAbandoned
+from ckpt.job import CheckpointManager
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 from tests.ckpt._mgr_util import FaultyStorage, lease_released, marker_names, wait_for
 
@@ -145,7 +145,7 @@ def test_busy_skip_is_counted_and_reported(tmp_path, caplog):
     state = _state()
     with CheckpointManager(storage, retention=[], busy="skip") as mgr:
         assert mgr.save(1, state)
-        with caplog.at_level(logging.WARNING, logger="ckpt.manager"):
+        with caplog.at_level(logging.WARNING, logger="ckpt.job.manager"):
             assert mgr.save(2, state) is False
             assert mgr.save(3, state) is False
         assert mgr.num_skipped == 2
@@ -183,7 +183,7 @@ def test_background_failure_is_reported_not_fatal(tmp_path, caplog):
     storage = FaultyStorage(root, fail_attempts=-1)
     state = _state()
     mgr = CheckpointManager(storage, retention=[], max_attempts=2, retry_backoff_seconds=0.01)
-    with caplog.at_level(logging.ERROR, logger="ckpt.manager"):
+    with caplog.at_level(logging.ERROR, logger="ckpt.job.manager"):
         assert mgr.save(1, state)  # returns: the failure happens in the background
         assert mgr.wait(raise_errors=False) is None
     failed = mgr.events.of_kind("save_failed")
@@ -394,7 +394,7 @@ def test_wait_without_save_and_closed_twice(tmp_path):
 
 
 def test_staging_memory_follows_the_state():
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers
 
     staging = StagingBuffers()
     state = {"a": torch.ones(64), "b": torch.ones(32)}

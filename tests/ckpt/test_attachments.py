@@ -11,14 +11,12 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.attachments import MAX_ATTACHMENT_BYTES
 from ckpt.cli import main as ckpt_main
-from ckpt.commit import ROLLED_BACK, acquire_lease, data_file_id, release_lease
 from ckpt.errors import CorruptCheckpointError
-from ckpt.manager import CheckpointManager
-from ckpt.manifest import Manifest, manifest_bytes, step_dirname
+from ckpt.format import MAX_ATTACHMENT_BYTES, Manifest, manifest_bytes, step_dirname
+from ckpt.job import CheckpointManager
+from ckpt.root import ROLLED_BACK, CheckpointStore, acquire_lease, data_file_id, release_lease
 from ckpt.storage import Storage
-from ckpt.store import CheckpointStore
 from tests.ckpt._helpers import flip_byte
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,15 @@ import pickle
 
 import pytest
 
-from ckpt.backends import Backend, FsspecBackend, LocalBackend, S3Backend, open_backend
-from ckpt.storage import RetryPolicy, Storage
+from ckpt.storage import (
+    Backend,
+    FsspecBackend,
+    LocalBackend,
+    RetryPolicy,
+    S3Backend,
+    Storage,
+    open_backend,
+)
 
 
 @pytest.mark.parametrize("url, cls", [

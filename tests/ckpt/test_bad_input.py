@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manifest import MANIFEST_NAME, manifest_bytes, step_dirname
-from ckpt.storage import Storage, crc32c_of
+from ckpt.format import MANIFEST_NAME, crc32c_of, manifest_bytes, step_dirname
+from ckpt.storage import Storage
 from tests.conftest import make_s3_options
 from tests.dist import free_port
 

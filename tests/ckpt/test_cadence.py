@@ -17,10 +17,10 @@ from ckpt.cadence import (
     FailureHistory,
     Interval,
     optimal_interval,
-    parse_duration,
     parse_interval,
     young_daly_interval,
 )
+from ckpt.units import parse_duration
 
 # Hand-computed: delta = 2 s, M = 10000 s -> sqrt(2 * 2 * 10000) = 200, sqrt(delta/2M) = 0.01,
 # delta/18M = 1/90000; 200 * (1 + 0.01/3 + 1/90000) - 2 = 198.668888...
@@ -110,7 +110,7 @@ def test_every_interval_spelling_parses_to_its_policy(text, expected):
 
 @pytest.mark.parametrize("text,expected", [(t, e) for t, e in SPELLINGS if isinstance(t, str)])
 def test_checkpoint_manager_accepts_every_interval_spelling(tmp_path, text, expected):
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
 
     with CheckpointManager(str(tmp_path / "root"), cadence=text, retention=[]) as mgr:
         assert isinstance(mgr.cadence, CadencePolicy)
@@ -212,7 +212,7 @@ def test_manager_shares_its_history_with_every_policy_and_counts_uptime_once(tmp
 
     import torch
 
-    from ckpt.manager import CheckpointManager
+    from ckpt.job import CheckpointManager
 
     for i, policy in enumerate((EverySteps(100), EverySeconds(3600.0), Auto(initial_steps=100))):
         with CheckpointManager(str(tmp_path / str(i)), cadence=policy, retention=[]) as mgr:

@@ -19,7 +19,7 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.lease import LEASE_NAME
+from ckpt.root import LEASE_NAME
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 
 pytestmark = pytest.mark.timeout(180)
@@ -124,7 +124,7 @@ def test_list_verify_export(root, tmp_path, capsys):
     # .safetensors: flat keys; non-tensor values in the header, exactly recoverable.
     from safetensors import safe_open
 
-    from ckpt.codec import decode_object
+    from ckpt.format import decode_object
 
     with safe_open(st, "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -186,7 +186,7 @@ def test_pin_and_unpin(root, capsys):
     assert rc == 2 and "damaged" in err  # never overwrites the pins it cannot read
     with open(os.path.join(url, "pins.json"), "w") as f:
         json.dump({"pinned": [30]}, f)
-    from ckpt.retention import KeepLast, KeepPinned, apply_retention
+    from ckpt.job import KeepLast, KeepPinned, apply_retention
 
     store = ckpt.CheckpointStore(url)
     assert apply_retention(store, [KeepLast(1), KeepPinned(store)]) == [10, 20]

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli import format_table
+from ckpt.cadence import HISTORY_NAME
 from ckpt.cli import main as cli_main
-from ckpt.history import HISTORY_NAME
+from ckpt.cli._common import format_table
 from tests.ckpt._helpers import flip_byte
 from tests.dist import run_ranks
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.codec import UnsupportedValueError, decode_object, encode_object
+from ckpt.format import UnsupportedValueError, decode_object, encode_object
 from tests.dist import run_ranks
 
 
@@ -58,7 +58,7 @@ def test_crc32c_combine_matches_a_single_pass():
 
     import crc32c
 
-    from ckpt._crc import crc32c_combine
+    from ckpt.format import crc32c_combine
 
     for la, lb in [(0, 5), (5, 0), (1, 1), (100, 3), (3, 100_000), (1 << 20, 12345)]:
         a, b = os.urandom(la), os.urandom(lb)

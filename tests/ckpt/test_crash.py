@@ -24,9 +24,8 @@ from pathlib import Path
 import pytest
 
 import ckpt
-from ckpt.commit import Lifecycle, acquire_lease, release_lease
+from ckpt.root import INCOMPLETE, CheckpointStore, Lifecycle, acquire_lease, release_lease
 from ckpt.storage import Storage
-from ckpt.store import INCOMPLETE, CheckpointStore
 from tests.ckpt import _crash_child as child
 from tests.ckpt._helpers import assert_same
 from tests.dist import free_port

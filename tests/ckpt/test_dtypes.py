@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manager import CheckpointManager
-from ckpt.retention import KeepLast
+from ckpt.job import CheckpointManager, KeepLast
 from tests.dist import run_ranks
 
 NEW_DTYPES = [getattr(torch, name) for name in
@@ -73,8 +72,8 @@ def test_manager_stages_and_exports(tmp_path, dtype):
     diff`` of two steps that differ in a packed or float8 tensor."""
     from safetensors.torch import load_file
 
+    from ckpt.cli.inspection import diff, select
     from ckpt.export import consolidate, export
-    from ckpt.inspect import diff, select
 
     root = str(tmp_path / "root")
     # No scalar: safetensors has no shape for a 0-dimensional float4 (test below).

@@ -19,7 +19,6 @@ from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.export import consolidate, export
 from tests.ckpt import _mgr_workers as workers
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
-
 from tests.dist import run_ranks
 
 pytestmark = pytest.mark.timeout(240)
@@ -127,12 +126,12 @@ def test_consolidate_flat_missing_and_corrupt(tmp_path):
     with pytest.raises(ValueError, match=".safetensors"):
         export(root, 5, str(tmp_path / "x.bin"))
 
-    # Safetensors: non-tensor values keep their exact types through ckpt.codec's JSON.
+    # Safetensors: non-tensor values keep their exact types through ckpt.format.codec's JSON.
     st = str(tmp_path / "ok.safetensors")
     export(root, 5, st)
     from safetensors import safe_open
 
-    from ckpt.codec import decode_object
+    from ckpt.format import decode_object
 
     with safe_open(st, "pt") as f:
         objects = json.loads(f.metadata()["ckpt_objects"])

@@ -19,10 +19,10 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
+from ckpt.dcp import ModelState, RNGState
 from ckpt.errors import CorruptCheckpointError
 from ckpt.export import consolidate, export, parse_dtype, select_keys
-from ckpt.manifest import step_dirname
-from ckpt.stateful import ModelState, RNGState
+from ckpt.format import step_dirname
 from tests.ckpt._helpers import flip_byte
 from trainer.model import ModelConfig, Transformer
 

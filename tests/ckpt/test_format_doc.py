@@ -16,12 +16,10 @@ import re
 import torch
 
 import ckpt
-from ckpt.cadence import FailureHistory
-from ckpt.commit import acquire_lease, release_lease
-from ckpt.history import write_history
-from ckpt.retention import set_pinned
+from ckpt.cadence import FailureHistory, write_history
+from ckpt.job import set_pinned
+from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
-from ckpt.store import CheckpointStore
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 with open(os.path.join(REPO, "docs", "format.md"), encoding="utf-8") as _f:
@@ -125,7 +123,7 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
 
 
 def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():
-    from ckpt.manifest_schema import DTYPE_NAMES, FORMAT_DTYPE_NAMES
+    from ckpt.format import DTYPE_NAMES, FORMAT_DTYPE_NAMES
 
     m = re.search(r"^`dtype` is one of `([^`]*)`", SPEC, re.M)
     assert m, "docs/format.md no longer says which dtypes a manifest may hold"

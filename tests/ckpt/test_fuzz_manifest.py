@@ -25,13 +25,12 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import jsonio
+from ckpt.cadence import HISTORY_NAME, read_history
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ckpt.events import EventBus
 from ckpt.export import consolidate
-from ckpt.history import HISTORY_NAME, read_history
-from ckpt.manifest import MANIFEST_NAME, manifest_bytes, step_dirname
-from ckpt.retention import PINS_NAME, read_pins
+from ckpt.format import MANIFEST_NAME, jsonio, manifest_bytes, step_dirname
+from ckpt.job import PINS_NAME, read_pins
 from ckpt.storage import Storage
 from tests.ckpt._helpers import assert_same
 

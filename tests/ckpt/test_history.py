@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from ckpt.cadence import Auto
-from ckpt.manager import HISTORY_NAME, CheckpointManager
+from ckpt.cadence import HISTORY_NAME, Auto
+from ckpt.job import CheckpointManager
 
 
 def _dead_lease(root):

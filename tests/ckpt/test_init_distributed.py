@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 import ckpt
-from ckpt import distributed as ckpt_dist
+from ckpt.ranks import torchrun as ckpt_dist
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",

@@ -18,7 +18,7 @@ import pytest
 
 import ckpt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.store import COMMITTED, CORRUPT, CheckpointStore
+from ckpt.root import COMMITTED, CORRUPT, CheckpointStore
 from tests.ckpt import _crash_child as states
 from tests.ckpt._helpers import assert_same, flip_byte
 from tests.dist import run_ranks

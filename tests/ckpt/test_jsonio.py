@@ -1,4 +1,4 @@
-"""ckpt.jsonio: strict JSON in and out; hostile input is a named error, never a crash."""
+"""ckpt.format.jsonio: strict JSON in and out; hostile input is a named error, never a crash."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from ckpt import jsonio
 from ckpt.errors import CorruptCheckpointError
+from ckpt.format import jsonio
 
 SRC = "root/step_000000001/thing.json"
 

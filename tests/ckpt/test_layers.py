@@ -1,5 +1,16 @@
-"""The package docstring's map of ckpt's modules is complete and true: every module is in
-exactly one group, and no module imports (at import time) a module of a later group."""
+"""The house matches its map, read from the real import graph (ast, every import statement,
+those inside functions included, ``from ckpt import X`` resolved to what ``X`` is).
+
+* ``ckpt``'s packages form floors, bottom up, as its docstring lists them: a module imports
+  only from its own package or from a package on a lower floor, never from a higher one
+  or from the ``ckpt`` face itself;
+* no circle in the import graph of ``ckpt``, ``trainer`` and ``monitoring`` (a package face
+  counts as importing each of its modules);
+* no module but a package face imports a name only to hand it on (listed in ``__all__``,
+  or never used);
+* at most 8 modules at ``ckpt``'s top level; no imports of project modules inside
+  functions in ``ckpt`` (they hide the graph this test reads).
+"""
 
 from __future__ import annotations
 
@@ -7,50 +18,203 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 import ckpt
 
-PKG = Path(ckpt.__file__).resolve().parent
+REPO = Path(ckpt.__file__).resolve().parents[1]
+PACKAGES = ("ckpt", "trainer", "monitoring")
+BASE = ("_version", "errors", "events", "units")  # the floor under every package
 
 
-def _modules() -> set[str]:
-    names = {p.stem for p in PKG.glob("*.py") if p.stem != "__init__"}
-    names |= {f"backends.{p.stem}" for p in (PKG / "backends").glob("*.py")}
-    return names
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _groups() -> list[set[str]]:
-    doc = ckpt.__doc__
-    bullets = re.split(r"\n- ", doc.split("\n- ", 1)[1])
-    groups = []
-    for bullet in bullets:
-        names = set(re.findall(r"``([A-Za-z_][\w.]*)``", bullet))
-        mods = set()
-        for name in names:
-            if name == "backends":
-                mods |= {m for m in _modules() if m.startswith("backends.")}
-            elif name in _modules():
-                mods.add(name)
-        groups.append(mods)
-    return groups
+MODULES = {_module_name(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+TREES = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
 
 
-def test_every_module_is_in_exactly_one_group():
-    groups = _groups()
-    placed = [m for g in groups for m in g]
-    assert len(placed) == len(set(placed)), sorted(m for m in placed if placed.count(m) > 1)
-    assert set(placed) == _modules(), sorted(_modules() ^ set(placed))
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
 
 
-def test_imports_go_one_way():
-    where = {m: i for i, g in enumerate(_groups()) for m in g}
+def _resolve(importer: str, node: ast.ImportFrom | ast.Import) -> set[str]:
+    """The project modules an import statement imports (a submodule named in ``from P import
+    X`` is that submodule; any other name is P itself)."""
+    out: set[str] = set()
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name in MODULES:
+                out.add(alias.name)
+        return out
+    if node.level:
+        pkg = importer if _is_package(importer) else importer.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        base = f"{pkg}.{node.module}" if node.module else pkg
+    else:
+        base = node.module or ""
+    if base not in MODULES:
+        return out
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        out.add(sub if sub in MODULES else base)
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in MODULES}
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges[name] |= _resolve(name, node) - {name}
+    return edges
+
+
+EDGES = _edges()
+
+
+def _floors() -> list[str]:
+    """``ckpt``'s packages in the order its docstring lists them (``- ``name``: ...``)."""
+    names = re.findall(r"^- ``(\w+)``", ckpt.__doc__, flags=re.M)
+    return [n for n in names if n not in BASE]
+
+
+def _floor_of(module: str) -> int | None:
+    """The floor of a ``ckpt`` module: -1 for the base modules, None for the face."""
+    parts = module.split(".")
+    if parts[0] != "ckpt" or module in ("ckpt", "ckpt.__main__"):
+        return None
+    if len(parts) == 2 and parts[1] in BASE:
+        return -1
+    return _floors().index(parts[1])
+
+
+def test_the_docstring_lists_every_package_and_base_module():
+    top = {p.stem for p in (REPO / "ckpt").glob("*.py")} - {"__init__", "__main__"}
+    packages = {p.name for p in (REPO / "ckpt").iterdir() if (p / "__init__.py").exists()}
+    assert set(_floors()) == packages
+    assert top == set(BASE)
+
+
+def test_at_most_eight_modules_at_the_top():
+    assert len(list((REPO / "ckpt").glob("*.py"))) <= 8
+
+
+def test_imports_go_down_the_floors():
     wrong = []
-    for mod, group in where.items():
-        tree = ast.parse((PKG / (mod.replace(".", "/") + ".py")).read_text())
-        for node in tree.body:  # import time only: function-level imports are deliberate
-            if isinstance(node, ast.ImportFrom) and node.module and \
-                    node.module.startswith("ckpt."):
-                dep = node.module[len("ckpt."):]
-                dep = "backends.__init__" if dep == "backends" else dep
-                if dep in where and where[dep] > group:
-                    wrong.append(f"{mod} imports {dep}")
+    for name, deps in EDGES.items():
+        mine = _floor_of(name)
+        if mine is None:
+            continue
+        for dep in deps:
+            if not dep.startswith("ckpt"):
+                continue
+            theirs = _floor_of(dep)
+            if dep == "ckpt":
+                wrong.append(f"{name} imports the ckpt face")
+            elif theirs is not None and theirs > mine:
+                wrong.append(f"{name} (floor {mine}) imports {dep} (floor {theirs})")
+            elif mine == -1 and theirs == -1 and dep != "ckpt._version" and \
+                    name != "ckpt._version" and dep.split(".")[1] != "errors":
+                wrong.append(f"base module {name} imports {dep}")
+    assert not wrong, wrong
+
+
+def test_no_circles():
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(EDGES[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                circles.append(sorted(scc))
+
+    import sys
+
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+    for v in sorted(EDGES):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
+def _names_used(tree: ast.Module) -> set[str]:
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    for n in ast.walk(tree):  # quoted annotations
+        if isinstance(n, ast.Constant) and isinstance(n.value, str):
+            used |= set(re.findall(r"[A-Za-z_]\w*", n.value)) if len(n.value) < 200 else set()
+    return used
+
+
+def _declared_all(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+@pytest.mark.parametrize("package", ("ckpt", "monitoring"))
+def test_no_module_hands_a_name_on(package):
+    handed_on = []
+    for name, tree in TREES.items():
+        if not name.startswith(package) or _is_package(name):
+            continue
+        exported, used = set(_declared_all(tree)), _names_used(tree)
+        for node in tree.body:
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            for alias in node.names:
+                local = alias.asname or alias.name
+                if local in exported:
+                    handed_on.append(f"{name}: {local} (in __all__)")
+                elif local not in used:
+                    handed_on.append(f"{name}: {local} (unused)")
+    assert not handed_on, handed_on
+
+
+def test_no_project_imports_inside_functions_in_ckpt():
+    inside = []
+    for name, tree in TREES.items():
+        if not name.startswith("ckpt"):
+            continue
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top:
+                if any(d.split(".")[0] in PACKAGES for d in _resolve(name, node)):
+                    inside.append(f"{name}:{node.lineno}")
+    assert not inside, inside
+
+
+def test_private_modules_are_imported_only_inside_their_package():
+    wrong = []
+    for name, deps in EDGES.items():
+        for dep in deps:
+            parts = dep.split(".")
+            private = [i for i, p in enumerate(parts) if p.startswith("_") and p != "__init__"]
+            if not private or not dep.startswith("ckpt"):
+                continue
+            owner = ".".join(parts[:private[0]])
+            if not (name == owner or name.startswith(owner + ".")) and dep != "ckpt._version":
+                wrong.append(f"{name} imports {dep}")
     assert not wrong, wrong

@@ -22,12 +22,10 @@ import time
 import pytest
 import torch
 
-from ckpt.commit import Lifecycle
 from ckpt.errors import LeaseHeldError
-from ckpt.lease import LEASE_NAME, Lease
-from ckpt.manager import CheckpointManager
+from ckpt.job import CheckpointManager
+from ckpt.root import LEASE_NAME, CheckpointStore, Lease, Lifecycle
 from ckpt.storage import Storage
-from ckpt.store import CheckpointStore
 from tests.ckpt._mgr_util import FaultyStorage, wait_for
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The checkpoint life-cycle under real failure sequences (ckpt/commit.py), local and S3.
+"""The checkpoint life-cycle under real failure sequences (ckpt/root/lifecycle.py), local and S3.
 
 Each test is one way the store's promises broke before: a commit delayed past the lease's
 TTL, a live lease taken over by a job that only shares torchrun's default run id, a plain
@@ -24,19 +24,18 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
-from ckpt.commit import (
+from ckpt.errors import CheckpointError, FencedCheckpointError, LeaseHeldError, LeaseLostError
+from ckpt.root import (
     COMMITTED,
     FENCED,
+    LEASE_NAME,
     ROLLED_BACK,
-    FencedCheckpointError,
+    CheckpointStore,
     Lifecycle,
     acquire_lease,
     release_lease,
 )
-from ckpt.errors import CheckpointError, LeaseHeldError, LeaseLostError
-from ckpt.lease import LEASE_NAME
 from ckpt.storage import Storage
-from ckpt.store import CheckpointStore
 
 pytestmark = pytest.mark.timeout(180)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -23,7 +23,7 @@ import torch
 
 import ckpt
 from ckpt.errors import AllCheckpointsDamagedError, CorruptCheckpointError
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 from tests.dist import run_ranks
 
@@ -230,8 +230,7 @@ def test_a_rank_failing_leaves_every_rank_unchanged(tmp_path):
 
 def test_staging_buffers_as_scratch(root):
     """Reads go into borrowed staging buffers (the manager's path): same guarantees."""
-    from ckpt.api import resolve_state
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers, resolve_state
 
     state = _state(7)
     staging = StagingBuffers(pin_memory=False)

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from ckpt.manager import CheckpointManager
-from ckpt.store import CheckpointStore
+from ckpt.job import CheckpointManager
+from ckpt.root import CheckpointStore
 from tests.ckpt import _mgr_workers as workers
 from tests.ckpt._mgr_util import EveryN, lease_released, marker_names
 from tests.dist import run_ranks
@@ -82,11 +82,11 @@ def test_maybe_save_without_cadence_and_sync_mode(tmp_path):
 
 
 def test_string_cadence_uses_ckpt_cadence(tmp_path):
-    pytest.importorskip("ckpt.cadence")
-    from ckpt import cadence as cad
+    pytest.importorskip("ckpt.cadence.policies")
+    from ckpt.cadence import policies as cad
 
     if not hasattr(cad, "parse_interval"):
-        pytest.skip("ckpt.cadence.parse_interval not written yet")
+        pytest.skip("ckpt.cadence.policies.parse_interval not written yet")
     with CheckpointManager(str(tmp_path / "root"), cadence="2", retention=[]) as mgr:
         saved = [s for s in range(1, 7) if mgr.maybe_save(s, {"w": torch.ones(1)}) and
                  mgr.wait() is not None]

@@ -12,8 +12,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.commit import parse_marker
-from ckpt.manifest import (
+from ckpt.format import (
     DIGEST_KEY,
     MANIFEST_NAME,
     MAX_GRID_CELLS,
@@ -21,6 +20,7 @@ from ckpt.manifest import (
     manifest_bytes,
     step_dirname,
 )
+from ckpt.root import parse_marker
 
 SRC = "root/step_000000001/manifest.json"
 

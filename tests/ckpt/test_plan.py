@@ -8,17 +8,10 @@ import math
 
 import pytest
 
-from ckpt.cadence import young_daly_interval
-from ckpt.plan import (
-    HOST_COPY_BYTES_PER_SECOND,
-    add_plan_arguments,
-    main,
-    make_plan,
-    measure_bandwidth,
-    parse_bandwidth,
-    parse_size,
-    run_plan,
-)
+from ckpt.cadence import make_plan, measure_bandwidth, young_daly_interval
+from ckpt.cadence.plan import HOST_COPY_BYTES_PER_SECOND
+from ckpt.cli._plan import add_plan_arguments, main, run_plan
+from ckpt.units import parse_bandwidth, parse_size
 
 FIELDS = {
     "size_bytes", "bandwidth_bytes_per_second", "bandwidth_source", "persist_seconds", "stall_seconds",
@@ -212,7 +205,7 @@ def test_plan_duration_error_names_value_and_forms(capsys):
 
 
 def test_tier_plans_share_the_stall_and_count_each_tiers_load():
-    from ckpt.plan import make_tier_plans
+    from ckpt.cadence import make_tier_plans
 
     m, m_node = 4 * 3600.0, 48 * 3600.0
     t = make_tier_plans(10**12, 2e9, 100e9, node_mtbf_seconds=m_node, mtbf_seconds=m,

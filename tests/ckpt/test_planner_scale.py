@@ -15,7 +15,7 @@ from collections import ChainMap
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ckpt.planners import SafeSavePlanner
+from ckpt.dcp import SafeSavePlanner
 
 
 def _plans(num_ranks: int) -> list[SavePlan]:

@@ -18,9 +18,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
 
+from ckpt.dcp import SafeSavePlanner
 from tests.dist import run_ranks
-
-from ckpt.planners import SafeSavePlanner
 
 
 class _Collective:
@@ -46,7 +45,7 @@ def _opposite_orders(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.api import apply_state, resolve_state
+    from ckpt.dcp import apply_state, resolve_state
 
     # A short timeout turns the deadlock into an error instead of a hang.
     ga = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
@@ -84,8 +83,8 @@ def _per_rank_body(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.stateful import PerRankState, RNGState, rank_key
-    from ckpt.store import CheckpointStore
+    from ckpt.dcp import PerRankState, RNGState, rank_key
+    from ckpt.root import CheckpointStore
     from trainer.data import BatchLoader, SyntheticMarkovDataset
 
     out = {}

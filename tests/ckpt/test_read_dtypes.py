@@ -86,7 +86,7 @@ def test_whole_save_into_sharded_target(tmp_path):
 
 
 def test_every_format_dtype_is_covered():
-    from ckpt.manifest import dtype_from_name
+    from ckpt.format import dtype_from_name
     from tests.ckpt._dtype_child import FORMAT_DTYPES, cases
 
     names = {"complex128", "complex64", "float64", "bfloat16", "bool", "uint8"}

@@ -67,7 +67,7 @@ def _save_dp2_tp2_then_load_tp4(rank: int, world: int, root: str) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     import ckpt
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _model(0)
@@ -96,7 +96,7 @@ def _load_dp2(rank: int, world: int, root: str, original: bytes) -> None:
     from torch.distributed.fsdp import fully_shard
 
     import ckpt
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState
 
     model = _model(2)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
@@ -109,8 +109,8 @@ def _load_dp2(rank: int, world: int, root: str, original: bytes) -> None:
 
 def test_reshard_dp2xtp2_to_tp4_dp2_and_single_process(tmp_path):
     import ckpt
-    from ckpt.stateful import ModelState
-    from ckpt.store import CheckpointStore
+    from ckpt.dcp import ModelState
+    from ckpt.root import CheckpointStore
 
     root = str(tmp_path / "root")
     original = unpack(run_ranks(_save_dp2_tp2_then_load_tp4, 4, root, timeout=240)[0])

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.manager import CheckpointManager
-from ckpt.retention import (
+from ckpt.job import (
     PINS_NAME,
+    CheckpointManager,
     KeepAll,
     KeepEvery,
     KeepLast,
@@ -23,7 +23,7 @@ from ckpt.retention import (
     read_pins,
     set_pinned,
 )
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.ckpt._mgr_util import FaultyStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,7 +109,7 @@ def test_nothing_deleted_when_the_newest_fails_verification(tmp_path, caplog):
     victim = next(n for n in sorted(os.listdir(newest)) if n.endswith(".bin"))
     with open(os.path.join(newest, victim), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(newest, victim)) - 1)
-    with caplog.at_level("WARNING", logger="ckpt.retention"):
+    with caplog.at_level("WARNING", logger="ckpt.job.retention"):
         assert apply_retention(store, [KeepLast(1)]) == []
     assert store.committed_steps() == [1, 2, 3]
     assert any("deleting nothing" in r.getMessage() for r in caplog.records)
@@ -162,7 +162,7 @@ def test_damaged_pins_keep_everything_and_are_not_overwritten(tmp_path, caplog):
     store = _save_steps(root, [1, 2, 3])
     with open(os.path.join(root, PINS_NAME), "w") as f:
         f.write("{not json")
-    with caplog.at_level("WARNING", logger="ckpt.retention"):
+    with caplog.at_level("WARNING", logger="ckpt.job.retention"):
         assert apply_retention(store, [KeepLast(1), KeepPinned(store)]) == []
     assert store.committed_steps() == [1, 2, 3]
     assert any("damaged" in r.getMessage() for r in caplog.records)

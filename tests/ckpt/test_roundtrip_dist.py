@@ -16,10 +16,9 @@ import threading
 import pytest
 import torch
 
+from ckpt.storage import Storage
 from tests.ckpt._helpers import assert_same, snapshot
 from tests.dist import run_ranks
-
-from ckpt.storage import Storage
 
 STEP = 3
 NUM_THREADS = 4
@@ -89,9 +88,8 @@ def _roundtrip_body(rank: int, world: int, url: str, storage_options) -> dict:
     from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 
     import ckpt
-    from ckpt.api import resolve_state
-    from ckpt.stateful import ModelState, RNGState
-    from ckpt.store import CheckpointStore
+    from ckpt.dcp import ModelState, RNGState, resolve_state
+    from ckpt.root import CheckpointStore
 
     storage = _RecordingStorage(url, storage_options)
 

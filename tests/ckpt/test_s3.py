@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.backends.s3 import MIN_PART_BYTES, split_parts
 from ckpt.storage import RetryPolicy, Storage
+from ckpt.storage._s3 import MIN_PART_BYTES, split_parts
 from tests.conftest import make_s3_options
 from tests.dist import free_port
 
@@ -390,7 +390,7 @@ def test_bad_client_options_are_named(s3_server, options, match):
 
 
 def test_pool_size_option_is_used(s3_root, s3_server):
-    from ckpt.backends.s3 import DEFAULT_MAX_POOL_CONNECTIONS, write_client
+    from ckpt.storage._s3 import DEFAULT_MAX_POOL_CONNECTIONS, write_client
 
     for config, want in (({}, DEFAULT_MAX_POOL_CONNECTIONS), ({"max_pool_connections": 3}, 3)):
         storage = Storage(s3_root.url, {**s3_server.storage_options, "config_kwargs": config})

@@ -15,9 +15,9 @@ import time
 import torch
 
 import ckpt
-from ckpt.savecost import PHASES, SaveCost
-from ckpt.storage import crc32c_of
-from ckpt.store import CheckpointStore
+from ckpt.dcp import PHASES, SaveCost
+from ckpt.format import crc32c_of
+from ckpt.root import CheckpointStore
 
 
 def _state():
@@ -93,7 +93,7 @@ def _busy(cost: SaveCost, phase: str, seconds: float) -> None:
 def test_retention_with_the_committed_manifest_still_checks_the_files(tmp_path):
     """Retention takes the manifest just committed instead of parsing it back; a damaged
     newest checkpoint must still stop every deletion."""
-    from ckpt.retention import KeepLast, apply_retention
+    from ckpt.job import KeepLast, apply_retention
 
     root = str(tmp_path)
     for step in (1, 2, 3):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ckpt.cadence import Auto, young_daly_interval
-from ckpt.simulate import empirical_optimum, expected_wall_time, simulate, simulate_many
+from ckpt.cadence.simulate import empirical_optimum, expected_wall_time, simulate, simulate_many
 
 
 def daly_exact(work, delta, restart, mtbf, tau):

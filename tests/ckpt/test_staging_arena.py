@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ckpt.host_arena import ALIGN_BYTES, HostArena, aligned_bytes
-from ckpt.manager import CheckpointManager
-from ckpt.staging import StagingBuffers
+from ckpt.dcp import StagingBuffers
+from ckpt.dcp._host_arena import ALIGN_BYTES, HostArena, aligned_bytes
+from ckpt.job import CheckpointManager
 from tests.ckpt._helpers import assert_same
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,7 +185,7 @@ def test_a_manager_close_frees_its_staging_buffers(tmp_path):
 
 
 def test_a_tiered_manager_close_frees_both_tiers_buffers(tmp_path):
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     state = _mixed_state()
     mgr = TieredCheckpointManager(str(tmp_path / "durable"), str(tmp_path / "local"),

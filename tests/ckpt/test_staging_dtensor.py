@@ -70,13 +70,14 @@ def _every_layout_body(rank: int, world: int, root: str) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
-    from ckpt.api import resolve_state
-    from ckpt.manager import CheckpointManager
-    from ckpt.stateful import ModelState
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import ModelState, StagingBuffers, resolve_state
+    from ckpt.job import CheckpointManager
     from tests.ckpt._helpers import assert_same, snapshot
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -129,7 +130,7 @@ def _cuda_mesh_body(rank: int, world: int) -> None:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers
 
     assert not torch.cuda.is_available()
     # A CUDA mesh needs no CUDA until a collective runs on it.

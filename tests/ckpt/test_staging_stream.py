@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from ckpt.manager import CheckpointManager
-from ckpt.staging import CopyReady, StagingBuffers
+from ckpt.dcp import CopyReady, StagingBuffers
+from ckpt.job import CheckpointManager
 
 pytestmark = pytest.mark.timeout(60)
 

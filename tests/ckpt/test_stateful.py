@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from ckpt.stateful import ModelState, RNGState
+from ckpt.dcp import ModelState, RNGState
 
 
 def _train(touch_state_first: bool) -> torch.Tensor:

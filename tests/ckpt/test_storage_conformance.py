@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.storage import Storage, crc32c_of
+from ckpt.format import crc32c_of
+from ckpt.storage import Storage
 
 
 @pytest.fixture
@@ -228,7 +229,7 @@ def _trained(seed: int):
 
 
 def test_save_load_list_verify_roundtrip(any_root):
-    from ckpt.stateful import ModelState
+    from ckpt.dcp import ModelState
 
     url, opts = any_root
     net, opt = _trained(0)

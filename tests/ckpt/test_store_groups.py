@@ -1,4 +1,4 @@
-"""Which process groups the store's collectives run on (``ckpt.groups``): never the default
+"""Which process groups the store's collectives run on (``ckpt.ranks.groups``): never the default
 group. Real processes (2 ranks) under a "cuda:gloo" default group, which, like NCCL's, has no
 CPU backend: a CPU collective on it raises "No backend type associated with device type
 cpu". Plus the store's world group being freed at exit.

@@ -1,4 +1,4 @@
-"""The two-tier store (``ckpt.tiers``): a local tier saved often under the durable one.
+"""The two-tier store (``ckpt.job.tiers``): a local tier saved often under the durable one.
 
 Real gloo processes, tiny states. Two ranks act as two nodes (each its own local root) to
 check that a local step counts only when every node has it and it verifies on every rank.
@@ -49,7 +49,7 @@ def test_one_stall_when_both_tiers_are_due(tmp_path):
 
 
 def test_local_root_must_differ_from_root(tmp_path):
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     with pytest.raises(ValueError, match="local_root .* is the durable root"):
         TieredCheckpointManager(str(tmp_path / "a"), str(tmp_path / "a") + "/")

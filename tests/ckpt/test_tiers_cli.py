@@ -20,7 +20,7 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 
 @pytest.fixture
 def tiers(tmp_path):
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
     with TieredCheckpointManager(root, local, cadence="4", local_cadence="2",
@@ -92,7 +92,7 @@ def test_each_tier_has_its_own_lease(tmp_path):
     """A second job on the same local root (another durable root) is refused by the local
     tier's lease, naming the holder; the durable root's lease is released on the way out."""
     from ckpt.errors import LeaseHeldError
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     local = str(tmp_path / "local")
     with TieredCheckpointManager(str(tmp_path / "a"), local, local_cadence="1"):
@@ -106,7 +106,7 @@ def test_each_tier_has_its_own_lease(tmp_path):
 def test_a_failure_the_local_tier_survived_is_no_node_loss(tmp_path, monkeypatch):
     """A restart that resumes from the local tier is taken back from the durable tier's
     failure history (its MTBF is the node-loss rate); the local tier keeps it."""
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
     with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.cadence import HISTORY_NAME, read_history, write_history
 from ckpt.errors import CorruptCheckpointError
 from ckpt.events import EventBus
 from ckpt.export import consolidate, export
-from ckpt.history import HISTORY_NAME, read_history, write_history
-from ckpt.manifest import MANIFEST_NAME, manifest_bytes, step_dirname
-from ckpt.retention import PINS_NAME, KeepLast, KeepPinned, apply_retention, read_pins, set_pinned
+from ckpt.format import MANIFEST_NAME, manifest_bytes, step_dirname
+from ckpt.job import PINS_NAME, KeepLast, KeepPinned, apply_retention, read_pins, set_pinned
 from ckpt.storage import Storage
 
 HOSTILE = [b"[" * 200_000, b'{"pinned": [' + b"9" * 5000 + b"]}", b'{"pinned": [NaN]}',
@@ -49,7 +49,7 @@ def test_hostile_pins_keep_everything_and_name_the_file(tmp_path, content, caplo
 def test_hostile_history_is_ignored_with_a_warning(tmp_path, content, caplog):
     storage = Storage(str(tmp_path))
     (tmp_path / HISTORY_NAME).write_bytes(content)
-    with caplog.at_level("WARNING", logger="ckpt.history"):
+    with caplog.at_level("WARNING", logger="ckpt.cadence.history"):
         history = read_history(storage, EventBus(), took_over=False, found_aborted=False)
     assert history.num_failures == 0 and history.uptime_seconds == 0
     assert any(HISTORY_NAME in r.getMessage() for r in caplog.records)

@@ -33,9 +33,8 @@ import os
 import sys
 import time
 
-from ckpt.commit import data_file_id, marker_name
-from ckpt.lease import LEASE_NAME
-from ckpt.manifest import parse_step_dirname
+from ckpt.format import parse_step_dirname
+from ckpt.root import LEASE_NAME, data_file_id, marker_name
 from ckpt.storage import Storage
 
 _FAIL_FROM = int(os.environ.get("E2E_FAIL_FROM_STEP", "-1"))
@@ -72,7 +71,7 @@ def _faulty_write_buffers(self, rel, buffers, **kwargs):
 Storage.write_buffers = _faulty_write_buffers
 
 if _TRANSIENT > 0:
-    from ckpt.backends.local import LocalBackend
+    from ckpt.storage import LocalBackend
 
     _write_and_rename = LocalBackend._write_and_rename
 
@@ -88,7 +87,7 @@ if _TRANSIENT > 0:
     LocalBackend._write_and_rename = _flaky_write_and_rename
 
 if _DELETE_FAILS:
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     def _faulty_delete(self, step):
         raise PermissionError(errno.EACCES, f"injected: checkpoint {step} cannot be deleted")
@@ -96,7 +95,7 @@ if _DELETE_FAILS:
     CheckpointStore.delete = _faulty_delete
 
 if _STAGE_DELAY > 0:
-    from ckpt.staging import StagingBuffers
+    from ckpt.dcp import StagingBuffers
 
     _stage = StagingBuffers.stage
 

@@ -20,7 +20,7 @@ import runpy
 import signal
 import sys
 
-from ckpt.manager import CheckpointManager
+from ckpt.job import CheckpointManager
 
 _ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 _RANK = int(os.environ.get("RANK", "0"))

@@ -15,8 +15,8 @@ import os
 import sys
 import time
 
-from ckpt.commit import data_file_id
-from ckpt.manifest import parse_step_dirname
+from ckpt.format import parse_step_dirname
+from ckpt.root import data_file_id
 from ckpt.storage import Storage
 
 _FROM_STEP = int(os.environ["E2E_SLOW_FROM_STEP"])

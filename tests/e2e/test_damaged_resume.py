@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.ckpt._helpers import flip_byte
 from tests.e2e._jobs import Job, loss_history, trainer_argv
 

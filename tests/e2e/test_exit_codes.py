@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.e2e._jobs import ROOT, Job, base_env, trainer_argv
 from trainer.distributed import EXIT_LEASE_LOST, EXIT_NOT_CHECKPOINTED, EXIT_OK
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ckpt.cli import main as cli_main
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.e2e.test_own_loop import _torchrun
 
 pytestmark = pytest.mark.timeout(300)

@@ -113,7 +113,7 @@ def test_recipe_runs_as_written(tmp_path, name):
     if name == "own-loop":
         assert "starting at step 0" in text and "starting at step 20" in text, text
     if name == "rollback":
-        from ckpt.store import CheckpointStore
+        from ckpt.root import CheckpointStore
 
         rows = CheckpointStore(str(folder / "ckpt")).list()
         assert [r.step for r in rows if r.status == "committed"] == [10, 20], text

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from tests.e2e._jobs import COMMON, ROOT, TINY, base_env
 
 KILL_ONCE = ROOT / "tests" / "e2e" / "_kill_once.py"
@@ -114,7 +114,7 @@ def test_plain_init_process_group_under_restarts_is_warned_about(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
-        "from ckpt.manager import CheckpointManager\n"
+        "from ckpt.job.manager import CheckpointManager\n"
         "dist.init_process_group('gloo')\n"
         "CheckpointManager(sys.argv[1], use_lease=False).close()\n"
         "dist.destroy_process_group()\n")

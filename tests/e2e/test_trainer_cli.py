@@ -95,7 +95,7 @@ def test_load_step_resumes_that_step(trained, tmp_path):
     assert "un-committed checkpoint step 120" in job.stderr
     # Saving 100 again wrote a new version beside the rolled-back one, which stays intact.
     assert len(list((root / "step_000000100").glob("rolled-back-*.json"))) == 1
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     versions = CheckpointStore(root).entries(100)
     assert sorted(v.status for v in versions) == ["committed", "rolled-back"]

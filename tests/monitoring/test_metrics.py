@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ckpt import api
+from ckpt.dcp import api
 from ckpt.events import EventBus
-from ckpt.store import CheckpointStore
+from ckpt.root import CheckpointStore
 from monitoring import Metrics, local_port
 from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, SAVE_OUTCOMES
 from tests.dist import free_port, run_ranks
@@ -265,7 +265,7 @@ def test_event_log_is_strict_json_with_non_finite_numbers_as_strings(tmp_path):
 
 
 def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(tmp_path):
-    from ckpt.tiers import TieredCheckpointManager
+    from ckpt.job import TieredCheckpointManager
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
@@ -288,8 +288,8 @@ def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(
 
 
 def test_background_cpu_of_each_save_by_phase(tmp_path):
-    from ckpt.manager import CheckpointManager
-    from ckpt.savecost import PHASES
+    from ckpt.dcp import PHASES
+    from ckpt.job import CheckpointManager
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)

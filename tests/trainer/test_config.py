@@ -155,7 +155,7 @@ def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-# Every spelling of the one interval grammar (ckpt.cadence.Interval.parse), through the config.
+# Every spelling of the one interval grammar (ckpt.cadence.policies.Interval.parse), through the config.
 @pytest.mark.parametrize("text,expected", [
     ("auto", Interval("auto")), ("AUTO", Interval("auto")), ("50", Interval("steps", steps=50)),
     ("300s", Interval("seconds", seconds=300.0)), ("30sec", Interval("seconds", seconds=30.0)),

@@ -8,7 +8,6 @@ wrapped to return NaN for chosen global batches.
 from __future__ import annotations
 
 import json
-
 import math
 import os
 import signal

@@ -224,7 +224,7 @@ def _back_to_hsdp_job(rank: int, world: int, root: str, saved: dict) -> dict:
 
 
 def test_checkpoint_hsdp_to_fsdp_and_one_process_and_back(tmp_path):
-    from ckpt.store import CheckpointStore
+    from ckpt.root import CheckpointStore
 
     root = str(tmp_path / "ckpt")
     hsdp_state = run_ranks(_hsdp_job, 4, root, timeout=240)[0]

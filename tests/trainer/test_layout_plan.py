@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
 from trainer.config_schema import ParallelConfig
+from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
 from trainer.layout_plan import (
     add_plan_arguments,
     candidate_layouts,

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from ckpt.cli import main as cli_main
+from tests.e2e._jobs import TINY
 from trainer.config import TrainingConfig, load_config
 from trainer.distributed import DistEnv
 from trainer.train import Trainer
-from tests.e2e._jobs import TINY
 
 pytestmark = pytest.mark.timeout(180)
 

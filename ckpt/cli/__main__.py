@@ -1,0 +1,5 @@
+import sys
+
+from ckpt.cli._main import main
+
+sys.exit(main())

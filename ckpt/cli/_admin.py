@@ -1,0 +1,121 @@
+"""The ``ckpt`` commands that change a root: pin/unpin, rollback, restore, gc.
+
+Each holds the root's write lease for its duration (:func:`ckpt.cli._common.writer`), under
+the rules every writer follows.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from ckpt.cli._common import Progress, fmt_bytes, open_store, storage_options, writer
+from ckpt.errors import CorruptCheckpointError, LeaseHeldError
+from ckpt.format import jsonio
+from ckpt.job import read_pins, set_pinned
+from ckpt.root import ROLLED_BACK, CheckpointStore, Lease, Lifecycle
+from ckpt.storage import Storage
+from ckpt.units import parse_duration
+
+__all__ = ["cmd_pin", "cmd_rollback", "cmd_restore", "cmd_gc"]
+
+
+def cmd_pin(args, pinned: bool) -> int:
+    """Pin after a full verification (a pin keeps a checkpoint for good: it must be one
+    worth keeping), or anyway with ``--force``. Unpin needs no readable checkpoint."""
+
+    store = open_store(args)
+    if pinned and not args.force:
+        progress = Progress(f"verifying step {args.step}", sys.stderr.isatty())
+        try:
+            store.verify(args.step, full=True, progress=progress)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"refusing to pin step {args.step}: {exc} (pass --force to pin it anyway)",
+                path=exc.path) from exc
+    elif pinned or args.step not in read_pins(store, strict=True):
+        try:
+            store.read_manifest(args.step)  # must exist
+        except CorruptCheckpointError:
+            pass  # --force, or unpin: a damaged manifest is no reason to refuse
+    with writer(args, "pin" if pinned else "unpin"):
+        pins = set_pinned(store, args.step, pinned)
+    print(f"pinned steps: {sorted(pins) or 'none'}")
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    with writer(args, "rollback", force=args.force) as life:
+        store = CheckpointStore(life.storage, lifecycle=life)
+        store.verify(args.step, full=True)
+        for s, kept, exc in store.uncommit_newer(args.step):
+            if exc is not None:
+                print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
+                continue
+            print(f"step {s}: rolled back (id {kept}; `ckpt restore {args.url} --id {kept}` "
+                  f"re-commits it)")
+    print(f"step {args.step} is now the latest checkpoint; a resumed job starts from it")
+    return 0
+
+
+def cmd_restore(args) -> int:
+    with writer(args, "restore", force=args.force) as life:
+        m = life.restore(args.id, replace=args.replace)
+    print(f"step {m.step}: restored id {m.save_id}; it is committed again")
+    return 0
+
+
+def cmd_gc(args) -> int:
+    """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
+    ``--yes``; either way the root's lease is respected."""
+
+    older = parse_duration(args.older_than) if args.older_than else 0.0
+
+    def plan(life) -> tuple[list, list]:
+        rolled = []
+        if args.rolled_back:
+            now = time.time()
+            for step in life.steps():
+                for e in life.entries(step):
+                    if e.status == ROLLED_BACK and e.manifest is not None and \
+                            now - e.manifest.created_unix >= older:
+                        rolled.append(e)
+        return life.leftovers(), rolled
+
+    def show(leftovers, rolled, verb: str) -> None:
+        if args.json:
+            print(jsonio.dumps({
+                "dry_run": not args.yes,
+                "leftovers": [{"step": step, "files": names} for step, names in leftovers],
+                "rolled_back": [{"step": e.step, "id": e.id,
+                                 "bytes": e.manifest.total_bytes} for e in rolled]},
+                indent=1).decode())
+            return
+        for step, names in leftovers:
+            print(f"step {step}: {verb} {len(names)} leftover file(s) of aborted saves")
+        for e in rolled:
+            print(f"step {e.step}: {verb} rolled-back checkpoint id {e.id} "
+                  f"({fmt_bytes(e.manifest.total_bytes)})")
+        if not leftovers and not rolled:
+            print("nothing to remove")
+
+    if not args.yes:
+        storage = Storage(args.url, storage_options(args))
+        info, _ = Lease(storage).read()
+        if info is not None and Lease(storage).expired_because(info) is None:
+            raise LeaseHeldError(f"{args.url} is being written by job {info.get('job')!r} "
+                                 f"(host {info.get('host')}, pid {info.get('pid')}): its save "
+                                 f"in flight would look like leftovers. Run gc when it stops.")
+        leftovers, rolled = plan(Lifecycle(storage))
+        show(leftovers, rolled, "would remove")
+        if (leftovers or rolled) and not args.json:
+            print("dry run: nothing removed; pass --yes to remove these")
+        return 0
+    with writer(args, "gc", force=args.force) as life:
+        leftovers, rolled = plan(life)
+        life.cleanup()
+        for e in rolled:
+            life.delete_entry(e)
+        show(leftovers, rolled, "removed")
+    return 0
+

@@ -1,0 +1,45 @@
+"""Bytes through ``torch.distributed.checkpoint``: save, load, and what makes them ours.
+
+DCP's planners understand DTensor, FSDP2 and tensor-parallel shards (which is what makes
+resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
+:func:`load_latest`): the collective save and the transactional load. ``planners``: what
+each rank saves and loads, pickle-free. ``writer`` and ``reader``: where the bytes go and
+how they come back verified (``layout``: a data file's bytes). ``staging``: the host copy
+that is a save's only stall (``_host_arena``: one pinned allocation). ``stateful``: models,
+optimizers, RNG and per-rank state as state dicts. ``attachments``: small files kept with a
+checkpoint. ``savecost``: what one save costs in the background, by phase.
+"""
+
+from ckpt.dcp.api import (
+    apply_state,
+    load,
+    load_latest,
+    load_with_extra,
+    resolve_state,
+    save,
+    unwrap_dcp_error,
+)
+from ckpt.dcp.attachments import (
+    check_attachments,
+    list_attachments,
+    read_attachment,
+    read_from,
+)
+from ckpt.dcp.layout import default_threads
+from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
+from ckpt.dcp.reader import VERIFY_MODES, CkptReader
+from ckpt.dcp.savecost import PHASES, SaveCost
+from ckpt.dcp.staging import CopyReady, StagingBuffers
+from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
+from ckpt.dcp.writer import CkptWriter
+
+__all__ = [
+    "save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state",
+    "unwrap_dcp_error",
+    "CkptWriter", "CkptReader", "VERIFY_MODES", "default_threads",
+    "SafeSavePlanner", "SafeLoadPlanner",
+    "StagingBuffers", "CopyReady",
+    "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
+    "check_attachments", "read_attachment", "list_attachments", "read_from",
+    "SaveCost", "PHASES",
+]

@@ -1,0 +1,142 @@
+"""One block of host memory that holds many tensors: the storage of the staging buffers.
+
+Layout: slots in the order asked for, each at a multiple of ``ALIGN_BYTES`` (512) from a
+page-aligned start. So a view of any dtype in any slot is aligned for its dtype (views at
+misaligned offsets have crashed copies: PLATFORM.md), slots never overlap, and the block is
+the sum of the aligned slot sizes: nothing is rounded up to a power of two.
+
+Pinning (for asynchronous device-to-host copies): the block is ordinary memory from torch's
+CPU allocator, page-locked in place with ``cudaHostRegister`` for exactly its size, and
+unregistered by ``release()``. Not torch's pinned caching allocator (``pin_memory=True``):
+it rounds each allocation up to the next power of two (a 5 GiB block would lock 8 GiB) and
+keeps freed blocks for itself until its cache is emptied. Should registering fail, the block
+comes from that allocator after all (copies stay asynchronous) and ``release()`` empties its
+cache. Without CUDA nothing is pinned and everything else is the same code.
+
+Memory is returned when the last view of the block is gone: ``release()`` drops the arena's
+own references (and the page lock, first), views handed out earlier keep their bytes alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import weakref
+from typing import Sequence
+
+import torch
+
+__all__ = ["HostArena", "ALIGN_BYTES", "aligned_bytes", "release_host_cache"]
+
+log = logging.getLogger(__name__)
+
+ALIGN_BYTES = 512  # slot alignment: above any dtype's (16 for complex128), sector-aligned
+_PAGE_BYTES = mmap.PAGESIZE
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def aligned_bytes(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
+    """``nbytes`` rounded up to a multiple of ``alignment``."""
+    return -(-int(nbytes) // alignment) * alignment
+
+
+def release_host_cache() -> None:
+    """Give the pinned blocks that torch's host caching allocator keeps but nobody uses
+    back to the system, where this torch offers it (a no-op elsewhere, e.g. without CUDA)."""
+    if not torch.cuda.is_available():
+        return
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+        or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        try:
+            empty()
+        except RuntimeError as exc:  # no accelerator initialised after all
+            log.debug("emptying the host cache failed: %s", exc)
+
+
+def _register(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` at ``ptr`` in place; False (logged) when CUDA refuses."""
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        log.warning("cudaHostRegister unavailable (%s): staging buffers use torch's pinned "
+                    "allocator", exc)
+        return False
+    if err != 0:
+        log.warning("cudaHostRegister of %d bytes failed (cudaError %d): staging buffers use "
+                    "torch's pinned allocator", nbytes, err)
+        return False
+    return True
+
+
+def _unregister(ptr: int) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if err != 0:
+        log.warning("cudaHostUnregister failed (cudaError %d)", err)
+
+
+class HostArena:
+    """``sum(aligned_bytes(n) for n in sizes)`` bytes of host memory in one allocation,
+    sliced into one slot per size (``slot(i)``, ``view(i, shape, dtype)``).
+
+    ``pin``: page-lock it (only where CUDA is available). Not thread-safe: its owner
+    (``ckpt.dcp.staging.StagingBuffers``) serialises every use.
+    """
+
+    def __init__(self, sizes: Sequence[int], pin: bool):
+        self.offsets: list[int] = []
+        self.sizes = [int(n) for n in sizes]
+        offset = 0
+        for n in self.sizes:
+            self.offsets.append(offset)
+            offset += aligned_bytes(n)
+        self.nbytes = offset
+        self.pinned = False
+        self.from_pinned_cache = False  # came from torch's pinned caching allocator
+        self._unpin: weakref.finalize | None = None
+        self._base: torch.Tensor | None = None  # the allocation ``data`` lies in
+        self.data = self._allocate(pin and torch.cuda.is_available())
+
+    def _allocate(self, pin: bool) -> torch.Tensor:
+        """The block, page-aligned, touched once per page (so the first save does not pay
+        the page faults), and pinned if asked."""
+        if self.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        locked = aligned_bytes(self.nbytes, _PAGE_BYTES)  # whole pages: no neighbour's
+        base = self._base = torch.empty(locked + _PAGE_BYTES, dtype=torch.uint8)
+        start = -base.data_ptr() % _PAGE_BYTES
+        data = base[start:start + self.nbytes]
+        if pin:
+            ptr = base.data_ptr() + start
+            if _register(ptr, locked):
+                self.pinned = True
+                # Unlocked by release(), or when this arena is collected: before the memory
+                # can be freed in any case, since the arena holds ``base`` until then.
+                self._unpin = weakref.finalize(self, _unregister, ptr)
+                self._unpin.atexit = False  # the CUDA context may be gone by then
+            else:
+                self._base = None
+                data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned = self.from_pinned_cache = True
+        data[::_PAGE_BYTES].zero_()  # fault in
+        return data
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot ``index`` as flat bytes (exactly its size, without the padding)."""
+        offset = self.offsets[index]
+        return self.data[offset:offset + self.sizes[index]]
+
+    def view(self, index: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Slot ``index`` as a contiguous tensor of ``shape`` and ``dtype`` (its size must
+        be that tensor's bytes)."""
+        return self.slot(index).view(dtype).view(tuple(shape))
+
+    def release(self) -> None:
+        """Drop the arena's hold on its memory: unlock it now and free it with its last
+        view (views still referenced elsewhere keep working, as ordinary memory)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self._base = None
+        self.data = torch.empty(0, dtype=torch.uint8)
+        self.offsets, self.sizes, self.nbytes, self.pinned = [], [], 0, False

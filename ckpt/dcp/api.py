@@ -1,0 +1,333 @@
+"""Save and load a (possibly sharded) state through torch.distributed.checkpoint.
+
+``save`` and ``load`` are collective: every rank of ``process_group`` calls them with the
+same arguments (its own shard of the state). Without an initialised process group they run
+in one process. ``state`` maps names to either state dicts or objects with
+``state_dict()``/``load_state_dict()`` (a model, an optimizer wrapper, a data loader ...).
+
+Their collectives (the lease agreement, DCP's plans, the all-or-nothing load) never run on
+the default group, which under NCCL cannot carry them: without a ``process_group``, or with
+the default group, they run on the store's gloo group over the world (``ckpt.ranks.groups``; made
+at the first such call, collectively, and reused); with a group that has a CPU backend, on
+it. A subgroup without one (NCCL) is refused with ``ValueError``: pass a gloo group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt._version import __version__
+from ckpt.dcp.attachments import check_attachments
+from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
+from ckpt.dcp.reader import CkptReader
+from ckpt.dcp.savecost import SaveCost
+from ckpt.dcp.staging import StagingBuffers
+from ckpt.dcp.writer import CkptWriter
+from ckpt.errors import (
+    AllCheckpointsDamagedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RankFailuresError,
+)
+from ckpt.format import Manifest, step_dirname
+from ckpt.ranks import Agreement, cpu_group
+from ckpt.root import CheckpointStore, Lifecycle, acquire_for_ranks, release_lease
+from ckpt.storage import Storage
+
+__all__ = ["save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state", "unwrap_dcp_error"]
+
+log = logging.getLogger(__name__)
+
+
+def _is_dist() -> bool:
+    """Whether a default process group exists (then every call is collective over
+    ``process_group``, the world when None)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if _is_dist() else 0
+
+
+def _in_rank_order(state: dict[str, Any]) -> list[str]:
+    """``state``'s keys in the one order every rank uses (sorted, whatever the dict's order).
+
+    ``Stateful`` objects may run collectives in ``state_dict``/``load_state_dict`` (on their
+    own groups, e.g. a model-parallel one); ranks that visited them in their dicts' orders
+    would wait for each other in different collectives forever.
+    """
+    return sorted(state, key=lambda k: (type(k).__name__, str(k)))
+
+
+def resolve_state(state: dict[str, Any]) -> dict[str, Any]:
+    """Replace each ``Stateful`` value by its ``state_dict()``; leave plain values alone.
+
+    Collective when a ``Stateful`` runs collectives: every rank calls ``state_dict()`` of its
+    objects in sorted key order, so objects listed in different orders on different ranks
+    do not deadlock. The result keeps ``state``'s order.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict of names to state dicts or Stateful objects, "
+                        f"got {type(state).__name__}")
+    resolved = {k: (state[k].state_dict() if _is_stateful(state[k]) else state[k])
+                for k in _in_rank_order(state)}
+    return {k: resolved[k] for k in state}
+
+
+def apply_state(state: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Hand each loaded value back to its ``Stateful`` owner (``load_state_dict``).
+
+    Owners are visited in sorted key order on every rank (see :func:`resolve_state`). Plain
+    top-level values are replaced in ``state`` too: tensors were loaded in place (the same
+    objects), but an int or a string can only come back by assignment.
+    """
+    for k in _in_rank_order(state):
+        v = state[k]
+        if _is_stateful(v):
+            v.load_state_dict(loaded[k])
+        elif k in loaded and loaded[k] is not v:
+            state[k] = loaded[k]
+
+
+def _is_stateful(v: Any) -> bool:
+    return hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(v, dict)
+
+
+def unwrap_dcp_error(exc: BaseException) -> BaseException:
+    """Turn DCP's per-rank CheckpointException into our errors.
+
+    When every failing rank failed with the same kind of ``CheckpointError`` (or
+    ``FileExistsError``), the first one is re-raised as is; otherwise one
+    ``RankFailuresError`` lists them all.
+    """
+    if not isinstance(exc, CheckpointException):
+        return exc
+    failures = {}
+    for rank, err in exc.failures.items():
+        inner = err[0] if isinstance(err, tuple) else err
+        failures[rank] = inner
+    if failures:
+        inners = list(failures.values())
+        first = inners[0]
+        if isinstance(first, (CheckpointError, FileExistsError, TypeError, ValueError)) and all(
+                type(e) is type(first) for e in inners):
+            return first
+    return RankFailuresError("checkpoint operation",
+                             {r: f"{type(e).__name__}: {e}" for r, e in failures.items()},
+                             failures)
+
+
+def _versions() -> dict[str, str]:
+    return {"ckpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def save(state: dict[str, Any], root: str | Storage, step: int, *,
+         user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+         process_group=None, storage_options: dict[str, Any] | None = None,
+         num_threads: int | None = None, durable: bool = True, resolved: bool = False,
+         use_lease: bool = True, lifecycle: Lifecycle | None = None,
+         before_commit: Callable[[], None] | None = None,
+         save_id: str | None = None,
+         attachments: dict[str, bytes | str | os.PathLike] | None = None,
+         cost: SaveCost | None = None) -> Manifest | None:
+    """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
+    (None: the world; which group its collectives run on: the module docstring).
+
+    Returns the committed manifest on the coordinator (rank 0 of the group), None elsewhere.
+    Raises ``FileExistsError`` if that step is already committed (nothing is overwritten).
+
+    Like every writer, a save holds the root's write lease while it writes: the coordinator
+    takes it (``LeaseHeldError`` on every rank when another live job holds it) and
+    releases it after the commit. ``lifecycle``: write through one that already holds the
+    lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
+    ``save_id``: this attempt's id (default: a fresh random one). ``attachments``: small
+    files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.dcp.attachments`);
+    the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
+    :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created on this thread).
+    """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
+    attached = check_attachments(attachments)
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    sd = state if resolved else resolve_state(state)
+    distributed = _is_dist()
+    world = dist.get_world_size(group) if distributed else 1
+    own_lease = lifecycle is None and use_lease
+    if own_lease:
+        lifecycle = _acquire_for_save(storage, group)
+    extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
+             "user_metadata": dict(user_metadata or {})}
+    writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
+                        lifecycle=lifecycle, manifest_extra=extra, durable=durable,
+                        before_commit=before_commit, save_id=save_id, attachments=attached,
+                        cost=cost)
+    try:
+        with warnings.catch_warnings(), writer.cost.collective_scope():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is")
+            dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(cost=writer.cost),
+                     process_group=group, no_dist=not distributed)
+    except CheckpointException as exc:
+        raise unwrap_dcp_error(exc) from exc
+    finally:
+        if own_lease and lifecycle is not None and lifecycle.lease is not None:
+            release_lease(lifecycle)
+    return writer.manifest
+
+
+def _acquire_for_save(storage: Storage, group) -> Lifecycle:
+    """The coordinator takes the lease; every rank learns whether it could. ``group``: from
+    ``cpu_group``."""
+    if _rank(group) == 0:
+        storage.makedirs("")
+    return acquire_for_ranks(storage, Agreement(group), _rank(group) == 0, heartbeat=True)
+
+
+def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
+         verify: str = "full", strict: bool = True, process_group=None,
+         storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
+         ignore_keys: tuple[str, ...] = (), scratch: StagingBuffers | None = None,
+         on_bytes_read: Callable[[int], None] | None = None) -> Manifest:
+    """Load checkpoint ``step`` into ``state`` in place, resharding to the state's layout.
+
+    Collective over ``process_group`` (None: the world; see the module docstring for the
+    group its collectives run on). ``verify``: 'full' checks every chunk's crc32c,
+    'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
+    ``ignore_keys`` may be left unloaded without counting as unexpected. Raises
+    ``CorruptCheckpointError`` (naming the file) on any corruption, ``StateMismatchError``
+    listing every key/shape/dtype mismatch. ``on_bytes_read(n)``: progress, from any thread.
+
+    Transactional: every rank first reads and verifies its whole part into scratch memory
+    (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
+    ``state``, non-tensor values set and ``load_state_dict`` called. After a failed load,
+    every rank's ``state`` is exactly as before. Peak memory during a load: one extra copy
+    of the bytes this rank reads, freed before returning. ``scratch``: staging buffers to
+    read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
+    for saves anyway); no save may be using them during the load.
+    """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    store = CheckpointStore(storage)
+    manifest = step if isinstance(step, Manifest) else store.read_manifest(step)
+    sd = resolve_state(state)
+    where = storage.describe(step_dirname(manifest.step))
+    reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
+                        num_threads=num_threads, scratch=scratch, on_bytes_read=on_bytes_read)
+    planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
+    error: BaseException | None = None
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is")
+            dcp.load(sd, storage_reader=reader, planner=planner,
+                     process_group=group, no_dist=not _is_dist())
+    except CheckpointException as exc:
+        error = unwrap_dcp_error(exc)
+        if error is not exc:
+            error.__cause__ = exc
+    # DCP already fails every rank when one fails; agreeing again makes "apply only after
+    # every rank verified its whole read" this function's own guarantee.
+    if not Agreement(group).all(error is None):
+        reader.discard()
+        raise error or CorruptCheckpointError(
+            f"loading {where} failed on another rank (see that rank's error); nothing was "
+            f"loaded here either", path=where)
+    reader.apply()
+    # dcp.load plans over a shallow copy of ``sd`` and hands top-level values back before it
+    # returns, i.e. before ``apply`` set the non-tensor ones: take them from that copy.
+    sd.update(planner.original_state_dict)
+    apply_state(state, sd)
+    return manifest
+
+
+def load_with_extra(state: dict[str, Any], root: str | Storage, manifest: Manifest,
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None,
+                    **kwargs: Any) -> Manifest:
+    """``load`` of ``state`` plus ``extra_state(manifest)``, all or nothing; plain values
+    loaded into ``state``'s own keys come back into ``state``."""
+    if extra_state is None:
+        return load(state, root, manifest, **kwargs)
+    merged = {**state, **extra_state(manifest)}
+    load(merged, root, manifest, **kwargs)
+    for key in state:
+        state[key] = merged[key]
+    return manifest
+
+
+def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "full",
+                strict: bool = True, process_group=None,
+                storage_options: dict[str, Any] | None = None,
+                num_threads: int | None = None, ignore_keys: tuple[str, ...] = (),
+                on_fallback: Callable[[int, str], None] | None = None,
+                raise_if_all_damaged: bool = False,
+                scratch: StagingBuffers | None = None,
+                extra_state: Callable[[Manifest], dict[str, Any]] | None = None
+                ) -> Manifest | None:
+    """Load the newest committed checkpoint that loads cleanly on every rank.
+
+    A checkpoint that fails verification on any rank is skipped with a warning naming the
+    file (and ``on_fallback(step, reason)``), and the one before it is tried; each failed
+    attempt leaves ``state`` untouched (``load`` is transactional). Returns None when the
+    root holds no committed checkpoint. When it holds some and every one failed, ``state``
+    is unchanged and the result is None too, unless ``raise_if_all_damaged``: then
+    ``AllCheckpointsDamagedError`` lists each step and why it failed, so a caller can tell
+    "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
+    ``extra_state(manifest)``: more entries to load from that checkpoint in the same
+    transaction, chosen once its manifest is known (e.g. RNG state only on the same layout).
+    Collective over ``process_group`` (as for :func:`load`).
+    """
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
+    agreement = Agreement(group)
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    store = CheckpointStore(storage)
+    candidates = store.committed_steps()
+    # Every rank must walk the same candidate list.
+    candidates = agreement.broadcast(candidates)
+    failures: list[tuple[int, str]] = []
+    for step in reversed(candidates):
+        error: BaseException | None = None
+        manifest = None
+        try:
+            manifest = store.read_manifest(step)
+            if verify in ("full", "size"):
+                # Cheap whole-checkpoint size check first: catches truncation of files this
+                # rank would not read.
+                store.verify_manifest(manifest, full=False)
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            error = exc
+        if not agreement.all(error is None):
+            reason = str(error or "failed verification on another rank")
+            failures.append((step, reason))
+            _fell_back(step, f"not usable ({reason})", on_fallback)
+            continue
+        try:
+            load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
+                            process_group=group, num_threads=num_threads,
+                            ignore_keys=ignore_keys, scratch=scratch)
+            error = None
+        except (CorruptCheckpointError, RankFailuresError) as exc:
+            if isinstance(exc, RankFailuresError) and not exc.any_of(CorruptCheckpointError):
+                raise
+            error = exc
+        if agreement.all(error is None):
+            return manifest
+        reason = str(error or "failed verification on another rank")
+        failures.append((step, reason))
+        _fell_back(step, f"failed verification while loading ({reason})", on_fallback)
+    if failures and raise_if_all_damaged:
+        raise AllCheckpointsDamagedError(storage.describe(), failures)
+    return None
+
+
+def _fell_back(step: int, reason: str, on_fallback: Callable[[int, str], None] | None) -> None:
+    message = f"checkpoint step {step} is {reason}; falling back to an earlier one"
+    log.warning("%s", message)
+    if on_fallback is not None:
+        on_fallback(step, message)

@@ -1,0 +1,288 @@
+"""Pickle-free planners for torch.distributed.checkpoint.
+
+DCP's planners decide *what* each rank saves and loads; they understand DTensor, FSDP2 and
+tensor-parallel shards, which is what makes resharding work. Its default ones store every
+non-tensor value with ``torch.save`` and load it back with an unrestricted ``torch.load``;
+these store JSON (:mod:`ckpt.format.codec`) instead, check that a key shared by several ranks
+holds one value (objects and plain tensors alike), and check the whole state against the checkpoint before reading anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItemType
+
+from ckpt.dcp.savecost import SaveCost
+from ckpt.errors import CorruptCheckpointError, StateMismatchError
+from ckpt.format import crc32c_of, decode_object, dtype_name, encode_object
+
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
+
+_HASH_KEY = "__ckpt_object_crc__:"
+_MAX_KEYS_NAMED = 10
+
+
+def _is_plain_tensor(obj) -> bool:
+    """A tensor each rank holds whole: not a DTensor or ShardedTensor (those are sharded, and
+    DCP tells their shards apart by offset)."""
+    from torch.distributed.tensor import DTensor
+
+    return (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)
+            and not hasattr(obj, "local_shards"))
+
+
+def _tensor_crc(t: torch.Tensor) -> int:
+    """CRC32C of a tensor's bytes, exactly as the writer checksums them."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return crc32c_of([t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""])
+
+
+class SafeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles.
+
+    DCP saves a key that several ranks have from one rank only: it assumes replicas. When the
+    ranks' values differ, the others' are silently lost (a per-rank counter or generator
+    state saved under a shared key comes back as rank 0's on every rank). So each rank sends,
+    with its local plan, a CRC32C of each object's encoding and of each plain (non-DTensor)
+    tensor's bytes, and the coordinator refuses the save, before anything is written, when a
+    key's checksums differ between ranks. Checksums travel in the plans DCP already gathers
+    on the save's process group: no collective of its own.
+
+    Cost: one CRC32C pass over this rank's plain tensors (a rank cannot tell which of them
+    other ranks share before the plans meet), on the thread that saves; DTensor and
+    ShardedTensor shards are never read here. ``known_crcs`` keeps the results by key (plain
+    tensors, and objects' encodings): they are the CRCs of the very bytes the writer writes,
+    which it reuses instead of checksumming them again. ``cost``: a
+    :class:`ckpt.dcp.savecost.SaveCost` that the planning and checksum time is added to.
+    """
+
+    known_crcs: dict[str, int]
+
+    def __init__(self, *args, cost=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
+
+    @staticmethod
+    def digest_key(fqn: str) -> str:
+        """The ``planner_data`` key under which a local plan carries ``fqn``'s checksum."""
+        return _HASH_KEY + fqn
+
+    def create_local_plan(self) -> SavePlan:
+        with self.cost.phase("plan"):
+            plan = super().create_local_plan()
+        with self.cost.phase("crc"):
+            hashes = self._replica_checksums(plan)
+        if hashes:
+            plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
+                                                           **hashes})
+            self.plan = plan
+        return plan
+
+    def _replica_checksums(self, plan: SavePlan) -> dict[str, list]:
+        self.known_crcs = {}
+        self._encoded = {}
+        hashes = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                data = encode_object(self.lookup_object(item.index), fqn)
+                self._encoded[fqn] = data  # written as is: encoded once per save
+                self.known_crcs[fqn] = crc32c_of([data])
+                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn]]
+            elif _is_plain_tensor(self.state_dict.get(fqn)):
+                t = self.state_dict[fqn]
+                self.known_crcs[fqn] = _tensor_crc(t)
+                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn], str(t.dtype),
+                                                str(list(t.shape))]
+        return hashes
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        with self.cost.phase("plan"):
+            return super().finish_plan(new_plan)
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        """On the coordinator: refuse keys whose replicas differ, then DCP's global plan."""
+        with self.cost.phase("plan"):
+            return self._checked_global_plan(all_plans)
+
+    def _checked_global_plan(self, all_plans: list[SavePlan]):
+        ranks_by_value: dict[str, dict[tuple, list[int]]] = {}
+        for rank, plan in enumerate(all_plans):
+            for key, value in (plan.planner_data or {}).items():
+                if key.startswith(_HASH_KEY):
+                    ranks_by_value.setdefault(key[len(_HASH_KEY):], {}).setdefault(
+                        tuple(value), []).append(rank)
+        conflicts = [f"{fqn!r} ({' | '.join(_ranks(r) for r in groups.values())})"
+                     for fqn, groups in sorted(ranks_by_value.items()) if len(groups) > 1]
+        if conflicts:
+            named = ", ".join(conflicts[:_MAX_KEYS_NAMED])
+            more = len(conflicts) - _MAX_KEYS_NAMED
+            raise ValueError(
+                f"state keys hold different values on different ranks (ranks grouped by "
+                f"value): {named}{f' and {more} more' if more > 0 else ''}. A key present on "
+                f"several ranks is saved once, from one rank, as a replica; give per-rank "
+                f"values a per-rank key (wrap the object in ckpt.dcp.stateful.PerRankState, or "
+                f"nest it under f'rank{{rank}}'; docs/store.md, 'Per-rank state').")
+        # The flatten mappings are merged here, not by DCP: its ``dict(ChainMap(*mappings))``
+        # looks each rank's own keys (per-rank state) up through every earlier rank's map,
+        # which is quadratic in the ranks (bench/bench_scale.py). Same result: the first
+        # plan holding a key gives its path, keys in the same order.
+        merged: dict = {}
+        for p in reversed(all_plans):
+            merged.update((k, v) for k, v in (p.planner_data or {}).items()
+                          if not k.startswith(_HASH_KEY))
+        cleaned = [dataclasses.replace(p, planner_data={}) for p in all_plans]
+        global_plan, metadata = super().create_global_plan(cleaned)
+        if self.flatten_state_dict:
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+            self.metadata = metadata
+        return global_plan, metadata
+
+    def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
+        if write_item.type == WriteItemType.BYTE_IO:
+            fqn = write_item.index.fqn
+            data = getattr(self, "_encoded", {}).get(fqn)
+            return io.BytesIO(data if data is not None else encode_object(object, fqn))
+        return object
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _fixes(missing: list[str], unexpected: list[str], mismatched: list[str]) -> list[str]:
+    """One "Fix:" line per kind of problem found (a mismatch's kind is the word after its
+    key: "shape", "dtype", or "checkpoint" for a tensor/object swap)."""
+    kinds = {m.split(": ", 1)[1].split(" ", 1)[0] for m in mismatched}
+    out = []
+    if missing or unexpected:
+        out.append("  Fix (keys): load into the model/optimizer the checkpoint was saved from, "
+                   "or pass strict=False to load only the keys both have"
+                   + (", or ignore_keys=(prefix, ...) to leave the checkpoint keys under "
+                      "those prefixes unloaded" if unexpected and not missing else "") + ".")
+    if "shape" in kinds:
+        out.append("  Fix (shape): build the model with the configuration it was saved with "
+                   "(sizes, vocabulary, layers); a different layout of the same model reshards "
+                   "by itself. strict=False does not skip a mismatched key.")
+    if "dtype" in kinds:
+        saved = next(m.split(": dtype ", 1)[1].split(" ", 1)[0] for m in mismatched
+                     if ": dtype " in m)
+        out.append(f"  Fix (dtype): give the state the checkpoint's dtype before loading (e.g. "
+                   f"model.to(torch.{saved})) and cast after. strict=False does not skip a "
+                   f"mismatched key.")
+    if "checkpoint" in kinds:
+        out.append("  Fix (tensor/object): the key holds another kind of value than when "
+                   "saved; rename the new value's key. strict=False does not skip a "
+                   "mismatched key.")
+    return out
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that decodes JSON objects and checks the whole state first.
+
+    Before any byte is read, the state to load into is compared with the checkpoint and every
+    missing key, unexpected key, shape and dtype mismatch is reported in one error.
+    """
+
+    def __init__(self, strict: bool = True, source: str = "checkpoint",
+                 ignore_prefixes: tuple[str, ...] = ()):
+        super().__init__(allow_partial_load=not strict)
+        self.strict = strict
+        self.source = source
+        self.ignore_prefixes = tuple(ignore_prefixes)
+
+    def create_local_plan(self) -> LoadPlan:
+        """Plan this rank's reads; record (not raise) its problems for the global check."""
+        md = self.metadata.state_dict_metadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        missing, mismatched = [], []
+        for fqn, obj in self.state_dict.items():
+            if fqn not in md:
+                missing.append(fqn)
+                continue
+            saved = md[fqn]
+            is_tensor = isinstance(obj, torch.Tensor)
+            if isinstance(saved, TensorStorageMetadata) != is_tensor:
+                kind = "a tensor" if isinstance(saved, TensorStorageMetadata) else "an object"
+                mismatched.append(f"{fqn}: checkpoint holds {kind}, state holds "
+                                  f"{type(obj).__name__}")
+                continue
+            if is_tensor:
+                shape = tuple(obj.shape)  # DTensor reports its global shape
+                if tuple(saved.size) != shape:
+                    mismatched.append(f"{fqn}: shape {list(saved.size)} in checkpoint, "
+                                      f"{list(shape)} in state")
+                elif saved.properties.dtype != obj.dtype:
+                    mismatched.append(f"{fqn}: dtype {dtype_name(saved.properties.dtype)} in "
+                                      f"checkpoint, {str(obj.dtype).removeprefix('torch.')} "
+                                      f"in state")
+        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+        requested = sorted(k for k in self.state_dict if k in md)
+        self.state_dict = {k: v for k, v in self.state_dict.items() if k not in bad}
+        # Not super(): DefaultLoadPlanner re-flattens the original state when keys are
+        # missing (a pre-2.4 compatibility path), which would undo the filtering above.
+        plan = create_default_local_load_plan(self.state_dict, self.metadata, False)
+        return dataclasses.replace(plan, planner_data={
+            "missing": sorted(missing), "mismatched": mismatched, "requested": requested})
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: one error listing every problem of every rank.
+
+        A checkpoint key is *unexpected* only if no rank asked for it (per-rank keys such as
+        each rank's RNG state are asked for by one rank each).
+        """
+        missing: set[str] = set()
+        mismatched: list[str] = []
+        requested: set[str] = set()
+        for plan in global_plan:
+            data = plan.planner_data or {}
+            missing.update(data.get("missing", ()))
+            for m in data.get("mismatched", ()):
+                if m not in mismatched:
+                    mismatched.append(m)
+            requested.update(data.get("requested", ()))
+        if self.strict:
+            unexpected = sorted(k for k in set(self.metadata.state_dict_metadata) - requested
+                                if not k.startswith(self.ignore_prefixes))
+            missing_list = sorted(missing)
+        else:
+            unexpected, missing_list = [], []
+        if missing_list or unexpected or mismatched:
+            lines = [f"state does not match {self.source}:"]
+            if missing_list:
+                lines.append(f"  {len(missing_list)} key(s) in the state but not in the "
+                             f"checkpoint: {', '.join(missing_list)}")
+            if unexpected:
+                lines.append(f"  {len(unexpected)} key(s) in the checkpoint but not in the "
+                             f"state: {', '.join(unexpected)}")
+            for m in mismatched:
+                lines.append(f"  mismatch: {m}")
+            lines.extend(_fixes(missing_list, unexpected, mismatched))
+            raise StateMismatchError("\n".join(lines), missing=missing_list,
+                                     unexpected=unexpected, mismatched=mismatched)
+        return [dataclasses.replace(p, planner_data=None) for p in global_plan]
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = decode_object(value.getvalue())
+        except (ValueError, TypeError, RuntimeError) as exc:  # bad JSON, UTF-8 or tag payload
+            fqn = read_item.storage_index.fqn
+            raise CorruptCheckpointError(
+                f"{self.source}: object {fqn!r} is not a ckpt JSON value ({exc}); the "
+                f"checkpoint is corrupt or was not written by ckpt (its bytes are never "
+                f"unpickled). Load an earlier step.", path=self.source) from None
+        from torch.distributed.checkpoint._traverse import set_element
+
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

@@ -1,0 +1,270 @@
+"""Host staging buffers: the only part of a save that stalls the training loop.
+
+``StagingBuffers.stage(state_dict)`` copies every tensor of a (possibly sharded) state dict
+into host buffers that are allocated once and reused by every later save. Non-tensor
+values are deep-copied (they are small).
+
+On CUDA the buffers are pinned and ``stage`` does not wait for the copies: it issues them on
+a side stream of its own (one per device, created once) after that stream waits for the
+current (training) stream, and makes the current stream wait, on the device, for an event
+recorded after them. So the host returns once the copies are enqueued, and the next kernel
+of the training stream (an optimizer step that overwrites the parameters) cannot run before
+they are done. Until then the buffers hold no data yet: whoever reads them on the host
+calls ``wait_ready()`` first (the manager's persist thread does, before writing a byte).
+The source tensors are marked as used by the side stream (``record_stream``), so the
+caching allocator does not hand their memory out again before the copies finish. CPU
+tensors are copied synchronously; a stage of CPU tensors only has nothing to wait for. A
+staged DTensor is the live one's spec (mesh, placements, global shape and stride) around
+the host buffer itself, so ``torch.distributed.checkpoint`` plans the same chunks as for
+the live state, and nothing of it is moved back to the device.
+
+The buffers are typed views into one host arena (:mod:`ckpt.dcp._host_arena`): one allocation
+of the sum of this rank's shards, each slot aligned to 512 bytes, pinned on CUDA (page-locked
+in place: not rounded up to a power of two as torch's pinned allocator rounds each block).
+It is reused by every later save while the state keeps its tensors (same paths, shapes and
+dtypes), so a save in steady state allocates nothing; it is built anew, once, when they
+change; ``close()`` frees it. Host memory: about one copy of this rank's shard. ``prepare``
+allocates (and touches) the arena ahead of time, e.g. on a background thread right after
+the model is built, so even the first save's stall is only the copy.
+
+Loads borrow the same memory (``borrow``) as scratch to read into before the checksums are
+verified: one copy of the shard that exists anyway, already touched, instead of fresh
+memory whose first touch costs about as much as the read.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+from ckpt.dcp._host_arena import HostArena, aligned_bytes, release_host_cache
+
+__all__ = ["StagingBuffers", "CopyReady"]
+
+
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+
+
+class CopyReady:
+    """The device-to-host copies of one ``stage``: ``wait()`` blocks the calling thread
+    until they are done and returns their duration on the device, in seconds (the slowest
+    device's, measured between two CUDA events around the copies)."""
+
+    def __init__(self, events: list[tuple[Any, Any]]):
+        self._events = events  # (start, end) CUDA events, one pair per device
+        self._seconds: float | None = None
+
+    def done(self) -> bool:
+        """True when every copy has finished (never blocks)."""
+        return all(end.query() for _, end in self._events)
+
+    def wait(self) -> float:
+        if self._seconds is None:
+            for _, end in self._events:
+                end.synchronize()
+            self._seconds = max(start.elapsed_time(end) for start, end in self._events) / 1e3
+        return self._seconds
+
+
+class StagingBuffers:
+    """The host copy of one rank's state for saves (see the module docstring).
+
+    Used by one saving thread at a time: ``stage``, ``borrow`` and ``close`` wait for the
+    previous stage's copies; ``prepare`` may run on another thread (it takes the lock).
+    """
+
+    def __init__(self, pin_memory: bool | None = None):
+        self.pin_memory = (torch.cuda.is_available() if pin_memory is None else pin_memory)
+        self._arena: HostArena | None = None
+        self._layout: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # path -> slot
+        self._buffers: dict[tuple, torch.Tensor] = {}  # path -> its typed view of the arena
+        self._lock = threading.Lock()
+        self.num_allocations = 0  # host allocations so far (one per layout); flat when steady
+        self._streams: dict[torch.device, Any] = {}  # the side stream of each CUDA device
+        # The last stage's pending device-to-host copies (None: nothing pending, e.g. CPU).
+        self.ready: CopyReady | None = None
+
+    def wait_ready(self) -> float | None:
+        """Block until the last ``stage``'s copies are in the buffers; call before reading
+        them on the host. Returns the copies' device time in seconds, or None when that
+        stage had no asynchronous copies (CPU tensors only). Cheap when already done."""
+        ready = self.ready
+        return ready.wait() if ready is not None else None
+
+    def _side_stream(self, pending: dict, device: torch.device):
+        """The side stream for ``device``, made to wait for the current stream (once per
+        stage), with a timing event recorded on it before the first copy."""
+        if device not in pending:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(side)
+            pending[device] = (side, start)
+        return pending[device][0]
+
+    @staticmethod
+    def _fence(pending: dict) -> CopyReady:
+        """After the copies: an event on each side stream, waited for by the device's
+        current (training) stream on the device, not by the host."""
+        events = []
+        for device, (side, start) in pending.items():
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(side)
+            torch.cuda.current_stream(device).wait_event(end)
+            events.append((start, end))
+        return CopyReady(events)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors the buffers hold (the state's shard, without padding)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of host memory held: the tensors, each slot aligned (0 after ``close``)."""
+        return self._arena.nbytes if self._arena is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffers are page-locked (device-to-host copies are asynchronous)."""
+        return self._arena is not None and self._arena.pinned
+
+    def _fit(self, tensors: list[tuple[tuple, torch.Tensor]]) -> None:
+        """Make the buffers hold exactly ``tensors`` (path, local tensor): the arena is kept
+        while every path has the same shape and dtype, and built anew (one allocation)
+        otherwise. The caller holds the lock."""
+        layout = {path: (tuple(t.shape), t.dtype) for path, t in tensors}
+        if layout == self._layout and self._arena is not None:
+            return
+        self._release()  # the old arena first: never two of them at once, as far as it can
+        arena = HostArena([t.numel() * t.element_size() for _, t in tensors],
+                          pin=self.pin_memory)
+        self.num_allocations += arena.nbytes > 0
+        self._arena, self._layout = arena, layout
+        self._buffers = {path: arena.view(i, t.shape, t.dtype)
+                         for i, (path, t) in enumerate(tensors)}
+
+    def _release(self) -> None:
+        arena, self._arena = self._arena, None
+        self._buffers, self._layout = {}, {}
+        if arena is not None:
+            arena.release()
+            if arena.from_pinned_cache:
+                release_host_cache()  # its block went back to torch's cache: give it back
+
+    def close(self) -> None:
+        """Free the buffers (``nbytes`` and ``arena_bytes`` become 0): the page lock now,
+        the memory once no staged copy that views it is referenced any more (drop those
+        first). A later ``prepare``/``stage`` allocates again."""
+        self.wait_ready()
+        with self._lock:
+            self.ready = None
+            self._release()
+            self._streams.clear()
+
+    def borrow(self, sizes: list[int]) -> list[torch.Tensor | None]:
+        """Flat uint8 views of the buffers' memory, one per requested byte size, disjoint,
+        each starting aligned (``ckpt.dcp._host_arena.ALIGN_BYTES``); None where what is left
+        is too small (the largest requests are placed first).
+
+        For scratch use between saves: the caller must not borrow while a save is staging
+        or persisting from these buffers, and must drop the views before the next ``stage``.
+        """
+        self.wait_ready()  # no copy of the last stage may still land in a lent buffer
+        with self._lock:
+            data = self._arena.data if self._arena is not None else None
+        out: list[torch.Tensor | None] = [None] * len(sizes)
+        offset = 0
+        for j in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+            n = sizes[j]
+            if data is None or n <= 0 or offset + n > data.numel():
+                continue
+            out[j] = data[offset:offset + n]
+            offset += aligned_bytes(n)
+        return out
+
+    def prepare(self, state_dict: Any) -> None:
+        """Allocate the buffers for every tensor in ``state_dict`` without copying data."""
+        tensors = [(path, local) for path, _, local in _tensor_leaves(state_dict)]
+        with self._lock:
+            self._fit(tensors)
+
+    def stage(self, state_dict: Any) -> tuple[Any, int]:
+        """Copy ``state_dict`` into the buffers; returns (staged copy, tensor bytes staged).
+
+        CUDA tensors into pinned buffers: the copies are only enqueued (see the module
+        docstring); ``wait_ready()`` before reading the staged tensors on the host.
+        """
+        dtensor = _dtensor_cls()
+        leaves = _tensor_leaves(state_dict)
+        pending: dict[torch.device, tuple[Any, Any]] = {}  # device -> (side stream, start)
+        staged_at: dict[tuple, torch.Tensor] = {}
+        total = 0
+        self.wait_ready()  # the host reads these buffers no more (normally long done)
+        with self._lock:
+            self.ready = None
+            self._fit([(path, local) for path, _, local in leaves])
+            pinned = self._arena.pinned
+            try:
+                for path, value, local in leaves:
+                    buf = self._buffers[path]
+                    if local.device.type == "cuda" and pinned:
+                        side = self._side_stream(pending, local.device)
+                        with torch.cuda.stream(side):
+                            buf.copy_(local, non_blocking=True)
+                        local.record_stream(side)  # its memory is not reused before the copy
+                    else:  # CPU, or pageable buffers: a synchronous copy
+                        buf.copy_(local)
+                    total += buf.numel() * buf.element_size()
+                    if dtensor is not None and isinstance(value, dtensor):
+                        # The same spec (mesh, placements, global shape and stride) around
+                        # the host buffer itself. Not ``DTensor.from_local``: it moves a
+                        # local tensor to the mesh's device type, i.e. back to the GPU while
+                        # the copy into it is still running (stale values, and a second
+                        # copy of the shard on the device).
+                        buf = dtensor(buf, value._spec, requires_grad=False)
+                    staged_at[path] = buf
+            finally:  # the training stream waits for whatever copy was issued, even on error
+                if pending:
+                    self.ready = self._fence(pending)
+        return _rebuild(state_dict, (), staged_at), total
+
+
+def _tensor_leaves(value: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor, torch.Tensor]]:
+    """(path, tensor, its local data: a DTensor's shard, detached) of every tensor in a
+    nested dict/list/tuple, in order."""
+    if isinstance(value, torch.Tensor):
+        dtensor = _dtensor_cls()
+        local = value.to_local() if dtensor is not None and isinstance(value, dtensor) else value
+        return [(path, value, local.detach())]
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    return [leaf for k, v in items for leaf in _tensor_leaves(v, path + (k,))]
+
+
+def _rebuild(value: Any, path: tuple, staged_at: dict[tuple, torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by its staged copy; other leaves deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return staged_at[path]
+    if isinstance(value, dict):
+        return {k: _rebuild(v, path + (k,), staged_at) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebuild(v, path + (i,), staged_at) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, path + (i,), staged_at) for i, v in enumerate(value))
+    return copy.deepcopy(value)

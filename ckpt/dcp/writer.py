@@ -1,0 +1,296 @@
+"""Our StorageWriter for torch.distributed.checkpoint: where each rank's bytes go.
+
+DCP's planners (:mod:`ckpt.dcp.planners`) decide *what* each rank saves; this writer decides
+*where* the bytes go (data files laid out as :mod:`ckpt.dcp.layout` says), checksums every
+item, and commits our JSON manifest (:mod:`ckpt.format.manifest`) instead of DCP's pickled
+``.metadata``.
+
+Call order (DCP's contract): every rank ``set_up_storage_writer`` -> ``prepare_local_plan``;
+the coordinator ``prepare_global_plan`` (here it also begins the attempt through
+:mod:`ckpt.root.lifecycle`: refuses a committed step, writes the attempt's marker before any data
+exists, then the attachments); every rank ``write_data``; the coordinator ``finish``
+(commits the manifest through :mod:`ckpt.root.lifecycle`, which fences off a writer that lost the
+lease).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt.dcp.attachments import attachment_bytes
+from ckpt.dcp.layout import buffer_nbytes, default_threads, tensor_view_bytes
+from ckpt.dcp.savecost import SaveCost
+from ckpt.format import (
+    DTYPE_NAMES,
+    Attachment,
+    FileRecord,
+    ItemLocation,
+    Manifest,
+    crc32c_combine,
+    crc32c_of,
+    dtype_from_name,
+    dtype_name,
+)
+from ckpt.root import Lifecycle, attachment_file
+from ckpt.storage import Storage
+
+__all__ = ["CkptWriter"]
+
+_S3_FILE_BYTES = 32 << 20  # one S3 part (Storage.write_buffers' default part size)
+_FILE_KEY = "__file__:"
+_MAX_NAMED = 10  # keys named in one error
+_FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES)
+
+@dataclasses.dataclass
+class _RankPrefix:
+    prefix: str
+
+
+class CkptWriter(StorageWriter):
+    """Writes one checkpoint folder. Construct one per save (it holds that save's state)."""
+
+    def __init__(self, storage: Storage, step: int, step_dir: str, *, save_id: str | None = None,
+                 num_threads: int | None = None, lifecycle: Lifecycle | None = None,
+                 manifest_extra: dict[str, Any] | None = None, durable: bool = True,
+                 before_commit: Callable[[], None] | None = None,
+                 attachments: dict[str, bytes | str] | None = None, cost: Any = None):
+        super().__init__()
+        self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
+        self.before_commit = before_commit
+        # Checked by ckpt.dcp.attachments.check_attachments; written by the coordinator only.
+        self.attachments = dict(attachments or {})
+        self._attached: dict[str, Attachment] = {}
+        self.storage = storage
+        self.life = lifecycle or Lifecycle(storage)
+        self.step = step
+        self.step_dir = step_dir
+        self.save_id = save_id or uuid.uuid4().hex[:12]
+        self.num_threads = max(1, num_threads or default_threads(storage))
+        self.extra = dict(manifest_extra or {})
+        self.durable = durable
+        self.is_coordinator = True
+        self.manifest: Manifest | None = None
+
+    # -- StorageWriter interface -----------------------------------------------------------
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.storage.describe(self.step_dir), save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Every rank, before any byte of the save is written (the attempt's marker
+        included): refuse a tensor whose dtype the format cannot hold. Found later, at the
+        commit, it would cost every rank a whole write for nothing."""
+        unsupported = sorted({(item.index.fqn, str(item.tensor_data.properties.dtype))
+                              for item in plan.items if item.tensor_data is not None
+                              and item.tensor_data.properties.dtype not in _FORMAT_DTYPES})
+        if unsupported:
+            named = ", ".join(f"{fqn!r} ({dtype})" for fqn, dtype in unsupported[:_MAX_NAMED])
+            more = len(unsupported) - _MAX_NAMED
+            raise ValueError(
+                f"cannot save step {self.step}: the checkpoint format does not support the "
+                f"dtype of state key(s) {named}{f' and {more} more' if more > 0 else ''}. "
+                f"Supported: {', '.join(DTYPE_NAMES)} (docs/format.md, 'Manifest'). Convert "
+                f"such a tensor to one of them before saving (e.g. t.view(torch.uint8) for "
+                f"bit-packed data, t.dequantize() for a quantized tensor).")
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with self.cost.phase("commit"):
+            self.life.begin(self.step, self.save_id, durable=self.durable)
+            # After the marker, so a failed attempt's attachments are its leftovers like its
+            # data.
+            for name, value in sorted(self.attachments.items()):
+                data = attachment_bytes(name, value)
+                file = attachment_file(self.save_id, name)
+                self.storage.write_bytes(f"{self.step_dir}/{file}", data,
+                                         durable=self.durable)
+                self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
+        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        with self.cost.span():  # its time is in the write/fsync/crc phases
+            results = self._write_data(plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        prefix = plan.storage_data.prefix
+        rank = int(prefix[1:6])
+        items = list(plan.items)
+        # The planner already checksummed this rank's plain tensors (the replica check), over
+        # the very bytes written here: those checksums are reused, not computed again.
+        known: dict[str, int] = getattr(planner, "known_crcs", None) or {}
+        # Resolve data on this thread (planners are not thread-safe), then write in parallel.
+        resolved = []
+        for item in items:
+            data = planner.resolve_data(item)
+            crc = None
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getvalue()
+                crc = known.get(item.index.fqn)  # the planner's, of these very bytes
+            else:
+                buf = tensor_view_bytes(data)
+                whole = planner.state_dict.get(item.index.fqn) if hasattr(
+                    planner, "state_dict") else None
+                if item.index.fqn in known and isinstance(whole, torch.Tensor) and \
+                        whole.numel() * whole.element_size() == buffer_nbytes(buf):
+                    crc = known[item.index.fqn]
+            resolved.append((item, buf, crc))
+        num_files = self.num_threads
+        if self.storage.is_s3:
+            # Object stores: files of about one part each, so every file is a single PUT and
+            # num_threads of them are in flight (multipart completion is slow on some
+            # servers, and parallel parts of one file add nothing over parallel files).
+            total = sum(buffer_nbytes(r[1]) for r in resolved)
+            num_files = max(num_files, min(1024, -(-total // _S3_FILE_BYTES)))
+        buckets = _balance(resolved, num_files)
+        # Local files: each file's bytes are synced by itself, and the folder (the files'
+        # names) once for all of them, before this rank reports its files written; the
+        # manifest, the commit, comes only after every rank did (DCP's contract).
+        sync_here = self.durable and self.storage.is_local
+        cost = self.cost
+        results: list[WriteResult] = []
+
+        def checksum(bufs: list) -> list[int]:
+            with cost.phase("crc"):
+                return [crc32c_of([b]) for b in bufs]
+
+        def write_bucket(k: int, bucket):
+            name = f"{prefix}_{k}.bin"
+            rel = f"{self.step_dir}/{name}"
+            bufs = [buf for _, buf, _ in bucket]
+            todo = [i for i, (_, _, crc) in enumerate(bucket) if crc is None]
+            # Checksums run on their own thread while this one writes and fsyncs the same
+            # (read-only) buffers: crc32c and file I/O both release the GIL.
+            computed: list[int] = []
+            summer = None
+            if todo:
+                summer = threading.Thread(
+                    target=lambda: computed.extend(checksum([bufs[i] for i in todo])),
+                    name="ckpt-crc")
+                summer.start()
+            try:
+                with cost.phase("write"):
+                    self.storage.write_buffers(rel, bufs, durable=self.durable and not sync_here)
+                if sync_here:
+                    with cost.phase("fsync"):
+                        _fsync_path(self.storage.path(rel))
+            finally:
+                if summer is not None:
+                    summer.join()
+            crcs = [crc for _, _, crc in bucket]
+            for i, value in zip(todo, computed):
+                crcs[i] = value
+            offset, crc, out = 0, 0, []
+            for (item, buf, _), item_crc in zip(bucket, crcs):
+                length = buffer_nbytes(buf)
+                crc = crc32c_combine(crc, item_crc, length)  # no second pass over the bytes
+                out.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=ItemLocation(name, offset, length, item_crc)))
+                offset += length
+            out.append(WriteResult(index=MetadataIndex(_FILE_KEY + name), size_in_bytes=offset,
+                                   storage_data=FileRecord(offset, crc, rank)))
+            return out
+
+        non_empty = [(k, b) for k, b in enumerate(buckets) if b]
+        if len(non_empty) <= 1:
+            for k, b in non_empty:
+                results.extend(write_bucket(k, b))
+        else:
+            with ThreadPoolExecutor(min(self.num_threads, len(non_empty)),
+                                    thread_name_prefix="ckpt-write") as pool:
+                for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
+                    results.extend(out)
+        if sync_here and non_empty:
+            with cost.phase("fsync"):
+                _fsync_path(self.storage.path(self.step_dir))
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with self.cost.phase("commit"):
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        files: dict[str, FileRecord] = {}
+        where: dict[MetadataIndex, ItemLocation] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                if wr.index.fqn.startswith(_FILE_KEY):
+                    files[wr.index.fqn[len(_FILE_KEY):]] = wr.storage_data
+                else:
+                    where[wr.index] = wr.storage_data
+        tensors, objects = {}, {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                chunks = []
+                for chunk in md.chunks:
+                    loc = where[MetadataIndex(fqn, chunk.offsets)]
+                    chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
+                                   "location": loc})
+                tensors[fqn] = {"dtype": dtype_name(md.properties.dtype),
+                                "shape": list(md.size), "chunks": chunks}
+            else:
+                objects[fqn] = where[MetadataIndex(fqn)]
+        planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+        for a in self._attached.values():  # listed in files too: verified and kept with them
+            files[a.file] = FileRecord(a.size, a.crc32c, 0)
+        manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
+                            tensors=tensors, objects=objects, files=files,
+                            planner_data=planner_data, attachments=dict(self._attached),
+                            **self.extra)
+        if self.before_commit is not None:
+            self.before_commit()  # raises to abandon; the attempt stays uncommitted
+        # Other versions in this folder (earlier failed attempts, rolled-back checkpoints)
+        # are left alone: they are the life-cycle's to judge, never the writer's.
+        self.life.commit(manifest)
+        self.manifest = manifest
+
+
+def _balance(items: list, num_buckets: int) -> list[list]:
+    """Greedy largest-first split into ``num_buckets`` groups of similar byte size."""
+    buckets: list[list] = [[] for _ in range(num_buckets)]
+    totals = [0] * num_buckets
+    order = sorted(range(len(items)), key=lambda i: -buffer_nbytes(items[i][1]))
+    for i in order:
+        k = totals.index(min(totals))
+        buckets[k].append(items[i])
+        totals[k] += buffer_nbytes(items[i][1])
+    # Keep each file's items in state-dict order (stable, readable layout).
+    index = {id(it): i for i, it in enumerate(items)}
+    for b in buckets:
+        b.sort(key=lambda it: index[id(it)])
+    return buckets
+
+
+def _fsync_path(path: str) -> None:
+    """Make a file's bytes, or a folder's entries, durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,15 @@
+"""Export: a sharded checkpoint consolidated into full tensors in one process, written as a
+``.pt`` file, a ``.safetensors`` file or a Hugging Face folder.
+
+``_consolidate`` (:func:`consolidate`, :func:`export`), ``_select`` (key selection, dtype
+casts, nesting), ``_files`` (output checks before anything is read; attachment files),
+``_hf`` (the Hugging Face folder: shards, index, attachments).
+"""
+
+from ckpt.export._consolidate import FORMATS, consolidate, export
+from ckpt.export._files import check_out_dir, check_out_file
+from ckpt.export._hf import HF_INDEX_NAME, HF_WEIGHTS_NAME
+from ckpt.export._select import parse_dtype, select_keys
+
+__all__ = ["consolidate", "export", "FORMATS", "parse_dtype", "select_keys",
+           "check_out_dir", "check_out_file", "HF_WEIGHTS_NAME", "HF_INDEX_NAME"]

@@ -1,0 +1,111 @@
+"""A Hugging Face-style folder: ``model.safetensors``, or shards
+``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` above
+``max_shard_bytes``, plus the checkpoint's attachments (``config.json``, tokenizer files),
+so ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
+
+The folder is built in a fresh temporary folder beside ``out`` and renamed into place, so
+a failure never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from typing import Iterable
+
+import torch
+
+from ckpt.export._files import check_out_dir
+from ckpt.storage import fsync_dir, write_new_file
+
+__all__ = ["HF_WEIGHTS_NAME", "HF_INDEX_NAME", "check_hf_attachment_names", "write_hf_folder"]
+
+HF_WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+_HF_SHARD_RE = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+def check_hf_attachment_names(names: Iterable[str]) -> None:
+    """Refuse attachments that would take the name of an exported weights file."""
+    for name in names:
+        if name in (HF_WEIGHTS_NAME, HF_INDEX_NAME) or _HF_SHARD_RE.match(name):
+            raise ValueError(f"attachment {name!r} has the name of an exported weights file; "
+                             f"export it with --attachments DIR to another folder instead")
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Keys in order, cut before a tensor that would take a shard over ``max_bytes`` (a
+    tensor larger than that gets a shard of its own), as transformers splits them."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def write_hf_folder(out: str, tensors: dict[str, torch.Tensor], attachments: dict[str, bytes],
+                    max_shard_bytes: int, force: bool) -> list[str]:
+    """Build the folder beside ``out`` and rename it into place; returns its file names.
+
+    ``out`` is refused when it exists and is not empty, unless ``force``: then the old
+    folder is moved aside, replaced, and removed (put back if the rename fails).
+    """
+    from safetensors.torch import save_file
+
+    check_out_dir(out, force=force)
+    out = os.path.abspath(out)
+    tmp = os.path.join(os.path.dirname(out),
+                       f".{os.path.basename(out)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    old = None
+    try:
+        shards = _shards(tensors, max_shard_bytes)
+        n = len(shards)
+        names = [HF_WEIGHTS_NAME] if n == 1 else \
+            [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map: dict[str, str] = {}
+        for name, keys in zip(names, shards):
+            path = os.path.join(tmp, name)
+            save_file({k: tensors[k].contiguous() for k in keys}, path,
+                      metadata={"format": "pt"})
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+            weight_map.update((k, name) for k in keys)
+        if n > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            write_new_file(os.path.join(tmp, HF_INDEX_NAME),
+                           json.dumps(index, indent=2).encode() + b"\n")
+            names.append(HF_INDEX_NAME)
+        for name, data in attachments.items():
+            write_new_file(os.path.join(tmp, name), data)
+        fsync_dir(tmp)
+        # Into place: a new or empty folder is replaced in one rename; with --force a
+        # non-empty one is moved aside first and removed after.
+        check_out_dir(out, force=force)
+        if os.path.isdir(out) and os.listdir(out):
+            old = f"{tmp}.old"
+            os.rename(out, old)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if old is not None:  # put the replaced folder back
+                os.rename(old, out)
+                old = None
+            raise
+        fsync_dir(os.path.dirname(out))
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return names + sorted(attachments)

@@ -1,0 +1,167 @@
+"""Strict JSON for every file ``ckpt`` writes and reads (manifests, markers, pins, history).
+
+Everything read back from storage is untrusted input, so :func:`loads` refuses what
+Python's ``json`` would accept or crash on: invalid UTF-8, ``NaN``/``Infinity`` literals,
+duplicate object keys, nesting deeper than ``max_depth`` (checked by a scan before parsing,
+so a hostile document cannot reach a ``RecursionError``), integers of more than
+``MAX_INT_DIGITS`` digits, floats that overflow, and documents larger than ``max_bytes``.
+Every refusal is a :class:`~ckpt.errors.CorruptCheckpointError` naming the source.
+
+Non-finite floats have no JSON literal, so :func:`dumps` writes them as
+``{"__float__": "nan"|"inf"|"-inf"}`` (the tag :mod:`ckpt.format.codec` has always used) and
+:func:`loads` turns that object back into the float. A literal one-member object whose key
+is a tag (``__float__`` or ``__literal__``) is escaped as ``{"__literal__": [key, value]}``
+so that it too comes back unchanged. See docs/format.md, *Non-finite numbers*.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+from ckpt.errors import CorruptCheckpointError
+
+__all__ = ["loads", "dumps", "MAX_INT_DIGITS", "FLOAT_TAG", "LITERAL_TAG"]
+
+MAX_INT_DIGITS = 300
+_MAX_NUMBER_CHARS = 400  # a float literal longer than this is not something we wrote
+FLOAT_TAG = "__float__"
+LITERAL_TAG = "__literal__"
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+# A JSON string (with escapes); removed before counting brackets so brackets inside
+# strings do not count.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+class _Refused(Exception):
+    """Raised inside the parser hooks; turned into CorruptCheckpointError by loads."""
+
+
+def _error(source: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{source}: {what}; the file is damaged or was not written by ckpt. Restore or "
+        f"delete it (for a checkpoint: load an earlier step).", path=source)
+
+
+def _check_depth(data: bytes, max_depth: int, source: str) -> None:
+    """Raise if brackets nest deeper than ``max_depth``; never recurses."""
+    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    if brackets.count(b"[") + brackets.count(b"{") <= max_depth:
+        return
+    too_deep = _error(source, f"JSON nested deeper than {max_depth} levels (or with "
+                              f"unbalanced brackets)")
+    if re.search(rb"[\[{]{%d}" % (max_depth + 1), brackets):
+        raise too_deep  # the common hostile case, found in one scan
+    # Each pass removes the innermost empty pairs, so a balanced document at most
+    # max_depth deep is gone after max_depth passes (each pass is one C-speed scan).
+    # Anything left is nested deeper, or unbalanced (where the parser could recurse too).
+    for _ in range(max_depth):
+        brackets, n = _EMPTY_PAIR.subn(b"", brackets)
+        if not brackets or not n:
+            break
+    if brackets:
+        raise too_deep
+
+
+def _parse_int(text: str) -> int:
+    digits = len(text) - (text[0] == "-")
+    if digits > MAX_INT_DIGITS:
+        raise _Refused(f"integer of {digits} digits (at most {MAX_INT_DIGITS} are allowed)")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > _MAX_NUMBER_CHARS:
+        raise _Refused(f"number literal of {len(text)} characters")
+    value = float(text)
+    if math.isinf(value):
+        raise _Refused(f"number {text[:40]!r} overflows a float")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _Refused(f"{name} is not JSON (non-finite numbers are written as "
+                   f'{{"{FLOAT_TAG}": "nan"|"inf"|"-inf"}})')
+
+
+def _object(pairs: list[tuple[str, Any]]) -> Any:
+    if len(pairs) == 1:
+        key, value = pairs[0]
+        if key == FLOAT_TAG and isinstance(value, str) and value in _NON_FINITE:
+            return _NON_FINITE[value]
+        if (key == LITERAL_TAG and isinstance(value, list) and len(value) == 2
+                and isinstance(value[0], str)):
+            return {value[0]: value[1]}
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Refused(f"duplicate key {key[:80]!r} in one object")
+            seen.add(key)
+    return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object, parse_int=_parse_int,
+                            parse_float=_parse_float, parse_constant=_parse_constant)
+
+
+def loads(data: bytes | str, source: str, *, max_depth: int = 64,
+          max_bytes: int = 64 << 20) -> Any:
+    """Parse strict JSON from ``data``; ``source`` names the file in every error."""
+    if isinstance(data, str):
+        try:
+            raw = data.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _error(source, "text is not valid Unicode") from None
+    else:
+        raw = bytes(data)
+    if len(raw) > max_bytes:
+        raise _error(source, f"{len(raw)} bytes of JSON, more than the {max_bytes} allowed")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _error(source, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    _check_depth(raw, max_depth, source)
+    try:
+        return _DECODER.decode(text)
+    except _Refused as exc:
+        raise _error(source, f"invalid JSON: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise _error(source, f"not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # defensive: e.g. int conversion limits
+        raise _error(source, f"not valid JSON ({type(exc).__name__}: {exc})") from None
+
+
+def _encode(value: Any) -> Any:
+    """``value`` with non-finite floats tagged and tag-shaped literals escaped."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {FLOAT_TAG: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, dict):
+        out = {k: _encode(v) for k, v in value.items()}
+        if len(out) == 1:
+            ((key, inner),) = out.items()
+            if key in (FLOAT_TAG, LITERAL_TAG):
+                return {LITERAL_TAG: [key, inner]}
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> bytes:
+    """Strict JSON (UTF-8) of ``obj``; non-finite floats use the documented encoding.
+
+    Raises ``ValueError`` for values JSON cannot hold (``TypeError`` for unknown types, as
+    ``json.dumps`` does).
+    """
+    separators = (",", ":") if indent is None else (",", ": ")
+    return json.dumps(_encode(obj), indent=indent, separators=separators,
+                      allow_nan=False).encode("utf-8")

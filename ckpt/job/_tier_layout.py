@@ -1,0 +1,100 @@
+"""Where a tiered job's local checkpoints live: one per node, each holding whole tensors.
+
+Every rank of the job learns every rank's node (one all-gather on the tier logic's gloo group,
+never the default group: ``ckpt.ranks.groups``) and joins its node's group;
+a state whose tensor is sharded across nodes is refused on every rank alike (a node's local
+checkpoint must hold whole tensors, or it could never be loaded on its own). Used by
+:class:`ckpt.job.tiers.TieredCheckpointManager`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt.ranks import Agreement
+
+__all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local"]
+
+
+def same_root(a: str, b: str) -> bool:
+    """Do the roots ``a`` and ``b`` name the same folder?"""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str | None:
+    """The first key of ``state`` holding a DTensor whose shards (of this rank's slice of its
+    mesh) lie on several nodes, described; None if there is none."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            found = cross_node_key(value, node_of_rank, f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    if isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            found = cross_node_key(value, node_of_rank, f"{prefix}{i}.")
+            if found:
+                return found
+        return None
+    if not isinstance(state, torch.Tensor) or not hasattr(state, "device_mesh"):
+        return None
+    mesh, coord = state.device_mesh, state.device_mesh.get_coordinate()
+    if coord is None:
+        return None
+    for dim, placement in enumerate(state.placements):
+        if not placement.is_shard():
+            continue
+        index = list(coord)
+        index[dim] = slice(None)
+        ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()]
+        nodes = sorted({node_of_rank[r] for r in ranks})
+        if len(nodes) > 1:
+            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[dim] or f"dim {dim}"
+            return (f"'{prefix[:-1]}': mesh {name} shards it over ranks {ranks} on nodes "
+                    f"{nodes}")
+    return None
+
+
+def node_groups(node_rank: int, world_group) -> tuple[Any, int, list[int]]:
+    """(this node's gloo group, number of nodes, the node of each rank). Collective over
+    the world: every rank calls it at once. ``world_group``: a group over the whole world
+    with a CPU backend (the tier logic's), which the all-gather runs on. The node group is
+    None when the job has one node (the local tier then spans every rank, like the durable
+    one) or is not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1, []
+    world = dist.get_world_size()
+    mine = torch.tensor([node_rank], dtype=torch.int64)
+    nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(nodes, mine, group=world_group)
+    by_node: dict[int, list[int]] = {}
+    node_of_rank = [int(t) for t in nodes]
+    for rank, node in enumerate(node_of_rank):
+        by_node.setdefault(node, []).append(rank)
+    if len(by_node) == 1:
+        return None, 1, node_of_rank
+    group, _ = dist.new_subgroups_by_enumeration(
+        [ranks for _, ranks in sorted(by_node.items())], backend="gloo")
+    return group, len(by_node), node_of_rank
+
+
+def check_node_local(state: Any, node_of_rank: list[int], world: Agreement) -> None:
+    """Refuse (on every rank alike: collective over ``world``, the job) a state with a
+    tensor sharded across nodes: a node's local checkpoint must hold whole tensors, or it
+    could never be loaded (its manifest would lack the other nodes' chunks). Sharding within
+    a node (HSDP, tensor parallelism in a node), replicas across nodes and pipeline stages
+    per node are fine. ``state``: resolved (``ckpt.dcp.api.resolve_state``)."""
+    bad = cross_node_key(state, node_of_rank)
+    flags = world.max(int(bad is not None))
+    if flags[0]:
+        where = f" ({bad})" if bad else " (on another rank)"
+        raise ValueError(
+            f"the local tier needs every tensor whole within a node, but a tensor is "
+            f"sharded across nodes{where}: shard within a node (HSDP: replicate across "
+            f"nodes) or leave local_root unset (checkpoint.local_root)")

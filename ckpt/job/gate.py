@@ -1,0 +1,160 @@
+"""The decisions of a manager's save step, agreed by every rank: is a save due, may it start.
+
+Contract: the manager's training thread calls :class:`SaveGate` on every rank of the
+manager's control group at the same points (``due`` once per step, ``agree`` once per save).
+A time-based cadence decides differently on each rank, so it is agreed, but only every
+``check_every`` steps (about 1/20 of the interval, each rank proposes :func:`check_period`
+at each save and the smallest wins): a save is at most 5% of an interval late. Whether the
+previous save is in flight, whether the step is committed (the coordinator answers without a
+storage request in the common case: :class:`CommittedSteps`), whether the lease is lost and
+whether a failure is pending are agreed in one all-reduce. ``ckpt.job.tiers`` agrees its local
+tier's period with :func:`check_period` too. Also here: what feeds the decision (each
+step's time, :func:`observe_step`; each used save slot, :func:`use_slot`) and the report of
+a skipped save.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+from ckpt.cadence import FailureHistory, StepTimes
+from ckpt.errors import CheckpointError
+from ckpt.events import EventBus
+from ckpt.format import Manifest
+from ckpt.ranks import Agreement
+from ckpt.root import CheckpointStore, Lifecycle
+
+__all__ = ["CommittedSteps", "SaveChecks", "SaveGate", "check_period", "observe_step",
+           "use_slot", "report_lease_lost", "report_busy_skip"]
+
+log = logging.getLogger(__name__)
+
+
+def check_period(cadence: Any) -> int:
+    """Steps between agreements of a time-based ``cadence``: ~1/20 of its interval (1 when
+    it has no estimate; this rank's proposal, the smallest one wins)."""
+    try:
+        steps = (cadence.describe() or {}).get("interval_steps") if cadence is not None else None
+    except Exception:  # noqa: BLE001 - advisory only
+        steps = None
+    return max(1, int(steps) // 20) if steps else 1
+
+
+def observe_step(step_times: StepTimes, cadence: Any, history: FailureHistory, now: float,
+                 busy: bool) -> None:
+    """One training step ended at ``now`` (``busy``: while a save persisted): its time goes
+    to ``step_times`` and, as uptime, to the cadence (or, without one, to ``history``)."""
+    dt = step_times.observe(now, busy=busy)
+    if dt is None:
+        return
+    if cadence is None:
+        history.add_uptime(dt)
+    else:  # the cadence adds the uptime to the shared history itself
+        cadence.record_step(dt)
+
+
+def use_slot(cadence: Any, step: int) -> None:
+    """The save due at ``step`` happened, or was skipped: either way its slot is used, so
+    the cadence counts the next interval from here (every rank alike)."""
+    if cadence is not None:
+        cadence.record_saved(step, time.monotonic())
+
+
+class CommittedSteps:
+    """The coordinator's view of which steps are committed under one root.
+
+    Only one job writes under the root (the lease), so a step above every step that was
+    committed when the job started and every step it committed since cannot exist: no
+    storage request on the training thread in the common case.
+    """
+
+    def __init__(self, store: CheckpointStore, life: Lifecycle, coordinator: bool):
+        self.store = store
+        self.life = life
+        self.coordinator = coordinator
+        self.newest_known: int | None = None
+        if coordinator:
+            try:  # once, here, so that saves need no listing
+                self.newest_known = max(store.committed_steps(), default=-1)
+            except Exception:  # noqa: BLE001 - contains() retries lazily
+                self.newest_known = None
+
+    def contains(self, step: int, last_committed: Manifest | None) -> bool:
+        """Coordinator: is ``step`` committed already (``last_committed``: the newest this
+        manager committed)? Asks storage only when it could be. False on other ranks."""
+        if not self.coordinator:
+            return False
+        if last_committed is not None and last_committed.step == step:
+            return True
+        if self.newest_known is None:
+            try:
+                self.newest_known = max(self.store.committed_steps(), default=-1)
+            except Exception:  # noqa: BLE001 - fall back to asking each time
+                self.newest_known = 1 << 62
+        newest = max(self.newest_known,
+                     last_committed.step if last_committed is not None else -1)
+        if step > newest:
+            return False
+        if not self.life.has_manifest(step):
+            return False
+        try:
+            self.life.read_committed(step)
+            return True
+        except CheckpointError:  # fenced off or damaged: it does not count, save again
+            return False
+
+
+class SaveChecks(NamedTuple):
+    """What every rank agreed at the start of a save (any rank's True wins)."""
+
+    busy: bool  # the previous save is in flight (here or, for ``busy_elsewhere``, elsewhere)
+    exists: bool  # the step is committed already
+    lost: bool  # the write lease was lost
+    failed: bool  # the previous save failed and is to be raised
+
+
+class SaveGate:
+    """The agreed save decisions of one manager (see the module docstring)."""
+
+    def __init__(self, ctl: Agreement, store: CheckpointStore, life: Lifecycle,
+                 coordinator: bool):
+        self.ctl = ctl
+        self.committed = CommittedSteps(store, life, coordinator)
+        self.check_every = 1
+
+    def due(self, cadence: Any, step: int) -> bool:
+        """Does ``cadence`` (None: never) want a save at ``step``? Agreed when it is not
+        deterministic."""
+        if cadence is None:
+            return False
+        want = bool(cadence.should_save(step, time.monotonic()))
+        if not cadence.deterministic:
+            want = step % self.check_every == 0 and self.ctl.any(want)
+        return want
+
+    def agree(self, step: int, *, cadence: Any, busy: bool, lease_lost: bool,
+              pending_failure: bool, last_committed: Manifest | None) -> SaveChecks:
+        """One all-reduce: the checks of a save of ``step``; also agrees ``check_every``."""
+        committed = self.committed.contains(step, last_committed)
+        any_busy, exists, lost, failed, neg_period = self.ctl.max(
+            int(busy), int(committed), int(lease_lost), int(pending_failure),
+            -check_period(cadence))
+        self.check_every = max(1, -neg_period)  # the smallest any rank proposed
+        return SaveChecks(bool(any_busy), bool(exists), bool(lost), bool(failed))
+
+
+def report_lease_lost(events: EventBus, step: int, url: str) -> None:
+    """The save of ``step`` is skipped: the write lease on ``url`` went to another job."""
+    events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
+    log.error("not saving step %d: the write lease on %s was lost to another job", step, url)
+
+
+def report_busy_skip(events: EventBus, step: int, in_flight_step: int | None,
+                     num_skipped: int) -> None:
+    """The save of ``step`` is skipped: the save of ``in_flight_step`` still persists."""
+    events.emit("save_skipped", step, reason="previous save in flight", outcome="skipped",
+                in_flight_step=in_flight_step, num_skipped=num_skipped)
+    log.warning("checkpoint at step %d skipped: the save of step %s is still persisting "
+                "(%d skipped so far)", step, in_flight_step, num_skipped)

@@ -1,0 +1,138 @@
+"""The background half of a save: write the staged state, commit it, retry on failure.
+
+``Persister.run`` is called on the manager's persist thread of every rank, in lockstep:
+each decision is either agreed on the background group (abandon at shutdown) or is the
+outcome of a DCP collective, which every rank sees alike (a storage failure on one rank
+fails the attempt on all, so all retry or give up together). Each attempt has its own save
+id; after a final failure the coordinator removes exactly those attempts' files through the
+life-cycle (:mod:`ckpt.root.lifecycle`). What happens after a commit (cadence, history, retention)
+is the manager's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ckpt.dcp import SaveCost, api
+from ckpt.errors import LeaseLostError, SaveAbandoned
+from ckpt.events import EventBus
+from ckpt.format import Manifest
+from ckpt.ranks import Agreement
+from ckpt.root import Lifecycle
+
+__all__ = ["Persister", "PersistOutcome"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PersistOutcome:
+    """How one save ended, the same on every rank (``manifest`` on the coordinator only)."""
+
+    committed: bool
+    manifest: Manifest | None = None
+    already_committed: bool = False
+    error: BaseException | None = None
+    attempts: int = 0
+    retries: int = 0
+    persist_seconds: float = 0.0
+    cost: SaveCost | None = None  # every attempt's phases (ckpt.dcp.savecost)
+
+
+class Persister:
+    """Writes staged saves for one job (see the module docstring for the contract)."""
+
+    def __init__(self, life: Lifecycle, events: EventBus, agreement: Agreement, group, *,
+                 rank: int, max_attempts: int, retry_backoff_seconds: float,
+                 num_threads: int | None, layout: dict[str, Any],
+                 abandon: threading.Event):
+        self.life, self.storage = life, life.storage
+        self.events, self.agreement, self.group = events, agreement, group
+        self.rank = rank
+        self.max_attempts = max_attempts
+        self.retry_backoff_seconds = retry_backoff_seconds
+        self.num_threads = num_threads
+        self.layout = layout
+        self.abandon = abandon
+
+    def _before_commit(self) -> None:
+        """Coordinator, right before the commit: refuse when abandoned. Raising sends the
+        same ``SaveAbandoned`` to every rank through DCP's result broadcast, so no rank
+        retries alone. (The lease is checked by the commit itself.)"""
+        if self.abandon.is_set():
+            raise SaveAbandoned("save abandoned at shutdown before its commit; it stays "
+                                "uncommitted and a later job removes its files")
+
+    def run(self, step: int, staged: dict[str, Any], *, nbytes: int, stall: float,
+            user_metadata: dict[str, Any], **save_options: Any) -> PersistOutcome:
+        """Save ``staged`` as ``step``, up to ``max_attempts`` times; report every attempt.
+
+        ``save_options`` go to :func:`ckpt.dcp.api.save` as they are.
+        """
+        retries_before = self.storage.retry.num_retries
+        t0 = time.monotonic()
+        cost = SaveCost()
+        attempt_ids: list[str] = []
+
+        def retries() -> int:
+            return self.storage.retry.num_retries - retries_before + len(attempt_ids) - 1
+
+        for attempt in range(1, self.max_attempts + 1):
+            attempt_ids.append(uuid.uuid4().hex[:12])
+            try:
+                with cost.collective_scope():
+                    abandoned_now = self.agreement.any(self.abandon.is_set())
+                if abandoned_now:
+                    raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
+                manifest = api.save(
+                    staged, self.storage, step, user_metadata=user_metadata,
+                    layout=self.layout, process_group=self.group,
+                    num_threads=self.num_threads, resolved=True, lifecycle=self.life,
+                    before_commit=self._before_commit, save_id=attempt_ids[-1],
+                    cost=cost, **save_options)
+                return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
+                                      persist_seconds=time.monotonic() - t0, cost=cost)
+            except FileExistsError:
+                self.events.emit("save_skipped", step, reason="already committed",
+                                 outcome="skipped")
+                return PersistOutcome(False, already_committed=True, attempts=attempt)
+            except BaseException as exc:  # noqa: BLE001 - reported, never silent
+                abandoned = isinstance(exc, (SaveAbandoned, LeaseLostError))
+                final = attempt == self.max_attempts or abandoned
+                outcome = "abandoned" if abandoned else ("failed" if final else "retrying")
+                self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
+                                 attempt=attempt, final=final, outcome=outcome,
+                                 stall_seconds=stall, bytes=nbytes,
+                                 persist_seconds=time.monotonic() - t0, retries=retries())
+                log.error("checkpoint save of step %d failed (attempt %d/%d%s): %s", step,
+                          attempt, self.max_attempts, "" if final else ", retrying", exc)
+                if final:
+                    if not abandoned:
+                        self._remove_attempts(step, attempt_ids)
+                    return PersistOutcome(False, error=exc, attempts=attempt,
+                                          retries=retries(), cost=cost,
+                                          persist_seconds=time.monotonic() - t0)
+                time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
+        raise AssertionError("unreachable: the last attempt returns")
+
+    def _remove_attempts(self, step: int, attempt_ids: list[str]) -> None:
+        """Coordinator, after a final failure: remove the files of this save's attempts.
+
+        Every rank has returned from the failed DCP call (its result is gathered from all),
+        so nobody writes there any more. Only these attempts' files are touched: another
+        writer's never are. Best effort: a later job removes what is left.
+        """
+        lease = self.life.lease
+        if self.rank != 0 or (lease is not None and not lease.held):
+            return
+        try:
+            for save_id in attempt_ids:
+                self.life.abandon(step, save_id)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove the files of failed save %d: %s", step, exc)
+

@@ -1,0 +1,154 @@
+"""Retention policies: which committed checkpoints to keep.
+
+A policy is a small object with one method, ``keep(steps) -> set[int]``, given the committed
+steps in ascending order. Several policies combine by union (a step is kept if any policy
+keeps it). Whatever the policies say, :func:`apply_retention` never deletes the newest
+durable checkpoint, a checkpoint newer than it, or a protected step; it deletes nothing at
+all when the newest checkpoint fails verification; and a failed delete is reported, never
+raised.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable, Protocol, Sequence
+
+from ckpt.errors import CheckpointError
+from ckpt.format import Manifest, jsonio
+from ckpt.root import CheckpointStore
+
+__all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll",
+           "apply_retention", "PINS_NAME", "read_pins", "set_pinned"]
+
+log = logging.getLogger(__name__)
+PINS_NAME = "pins.json"
+
+
+class RetentionPolicy(Protocol):
+    def keep(self, steps: Sequence[int]) -> set[int]: ...
+
+
+class KeepAll:
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set(steps)
+
+
+class KeepLast:
+    """Keep the newest ``k`` committed checkpoints."""
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ValueError(f"KeepLast(k={k}): k must be >= 1 (the newest is always kept)")
+        self.k = k
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return set(sorted(steps)[-self.k:])
+
+
+class KeepEvery:
+    """Keep every checkpoint whose step is a multiple of ``n`` (e.g. a long-term archive)."""
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"KeepEvery(n={n}): n must be >= 1")
+        self.n = n
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        return {s for s in steps if s % self.n == 0}
+
+
+class KeepPinned:
+    """Keep the steps an operator pinned (``ckpt pin``), read from ``pins.json`` at the root.
+
+    If ``pins.json`` exists but cannot be parsed, every checkpoint is kept (with a warning)
+    until it is fixed: a damaged pin list must not turn into deletions.
+    """
+
+    def __init__(self, store: CheckpointStore, extra: Iterable[int] = ()):
+        self.store = store
+        self.extra = set(extra)
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        try:
+            pins = read_pins(self.store, strict=True)
+        except ValueError as exc:
+            log.warning("retention keeps every checkpoint: %s", exc)
+            return set(steps)
+        return (pins | self.extra) & set(steps)
+
+
+def read_pins(store: CheckpointStore, *, strict: bool = False) -> set[int]:
+    """The pinned steps. An unreadable ``pins.json`` raises ``ValueError`` when ``strict``,
+    else it is logged and reads as no pins."""
+    where = store.storage.describe(PINS_NAME)
+    try:
+        data = jsonio.loads(store.storage.read_bytes(PINS_NAME), where, max_bytes=16 << 20)
+        pins = data.get("pinned") if isinstance(data, dict) else None
+        if not isinstance(pins, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 <= s < (1 << 63)
+                for s in pins):
+            raise ValueError('expected {"pinned": [step, ...]} with integer steps')
+    except FileNotFoundError:
+        return set()
+    except ValueError as exc:
+        msg = (f"{where} is damaged ({exc}); fix it or delete it (`ckpt pin` rewrites it "
+               f"once it is gone)")
+        if strict:
+            raise ValueError(msg) from None
+        log.warning("%s", msg)
+        return set()
+    return set(pins)
+
+
+def set_pinned(store: CheckpointStore, step: int, pinned: bool = True) -> set[int]:
+    """Pin (or unpin) ``step``; returns the pinned steps. Refuses a damaged ``pins.json``
+    rather than overwriting the pins it holds."""
+    pins = read_pins(store, strict=True)
+    pins = pins | {step} if pinned else pins - {step}
+    store.storage.write_bytes(PINS_NAME, jsonio.dumps({"pinned": sorted(pins)}))
+    return pins
+
+
+def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], *,
+                    protect: Iterable[int] = (),
+                    on_deleted: Callable[[int], None] | None = None,
+                    on_failed: Callable[[int, BaseException], None] | None = None,
+                    newest_manifest: Manifest | None = None) -> list[int]:
+    """Delete committed checkpoints no policy keeps. Returns the steps deleted.
+
+    ``newest_manifest``: the manifest this process just committed, when it is the newest:
+    its files are checked against it without reading and parsing it back (a save's
+    retention would otherwise parse the manifest it has just written).
+    """
+    if not policies:
+        return []
+    committed = store.committed_steps()
+    if len(committed) <= 1:
+        return []
+    newest = committed[-1]
+    try:
+        if newest_manifest is not None and newest_manifest.step == newest:
+            store.verify_manifest(newest_manifest, full=False)
+        else:
+            store.verify(newest, full=False)
+    except CheckpointError as exc:  # corrupt, vanished, or storage unreachable
+        log.warning("retention: newest checkpoint %d does not verify (%s); deleting nothing",
+                    newest, exc)
+        return []
+    keep = {newest} | set(protect)
+    for policy in policies:
+        keep |= policy.keep(committed)
+    deleted = []
+    for step in committed:
+        if step in keep or step >= newest:
+            continue
+        try:
+            store.delete(step)
+            deleted.append(step)
+            if on_deleted:
+                on_deleted(step)
+        except Exception as exc:  # noqa: BLE001 - retention must never crash a job
+            log.warning("retention: could not delete checkpoint %d: %s", step, exc)
+            if on_failed:
+                on_failed(step, exc)
+    return deleted

@@ -1,0 +1,367 @@
+"""Two checkpoint tiers: a fast local one (node-local disk or /dev/shm) under the durable one.
+
+``TieredCheckpointManager`` composes two :class:`~ckpt.job.manager.CheckpointManager`: the
+durable tier (``root``, every rank of the job, its own cadence and retention) and the local
+tier (``local_root``, saved more often, few kept). Each tier is an ordinary checkpoint root:
+the same commit protocol, its own write lease and fencing, its own failure history.
+
+Per-node local roots. On a job of several nodes, each node's ``local_root`` is a separate
+filesystem: the local tier is one checkpoint *per node*, written by that node's ranks only
+(a manager over a node subgroup; the node's first rank holds that root's lease and commits
+its manifest). A node's local manifest lists that node's ranks' files; replicated state is
+saved once per node, so each node's checkpoint restores that node's ranks on its own. A
+``{node}`` in ``local_root`` is replaced by the node's index (roots that are not node-local,
+and tests that run several "nodes" on one host).
+
+Life of a step (every rank calls the same methods at the same points)::
+
+    maybe_save(step) ─► local due? durable due? (each agreed by every rank of the job)
+        both  ─► durable stages (the one stall) ─► local persists the same staged copy
+        one   ─► that tier stages and persists, as a plain manager does
+
+    load_latest ─► candidate steps: each tier's committed steps; a local step counts only
+        if it is committed on every node ─► newest first: local before durable at the
+        same step ─► size check on every rank, agreed ─► load (checksums), agreed
+
+A local step present on some nodes only, or whose files fail on one rank, is skipped (all
+ranks agreeing) and the walk goes on, into the durable tier. Loads are transactional per
+node: a local load whose checksums fail on one node after another node loaded it is
+followed by a load of an older checkpoint, which overwrites every key loaded.
+
+Failure classes (``docs/cadence.md``): the local tier survives a process crash and a
+restart on the same nodes, and loses a node's part with the node. So the local tier's
+``auto`` interval uses the rate of all failures (``mtbf_seconds`` of its ``Auto``), the
+durable tier's the rate of node losses; a restart that resumed from the local tier is not
+counted in the durable tier's failure history.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from ckpt.cadence import CadencePolicy
+from ckpt.dcp import api
+from ckpt.errors import AllCheckpointsDamagedError
+from ckpt.events import Event, EventBus
+from ckpt.format import Manifest
+from ckpt.job._tier_layout import check_node_local, node_groups, same_root
+from ckpt.job._tier_resume import common_local_steps, drop_newer_local, try_load
+from ckpt.job.gate import check_period
+from ckpt.job.manager import CheckpointManager
+from ckpt.job.retention import KeepLast, RetentionPolicy
+from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed
+from ckpt.storage import Storage
+
+__all__ = ["TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LOCAL_KEEP = 2
+"""Local checkpoints kept by default (retention of the local tier)."""
+
+
+def node_local_root(local_root: str, node: int) -> str:
+    """``local_root`` with ``{node}`` replaced by ``node`` (unchanged without one)."""
+    return str(local_root).replace("{node}", str(int(node)))
+
+
+class TieredCheckpointManager:
+    """Checkpoint a job to a fast local tier often and to a durable tier less often.
+
+    Args:
+        root: the durable tier (local path or fsspec URL), as for ``CheckpointManager``.
+        local_root: the local tier: a path on each node (``{node}`` is replaced by the node
+            index). Must not be ``root``.
+        cadence / local_cadence: each tier's interval (a policy or an interval string).
+        retention / local_retention: each tier's retention (local default: keep the last 2).
+        node_rank: this process's node (default: torchrun's ``GROUP_RANK``, else 0). Ranks
+            with the same ``node_rank`` share a local root.
+        events: one bus for both tiers; the local tier's are named ``local_<kind>``
+            (``local_save_committed`` ...) and carry ``tier="local"``.
+        manager_options: the rest of ``CheckpointManager``'s options, for both tiers
+            (``storage_options`` is the durable root's only).
+
+    Contract: every rank of the job constructs it (collective: process groups per node) and
+    calls ``maybe_save``/``save``/``load_latest``/``close`` at the same points with the same
+    step, as for ``CheckpointManager``. Host memory: one staging arena per tier (two copies
+    of the rank's shard, aligned; docs/store.md, "Two tiers"), freed by ``close``.
+    """
+
+    def __init__(self, root: str | Storage, local_root: str, *,
+                 cadence: CadencePolicy | str | None = None,
+                 local_cadence: CadencePolicy | str | None = None,
+                 retention: Sequence[RetentionPolicy] | None = None,
+                 local_retention: Sequence[RetentionPolicy] | None = None,
+                 node_rank: int | None = None, events: EventBus | None = None,
+                 storage_options: dict[str, Any] | None = None, **manager_options: Any):
+        root_url = root.url if isinstance(root, Storage) else str(root)
+        if node_rank is None:
+            node_rank = int(os.environ.get("GROUP_RANK", "0") or 0)
+        self.node_rank = int(node_rank)
+        self.local_root = node_local_root(local_root, self.node_rank)
+        if same_root(self.local_root, root_url):
+            raise ValueError(f"local_root {self.local_root!r} is the durable root: give the "
+                             f"local tier its own folder (e.g. on local NVMe or /dev/shm)")
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.events = events or EventBus(rank=self.rank)
+        # The job-wide agreement of the tier logic (main thread only), and where each rank's
+        # node is learned: never the default group (``ckpt.ranks.groups``).
+        self._group = dist.new_group(backend="gloo", group_desc="ckpt_tiers") \
+            if self.distributed else None
+        self._world = Agreement(self._group)
+        self._node_group = None  # the local tier's ranks: this node's (several nodes only)
+        if self._group is not None:
+            free_at_exit(self)
+        try:
+            self._node_group, self.num_nodes, self._node_of_rank = node_groups(
+                self.node_rank, self._group)
+        except BaseException:
+            self.free_groups()
+            raise
+        self._checked_layout = False  # whether the state's layout was checked (save)
+        self._local_check_every = 1  # steps between agreements of a time-based local due
+        self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
+        t_start = time.time()
+        self.durable = CheckpointManager(root, cadence=cadence, retention=retention,
+                                         events=self.events, storage_options=storage_options,
+                                         **manager_options)
+        local_events = EventBus(rank=self.rank)
+        local_events.subscribe(self._forward_local)
+        try:
+            self.local = CheckpointManager(
+                self.local_root, cadence=local_cadence, events=local_events,
+                retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
+                else local_retention, process_group=self._node_group, **manager_options)
+        except BaseException:
+            self.durable.close(flush=False)  # its lease is not left behind
+            self.free_groups()
+            raise
+        # Did the durable tier count this start as a failure? (Rank 0's history, the same
+        # on every rank.) If the resume finds the local tier intact, it was no node loss.
+        times = self.durable.history.failure_times
+        self._durable_failure_now = bool(self._world.broadcast(  # rank 0's clock recorded it
+            bool(times) and times[-1] >= t_start - 1.0))
+        self._lent_to_local = False  # the local tier persists from the durable's buffers
+        self.resumed_tier: str | None = None  # "local" or "durable" after load_latest
+
+    def _forward_local(self, ev: Event) -> None:
+        """The local tier's events, renamed ``local_<kind>`` (with ``tier="local"``): the
+        durable tier's metrics and alerts (checkpoint age, failed saves) must not be fed by
+        local saves, which would hide a durable tier that stopped committing."""
+        fields = {k: v for k, v in ev.fields.items() if k != "tier"}
+        self.events.emit(f"local_{ev.kind}", ev.step, tier="local", **fields)
+
+    # -- the durable tier's view, for callers of a plain manager ---------------------------
+    @property
+    def store(self):
+        return self.durable.store
+
+    @property
+    def storage(self) -> Storage:
+        return self.durable.storage
+
+    @property
+    def retention(self) -> list[RetentionPolicy]:
+        return self.durable.retention
+
+    @property
+    def cadence(self):
+        return self.durable.cadence
+
+    @property
+    def newest_committed_step(self) -> int | None:
+        return self.durable.newest_committed_step
+
+    @property
+    def lease_lost(self) -> bool:
+        """Either tier lost its lease (agreed by every rank at a save)."""
+        return self.durable.lease_lost or self._local_lease_lost
+
+    def in_flight(self) -> bool:
+        return self.durable.in_flight() or self.local.in_flight()
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Allocate both tiers' staging buffers now (and check, collectively, that the local
+        tier can hold ``state``: see :meth:`save`)."""
+        if not self._checked_layout:
+            self._check_node_local(state)
+        self.durable.prepare(state)
+        self.local.prepare(state)
+
+    # -- saving ------------------------------------------------------------------------------
+    def maybe_save(self, step: int, state: dict[str, Any], *,
+                   user_metadata: dict[str, Any] | None = None,
+                   attachments: dict[str, Any] | None = None) -> bool:
+        """Call after every training step: saves each tier that is due (one stall when both
+        are). Returns True if a save of either tier was started."""
+        local_due = self.local.due(step, state)
+        cadence = self.local.cadence
+        if self.num_nodes > 1 and cadence is not None and not cadence.deterministic:
+            # One step on every node, or no local step. Agreed only every
+            # ``_local_check_every`` steps (~1/20 of the interval, agreed at each local save),
+            # as the manager does within a node: a due save waits at most that long.
+            local_due = step % self._local_check_every == 0 and self._world.any(local_due)
+        durable_due = self.durable.due(step, state)
+        if not (local_due or durable_due):
+            return False
+        return self.save(step, state, user_metadata=user_metadata, attachments=attachments,
+                         local=local_due, durable=durable_due)
+
+    def save(self, step: int, state: dict[str, Any], *,
+             user_metadata: dict[str, Any] | None = None, block: bool = False,
+             force: bool = False, attachments: dict[str, Any] | None = None,
+             local: bool = True, durable: bool = True) -> bool:
+        """Save ``step`` to the chosen tiers now (collective). When both save, the durable
+        tier stages and the local tier persists the same copy: one stall. ``block`` waits
+        for both to commit. Returns True if either save was started.
+
+        On several nodes, the first local save (or :meth:`prepare`) raises ``ValueError`` on
+        every rank if a tensor of ``state`` is sharded across nodes (a node's checkpoint
+        must hold whole tensors; shard within a node instead, as HSDP does)."""
+        started_durable = started_local = False
+        if local and not self._checked_layout:
+            self._check_node_local(state)
+        if durable:
+            if self._lent_to_local and self.local.in_flight():
+                # The local save of the last shared step still reads the durable buffers.
+                self.local.wait(raise_errors=False)
+            self._lent_to_local = False
+            started_durable = self.durable.save(step, state, user_metadata=user_metadata,
+                                                force=force, attachments=attachments)
+        if local:
+            reuse = self.durable.last_staged if started_durable else None
+            # Every node skips (or waits) alike, or their local steps would differ and a
+            # step would be usable only when no node happened to be busy.
+            elsewhere = False
+            if self.num_nodes > 1:
+                busy, neg_period = self._world.max(int(self.local.in_flight()),
+                                                   -check_period(self.local.cadence))
+                elsewhere, self._local_check_every = bool(busy), max(1, -neg_period)
+            started_local = self.local.save(step, state, user_metadata=user_metadata,
+                                            force=force, attachments=attachments, reuse=reuse,
+                                            busy_elsewhere=elsewhere)
+            self._lent_to_local = started_local and reuse is not None
+        if local:  # a node's local lease is agreed in its node only: agree job-wide
+            self._local_lease_lost = self._world.any(self.local.lease_lost)
+        if block:
+            for mgr, started in ((self.local, started_local), (self.durable, started_durable)):
+                if started:
+                    mgr.wait(raise_errors=mgr.raise_on_failure)
+        return started_durable or started_local
+
+    def _check_node_local(self, state: dict[str, Any]) -> None:
+        """Once: refuse (on every rank alike) a state with a tensor sharded across nodes
+        (``ckpt.job._tier_layout.check_node_local`` says why and what is fine)."""
+        self._checked_layout = True
+        if self.num_nodes > 1:
+            check_node_local(api.resolve_state(state), self._node_of_rank, self._world)
+
+    @property
+    def lease_lost_url(self) -> str | None:
+        """The root whose lease this job lost (durable first), or None."""
+        if self.durable.lease_lost:
+            return self.durable.storage.url
+        return self.local.storage.url if self._local_lease_lost else None
+
+    def wait(self, raise_errors: bool = True) -> Manifest | None:
+        """Wait for both tiers' in-flight saves; returns the durable tier's ``wait()``."""
+        self.local.wait(raise_errors=False)
+        return self.durable.wait(raise_errors=raise_errors)
+
+    # -- loading -----------------------------------------------------------------------------
+    def load_latest(self, state: dict[str, Any], *, step: int | None = None,
+                    strict: bool = True, ignore_keys: tuple[str, ...] = (),
+                    raise_if_all_damaged: bool = False,
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None
+                    ) -> Manifest | None:
+        """Resume from the newest checkpoint, of either tier, that verifies on every rank.
+
+        A local step counts only when it is committed on every node and loads on every rank;
+        at the same step the local tier is tried first. ``step``: load that durable step
+        (as ``CheckpointManager.load_latest``). Afterwards, local steps newer than the one
+        loaded are deleted on every node (they could not be saved again, and would be
+        resumed from next time), and each tier's cadence counts from its newest step not
+        after it. ``self.resumed_tier`` says which tier was loaded. Other arguments: as for
+        ``CheckpointManager.load_latest``.
+        """
+        options = dict(strict=strict, ignore_keys=ignore_keys, extra_state=extra_state)
+        self.wait(raise_errors=False)  # no save may persist from buffers a load borrows
+        if step is not None:
+            manifest = self.durable.load_latest(state, step=step, **options)
+            self._after_load(manifest, "durable", set(), {step})
+            return manifest
+        local_steps = set(common_local_steps(self.local, self._group, self.distributed,
+                                             self.local_root))
+        durable_steps = set(self._world.broadcast(
+            [int(s) for s in self.durable.store.committed_steps()] if self.rank == 0 else None))
+        failures: list[tuple[int, str]] = []
+        for candidate in sorted(local_steps | durable_steps, reverse=True):
+            for tier, mgr, steps in (("local", self.local, local_steps),
+                                     ("durable", self.durable, durable_steps)):
+                if candidate not in steps:
+                    continue
+                manifest, reason = try_load(self._world, mgr, candidate, state, tier == "local",
+                                            **options)
+                if manifest is not None:
+                    self._after_load(manifest, tier, local_steps, durable_steps)
+                    return manifest
+                failures.append((candidate, f"{tier} tier: {reason}"))
+                log.warning("checkpoint step %d of the %s tier %s; trying an older one",
+                            candidate, tier, reason)
+                self.events.emit("load_fallback", candidate, reason=reason, tier=tier)
+        if failures and raise_if_all_damaged:
+            raise AllCheckpointsDamagedError(
+                f"{self.durable.storage.describe()} and local tier {self.local_root}", failures)
+        self._after_load(None, None, local_steps, durable_steps)
+        return None
+
+    def _after_load(self, manifest: Manifest | None, tier: str | None,
+                    local_steps: set[int], durable_steps: set[int]) -> None:
+        self.resumed_tier = tier
+        step = manifest.step if manifest is not None else -1
+        if tier == "local" and self._durable_failure_now:
+            # The local tier survived the failure that restarted the job: no node was lost,
+            # and the durable tier's interval follows node losses only.
+            self.durable.history.failure_times.pop()
+            self.durable.save_history()
+            self._durable_failure_now = False
+            self.events.emit("failure_reclassified", step, tier="durable",
+                             reason="local tier intact: not a node loss")
+        if manifest is not None:
+            now = time.monotonic()
+            for mgr, steps in ((self.durable, durable_steps), (self.local, local_steps)):
+                if mgr.cadence is not None:
+                    # A tier's next save is one interval after its own newest checkpoint.
+                    # (Without one: from the step resumed.)
+                    mgr.cadence.record_saved(max((s for s in steps if s <= step),
+                                                 default=step), now)
+        drop_newer_local(self.local, step, self.events, self.local_root)
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def close(self, *, flush: bool = True) -> None:
+        """Close both tiers (local first: it may persist from the durable tier's buffers)."""
+        try:
+            self.local.close(flush=flush)
+        finally:
+            self.durable.close(flush=flush)
+            self.free_groups()
+
+    def free_groups(self) -> None:
+        """Free the job-wide group of the tier logic and the node group (each tier frees
+        its own)."""
+        groups, self._group, self._node_group = (self._group, self._node_group), None, None
+        self._world.close()
+        freed(self)
+        destroy_groups(groups)
+
+    def __enter__(self) -> "TieredCheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(flush=exc[0] is None)

@@ -1,0 +1,37 @@
+"""A checkpoint root and its one writer: the lease, the fence, the life-cycle, the store.
+
+``lease`` (:class:`Lease`): one writer per root, with a heartbeat and a generation.
+``fence``: which manifests count once the lease has changed hands. ``lifecycle``
+(:class:`Lifecycle`): every transition of a checkpoint folder (begin, commit, abandon,
+cleanup, uncommit, restore, delete) and every file name in it, made by the lease holder.
+``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and the walk to
+the newest checkpoint that verifies.
+"""
+
+from ckpt.root.fence import Fence
+from ckpt.root.lease import LEASE_NAME, Lease, read_lease
+from ckpt.root.lifecycle import (
+    COMMITTED,
+    CORRUPT,
+    FENCED,
+    INCOMPLETE,
+    ROLLED_BACK,
+    Entry,
+    Lifecycle,
+    acquire_for_ranks,
+    acquire_lease,
+    attachment_file,
+    data_file_id,
+    marker_name,
+    parse_marker,
+    release_lease,
+)
+from ckpt.root.store import CheckpointInfo, CheckpointStore
+
+__all__ = [
+    "Lease", "LEASE_NAME", "read_lease", "Fence",
+    "Lifecycle", "Entry", "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
+    "acquire_lease", "acquire_for_ranks", "release_lease",
+    "attachment_file", "data_file_id", "marker_name", "parse_marker",
+    "CheckpointStore", "CheckpointInfo",
+]

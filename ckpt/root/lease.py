@@ -1,0 +1,294 @@
+"""One writer per checkpoint root: a lease with a heartbeat and a generation, on any backend.
+
+The lease is a small JSON object ``_lease.json`` at the root. A job acquires it by creating
+it exclusively (``create_exclusive``: link on local disk, ``If-None-Match`` on S3) or, when
+the record there is released, stale or its holder is known dead, by a compare-and-swap
+(``replace_if_unchanged``: ``If-Match`` on S3). The holder rewrites it every
+``heartbeat_seconds`` by compare-and-swap. Every acquisition takes the next *generation*
+(a counter kept in the record, which is never deleted: release marks it released), so the
+writers of a root form a sequence that fencing (:mod:`ckpt.root.fence`) relies on.
+
+Taking over before the TTL ran out needs proof that the holder is dead (``_known_dead``):
+the same process id gone on this very host and boot, or an earlier attempt of this same
+job, which requires an explicitly set run id (torchrun's ``--rdzv-id`` or a ``--standalone``
+random one; never the default ``none``) and the same job fingerprint. Clocks of the hosts
+involved must agree to well within ``ttl_seconds``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from ckpt.errors import CorruptCheckpointError, LeaseHeldError
+from ckpt.format import jsonio
+from ckpt.storage import Storage
+
+__all__ = ["Lease", "LEASE_NAME", "read_lease"]
+
+log = logging.getLogger(__name__)
+LEASE_NAME = "_lease.json"
+
+
+_NO_RUN_ID = ("", "none", None)
+
+
+def _run_id() -> str | None:
+    value = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if value in _NO_RUN_ID else value
+
+
+def _attempt() -> int:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _int(v: Any, default: int = 0) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and abs(v) < 1 << 62 else default
+
+
+def _num(v: Any, default: float = 0.0) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return default
+    v = float(v)
+    return v if v == v and abs(v) < 1e15 else default
+
+
+class Lease:
+    """The write lease on one checkpoint root. Only one process of a job (rank 0) holds it.
+
+    ``generation`` is this holding's number (1, 2, ...); ``committed_ids`` collects the save ids this
+    holder committed (written into the generation's close record at release).
+    """
+
+    def __init__(self, storage: Storage, *, ttl_seconds: float = 60.0,
+                 heartbeat_seconds: float | None = None, job_name: str | None = None,
+                 on_lost: Callable[[str], None] | None = None, fingerprint: str | None = None):
+        if not ttl_seconds > 0:
+            raise ValueError(f"lease ttl_seconds must be > 0, got {ttl_seconds}")
+        self.storage = storage
+        self.ttl_seconds = ttl_seconds
+        self.heartbeat_seconds = heartbeat_seconds or ttl_seconds / 4
+        self.holder_id = uuid.uuid4().hex[:16]
+        self.job_name = job_name or _run_id() or "job"
+        self.fingerprint = fingerprint
+        self.on_lost = on_lost
+        self.took_over: dict[str, Any] | None = None  # the dead holder's record, if any
+        self.generation = 0
+        self.committed_ids: set[str] = set()
+        self._acquired = 0.0
+        self._current: bytes | None = None
+        self._stop = threading.Event()
+        # The heartbeat thread and a commit (which renews the lease around the manifest)
+        # may renew at once; unserialised, the loser's compare-and-swap would see the
+        # winner's record and wrongly conclude the lease was taken.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    def _record(self, *, released: bool = False) -> bytes:
+        return jsonio.dumps({
+            "holder": self.holder_id, "job": self.job_name, "host": socket.gethostname(),
+            "pid": os.getpid(), "acquired_unix": self._acquired, "heartbeat_unix": time.time(),
+            "ttl_seconds": self.ttl_seconds, "run_id": _run_id(), "boot_id": _boot_id(),
+            "attempt": _attempt(), "fingerprint": self.fingerprint,
+            "generation": self.generation,
+            "released": released,
+        })
+
+    def read(self) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The record at the root, or (None, None). A damaged one reads as stale."""
+        try:
+            raw = self.storage.read_bytes(LEASE_NAME)
+        except FileNotFoundError:
+            return None, None
+        try:
+            info = jsonio.loads(raw, self.storage.describe(LEASE_NAME), max_bytes=1 << 20)
+        except CorruptCheckpointError:
+            info = None
+        if not isinstance(info, dict):
+            log.warning("the lease file %s is damaged; treating it as expired",
+                        self.storage.describe(LEASE_NAME))
+            info = {"holder": "?", "heartbeat_unix": 0, "ttl_seconds": 0, "damaged": True}
+        return info, raw
+
+    @property
+    def held(self) -> bool:
+        return self._current is not None and not self.lost
+
+    def acquire(self, *, force: bool = False, min_generation: int = 1,
+                heartbeat: bool = True) -> None:
+        """Take the lease or raise ``LeaseHeldError`` naming the live holder.
+
+        ``force`` takes a live holder's lease too (it is fenced off: its commits stop
+        counting). ``min_generation``: the generation is at least this (the caller knows
+        of closed generations that a fresh lease file must not reuse).
+        """
+        self._acquired = time.time()
+        for _ in range(8):
+            info, raw = self.read()
+            if info is None:
+                self.generation = max(1, min_generation)
+                mine = self._record()
+                try:
+                    self.storage.create_exclusive(LEASE_NAME, mine)
+                except FileExistsError:
+                    continue
+                self._current = mine
+                break
+            why = self.expired_because(info, force=force)
+            if why is None:
+                raise LeaseHeldError(
+                    f"checkpoint root {self.storage.url} is in use by job "
+                    f"{info.get('job')!r} (host {info.get('host')}, pid {info.get('pid')}, "
+                    f"holder {info.get('holder')}); its last heartbeat was "
+                    f"{time.time() - _num(info.get('heartbeat_unix')):.0f}s ago (the lease "
+                    f"expires after {_num(info.get('ttl_seconds')):.0f}s without one). Stop that "
+                    f"job, wait for its lease to expire, or use another checkpoint root.")
+            self.generation = max(_int(info.get("generation")) + 1, min_generation, 1)
+            mine = self._record()
+            if self.storage.replace_if_unchanged(LEASE_NAME, mine, raw):
+                self._current = mine
+                if why != "released":
+                    self.took_over = info
+                    log.warning("took over the lease on %s from %s (%s)", self.storage.url,
+                                info.get("holder"), why)
+                break
+        else:
+            raise LeaseHeldError(f"could not acquire the lease on {self.storage.url}: it kept "
+                                 f"changing under us; another job is starting on this root")
+        self.lost = False
+        self._stop.clear()
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, name="ckpt-lease", daemon=True)
+            self._thread.start()
+
+    def expired_because(self, info: dict[str, Any], *, force: bool = False) -> str | None:
+        """Why the lease ``info`` may be taken now, or None while its holder is alive."""
+        if info.get("released") is True:
+            return "released"
+        if info.get("damaged"):
+            return "the lease file is damaged"
+        age = time.time() - _num(info.get("heartbeat_unix"))
+        ttl = _num(info.get("ttl_seconds"), self.ttl_seconds) or self.ttl_seconds
+        if age > ttl:
+            return f"last heartbeat {age:.0f}s ago, past its {ttl:.0f}s TTL"
+        dead = self._known_dead(info)
+        if dead:
+            return dead
+        if force:
+            return "forced"
+        return None
+
+    def _known_dead(self, info: dict[str, Any]) -> str:
+        """Why the holder is certainly dead before its TTL ran out ('' if not known).
+
+        * an earlier attempt of this same job: the same explicitly set run id (torchrun's
+          default ``none`` proves nothing: unrelated jobs share it), a lower restart count
+          and the same job fingerprint; the elastic agent restarts every worker, so that
+          attempt is gone;
+        * a process on this very host (same boot) whose pid no longer exists.
+        """
+        run_id = _run_id()
+        if (run_id is not None and info.get("run_id") == run_id
+                and _int(info.get("attempt"), 1 << 30) < _attempt()
+                and info.get("fingerprint") == self.fingerprint):
+            return f"an earlier attempt ({info.get('attempt')}) of this job (run id {run_id})"
+        # Same host name and same kernel boot: the pid namespace is ours to check (host
+        # names alone repeat across containers).
+        pid = info.get("pid")
+        if (info.get("host") == socket.gethostname() and info.get("boot_id")
+                and info.get("boot_id") == _boot_id() and _int(pid) > 0):
+            if pid == os.getpid():
+                return ""
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return f"process {pid} on this host is gone"
+            except OSError:
+                pass
+        return ""
+
+    def heartbeat(self) -> bool:
+        """Renew the lease now. Returns False (and marks it lost) if someone else took it.
+
+        Thread-safe. A storage error is not a loss (returns True): the lease only changes
+        hands after ``ttl_seconds`` without a heartbeat.
+        """
+        with self._lock:
+            try:
+                return self._renew_locked()
+            except Exception as exc:  # noqa: BLE001 - a storage hiccup is not a lost lease
+                log.warning("lease heartbeat on %s failed: %s", self.storage.url, exc)
+                return True
+
+    def confirm(self) -> bool:
+        """Renew the lease now and say whether it is still ours, for certain.
+
+        Unlike ``heartbeat`` a storage error propagates: the commit protocol needs a
+        renewal that happened, not one that may have.
+        """
+        with self._lock:
+            return self._renew_locked()
+
+    def _renew_locked(self) -> bool:
+        if self._current is None or self.lost:
+            return False
+        new = self._record()
+        if self.storage.replace_if_unchanged(LEASE_NAME, new, self._current):
+            self._current = new
+            return True
+        self._mark_lost("taken over by another job")
+        return False
+
+    def _mark_lost(self, why: str) -> None:
+        self.lost = True
+        log.error("lost the lease on %s: %s", self.storage.url, why)
+        if self.on_lost:
+            self.on_lost(why)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_seconds):
+            if not self.heartbeat():
+                return
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def release(self) -> None:
+        """Stop the heartbeat and mark the lease released if it is still ours.
+
+        The record stays (released) so that the next holder continues the generation
+        count.
+        """
+        self.stop_heartbeat()
+        with self._lock:
+            if self._current is not None and not self.lost:
+                try:
+                    self.storage.replace_if_unchanged(LEASE_NAME, self._record(released=True),
+                                                      self._current)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("could not release the lease on %s: %s", self.storage.url, exc)
+            self._current = None
+
+
+def read_lease(storage: Storage) -> dict[str, Any] | None:
+    """The lease record at ``storage``'s root (None if absent) for display and checks."""
+    return Lease(storage).read()[0]
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None

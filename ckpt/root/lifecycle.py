@@ -1,0 +1,649 @@
+r"""The life of a checkpoint folder, and the fence that makes a commit count.
+
+Every transition of a checkpoint happens here; the manager, ``ckpt.save``, the CLI and the
+trainer call these functions and never spell a file name themselves.
+
+One attempt to save step N is identified by its save id (12 hex digits; each retry is a new
+attempt with a new id)::
+
+    (absent) --begin--> PENDING --commit--> COMMITTED --uncommit--> ROLLED-BACK
+                          |                  |     ^                    |
+                       abandon            delete    \------restore------/
+                          v                  v                   delete (gc --rolled-back)
+                      (removed)          (removed)                      v
+                                                                    (removed)
+    PENDING of an ended lease generation ----cleanup----> (removed)
+    a manifest created by a writer whose lease generation had ended: FENCED, never read;
+    moved aside by the next commit of that step, removed by cleanup
+
+Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
+
+    pending-<id>.json       attempt marker, written before any data: writer, lease generation
+    r<rank>_<id>_<k>.bin    data files of attempt <id> (names chosen by the writer in dcp_io)
+    a_<id>_<name>           attachment <name> of attempt <id> (``attachment_file``), written
+                            by the coordinator; a version's manifest lists it in ``files``
+                            too, so it is referenced, verified and deleted with its version
+    manifest.json           the commit: created exclusively, never overwritten
+    rolled-back-<id>.json   an un-committed manifest, kept and restorable
+    fenced-<id>.json        a fenced-off writer's late manifest, moved aside
+    damaged-manifest-<hex>.json  a damaged manifest moved aside by ``restore(replace=True)``
+
+The fence files under ``_fence/`` (which manifests count once the lease changed hands)
+are :mod:`ckpt.root.fence`'s; the life-cycle asks it (``is_fenced``) and a new writer closes
+earlier generations through it (``acquire_lease``). A writer learns that its commit counts
+by renewing the lease *after* the manifest exists: a renewal that succeeds proves that no
+takeover (and so no closing of its generation) came before it.
+
+Size: the state machine, every file name and every transition are kept in this one module
+on purpose, so that the life-cycle reads top to bottom in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedCheckpointError,
+    LeaseHeldError,
+    LeaseLostError,
+)
+from ckpt.format import MANIFEST_NAME, Manifest, jsonio, parse_step_dirname, step_dirname
+from ckpt.root.fence import Fence
+from ckpt.root.lease import Lease
+from ckpt.root.verify import verify_files
+from ckpt.storage import Storage
+
+__all__ = [
+    "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
+    "Entry", "Lifecycle", "acquire_lease", "release_lease",
+    "parse_marker", "acquire_for_ranks",
+]
+
+log = logging.getLogger(__name__)
+
+COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED = (
+    "committed", "incomplete", "corrupt", "rolled-back", "fenced")
+
+_ID = r"[0-9a-f]{6,64}"
+_MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
+_ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
+_FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
+_DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
+_ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
+_TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")
+_LEGACY_MARKER = "pending.json"
+_LEGACY_ROLLED = "rolled-back-manifest.json"
+
+
+def marker_name(save_id: str) -> str:
+    return f"pending-{save_id}.json"
+
+
+def attachment_file(save_id: str, name: str) -> str:
+    """The stored name of attachment ``name`` (already validated) of attempt ``save_id``."""
+    return f"a_{save_id}_{name}"
+
+
+def data_file_id(name: str) -> str | None:
+    """The attempt id in a data or attachment file's name, or None for a name not ours.
+
+    Every rule that decides which files belong to an attempt (abandon, cleanup's leftovers,
+    the size of an incomplete attempt) goes through this one function.
+    """
+    m = _DATA_RE.match(name) or _ATTACHMENT_RE.match(name)
+    return m.group(1) if m else None
+
+
+@dataclass
+class Entry:
+    """One version of one step as an operator sees it (``ckpt list --all`` prints these)."""
+
+    step: int
+    id: str | None
+    status: str
+    name: str
+    manifest: Manifest | None = None
+    problem: str | None = None
+    marker: dict[str, Any] | None = None
+    bytes: int = 0
+
+
+@dataclass
+class _Folder:
+    step: int
+    files: dict[str, int] = field(default_factory=dict)  # name -> size
+
+
+def _dead_files(folder: _Folder, entries: list[Entry]) -> list[str]:
+    """Names in ``folder`` that belong to dead attempts: ours, and referenced by no manifest
+    or rolled-back manifest that counts (a fenced one's files are dead too)."""
+    keep: set[str] = set()
+    for e in entries:
+        if e.manifest is not None and e.status != FENCED:
+            keep |= set(e.manifest.files)
+    return sorted(
+        name for name in folder.files
+        if name not in keep and name != MANIFEST_NAME and not _ROLLED_RE.match(name)
+        and name != _LEGACY_ROLLED
+        and (data_file_id(name) or _MARKER_RE.match(name) or _FENCED_RE.match(name)
+             or name == _LEGACY_MARKER or _TMP_RE.search(name)))
+
+
+def parse_marker(data: bytes, source: str) -> dict[str, Any]:
+    """An attempt marker (``pending-<id>.json``) as a dict (``save_id``, ``owner``, ...).
+
+    Raises ``CorruptCheckpointError`` (a ``ValueError``) naming ``source`` when it is not
+    a JSON object or ``owner``/``save_id`` have the wrong type.
+    """
+    doc = jsonio.loads(data, source, max_bytes=1 << 20)
+    if not isinstance(doc, dict) or not isinstance(doc.get("owner"), (str, type(None))) \
+            or not isinstance(doc.get("save_id", ""), str):
+        raise CorruptCheckpointError(
+            f"{source}: attempt marker is damaged: expected an object with string 'owner' and "
+            f"'save_id'; `ckpt gc` removes it once no save is running", path=source)
+    return doc
+
+
+class Lifecycle:
+    """Every transition of the checkpoint folders under one root.
+
+    Read-side methods (``read_committed``, ``entries``, ``is_fenced``) are safe from any
+    process. Write-side methods need the write lease (``lease``) and are called by one
+    process only, the lease holder (rank 0 of a job, or a CLI command).
+    """
+
+    def __init__(self, storage: Storage, lease: Lease | None = None):
+        self.storage = storage
+        self.lease = lease
+        self.fence = Fence(storage)
+
+    def is_fenced(self, manifest: Manifest) -> bool:
+        """True when ``manifest`` was created after its writer lost the lease (see
+        :meth:`ckpt.root.fence.Fence.is_fenced`)."""
+        return self.fence.is_fenced(manifest)
+
+    def read_committed(self, step: int) -> Manifest:
+        """The committed manifest of ``step``: parsed, validated and fence-checked."""
+        d = step_dirname(step)
+        rel = f"{d}/{MANIFEST_NAME}"
+        try:
+            data = self.storage.read_bytes(rel)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint at {self.storage.describe(d)} ({MANIFEST_NAME} is "
+                f"absent). `ckpt list {self.storage.url} --all` shows what exists.") from None
+        manifest = Manifest.from_json_bytes(data, self.storage.describe(rel), expected_step=step)
+        if self.is_fenced(manifest):
+            raise FencedCheckpointError(
+                f"{self.storage.describe(rel)} was created by a writer (lease generation "
+                f"{manifest.writer.get('lease_generation')}) after another job had taken the "
+                f"write lease over; it is not a checkpoint. `ckpt gc {self.storage.url}` "
+                f"removes it.")
+        return manifest
+
+    # -- listing ---------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Every step that has a folder, ascending."""
+        out = []
+        for name, kind, _ in self.storage.listdir(""):
+            step = parse_step_dirname(name)
+            if step is not None and kind == "directory":
+                out.append(step)
+        return sorted(out)
+
+    def has_manifest(self, step: int) -> bool:
+        return self.storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}")
+
+    def _folder(self, step: int) -> _Folder:
+        d = step_dirname(step)
+        return _Folder(step, {n: s for n, k, s in self.storage.listdir(d) if k == "file"})
+
+    def _read_doc(self, rel: str) -> Manifest:
+        return Manifest.from_json_bytes(self.storage.read_bytes(rel), self.storage.describe(rel))
+
+    def entries(self, step: int, folder: _Folder | None = None) -> list[Entry]:
+        """Every version of ``step``: committed (or fenced/corrupt), rolled back, incomplete."""
+        d = step_dirname(step)
+        folder = folder or self._folder(step)
+        out: list[Entry] = []
+        referenced: set[str] = set()
+        committed_id = None
+        if MANIFEST_NAME in folder.files:
+            rel = f"{d}/{MANIFEST_NAME}"
+            try:
+                m = self.read_committed(step)
+                committed_id = m.save_id
+                referenced |= set(m.files)
+                out.append(Entry(step, m.save_id, COMMITTED, MANIFEST_NAME, m,
+                                 bytes=m.total_bytes))
+            except FencedCheckpointError as exc:
+                try:
+                    m = self._read_doc(rel)
+                    out.append(Entry(step, m.save_id, FENCED, MANIFEST_NAME, m,
+                                     problem=str(exc)))
+                except (FileNotFoundError, CorruptCheckpointError):
+                    pass
+            except CorruptCheckpointError as exc:
+                out.append(Entry(step, None, CORRUPT, MANIFEST_NAME, problem=str(exc)))
+            except CheckpointNotFoundError:
+                pass  # un-committed meanwhile
+        for name in sorted(folder.files):
+            rolled = _ROLLED_RE.match(name) or (name == _LEGACY_ROLLED)
+            if not rolled:
+                continue
+            try:
+                m = self._read_doc(f"{d}/{name}")
+            except FileNotFoundError:
+                continue  # restored or removed meanwhile
+            except CorruptCheckpointError as exc:
+                out.append(Entry(step, None, CORRUPT, name, problem=str(exc)))
+                continue
+            if m.save_id == committed_id:
+                continue  # an un-commit that stopped half-way: the manifest still commits it
+            referenced |= set(m.files)
+            out.append(Entry(step, m.save_id, ROLLED_BACK, name, m, bytes=m.total_bytes,
+                             problem="un-committed (rollback); `ckpt restore --id "
+                                     f"{m.save_id}` re-commits it"))
+        known = {e.id for e in out}
+        for name in sorted(folder.files):
+            m = _MARKER_RE.match(name)
+            if not m and name != _LEGACY_MARKER:
+                continue
+            marker = None
+            try:
+                marker = parse_marker(self.storage.read_bytes(f"{d}/{name}"),
+                                      self.storage.describe(f"{d}/{name}"))
+            except (CorruptCheckpointError, FileNotFoundError):
+                pass
+            sid = m.group(1) if m else (marker or {}).get("save_id") \
+                if isinstance(marker, dict) else None
+            if sid in known:
+                continue
+            size = sum(s for n, s in folder.files.items() if data_file_id(n) == sid)
+            out.append(Entry(step, sid if isinstance(sid, str) else None, INCOMPLETE, name,
+                             marker=marker if isinstance(marker, dict) else None, bytes=size,
+                             problem="no manifest: not committed"))
+        return out
+
+    def find(self, save_id: str) -> Entry:
+        """The entry whose id is ``save_id`` (any step)."""
+        for step in self.steps():
+            for e in self.entries(step):
+                if e.id == save_id:
+                    return e
+        raise CheckpointNotFoundError(
+            f"no checkpoint with id {save_id!r} under {self.storage.url}; "
+            f"`ckpt list {self.storage.url} --all` shows every id")
+
+    # -- write side: the lease holder only ------------------------------------------------
+    def _require_lease(self, *, renew: bool = False) -> None:
+        """Refuse to change the root without the lease; ``renew`` proves it held right now
+        (a compare-and-swap), for changes that no later step can fence."""
+        if self.lease is not None and (not self.lease.held
+                                       or (renew and not self.lease.confirm())):
+            raise LeaseLostError(
+                f"lease lost: another job took over the write lease on {self.storage.url}; "
+                f"this writer is fenced off and must not change the root")
+
+    def _writer_record(self) -> dict[str, Any]:
+        if self.lease is None:
+            return {"owner": None, "lease_generation": None}
+        return {"owner": self.lease.holder_id, "lease_generation": self.lease.generation,
+                "job": self.lease.job_name}
+
+    def begin(self, step: int, save_id: str, *, durable: bool = True) -> None:
+        """Start attempt ``save_id`` at ``step``: refuse a committed step, write the marker.
+
+        Raises ``FileExistsError`` when ``step`` already holds a checkpoint that counts
+        (checkpoints are never overwritten); a fenced-off manifest does not count.
+        """
+        self._require_lease()
+        d = step_dirname(step)
+        if self.has_manifest(step):
+            try:
+                self.read_committed(step)
+            except (FencedCheckpointError, CorruptCheckpointError):
+                pass  # moved aside at commit, or refused there (corrupt)
+            else:
+                raise FileExistsError(
+                    f"checkpoint {self.storage.describe(d)} is already committed; checkpoints "
+                    f"are never overwritten. Save under another step, or `ckpt rollback` "
+                    f"first.")
+        self.storage.makedirs(d)
+        marker = {"save_id": save_id, "step": step, "started_unix": time.time(),
+                  "host": socket.gethostname(), "pid": os.getpid(), **self._writer_record()}
+        self.storage.write_bytes(f"{d}/{marker_name(save_id)}", jsonio.dumps(marker),
+                                 durable=durable)
+
+    def commit(self, manifest: Manifest) -> None:
+        """Commit ``manifest`` (the coordinator, after every rank wrote its files).
+
+        Renews the lease before (refused when lost), creates ``manifest.json`` exclusively,
+        then renews the lease again: only that second renewal proves the commit counts
+        (see the module docstring). Raises ``LeaseLostError`` when the commit does not
+        count, ``FileExistsError`` when the step is already committed.
+        """
+        self._require_lease()
+        if self.lease is not None and not self.lease.confirm():
+            raise LeaseLostError(f"lease lost: another job took over {self.storage.url} before "
+                                 f"the commit of step {manifest.step}; not committing")
+        manifest.writer = {**manifest.writer, **self._writer_record()}
+        d = step_dirname(manifest.step)
+        rel = f"{d}/{MANIFEST_NAME}"
+        data = manifest.to_json_bytes()
+        for _ in range(5):
+            try:
+                self.storage.create_exclusive(rel, data)
+                break
+            except (FileExistsError, FileNotFoundError) as exc:
+                # Refused: find out whether because this writer was fenced off meanwhile
+                # (its folder cleaned up, or the new holder's manifest in place).
+                if self.lease is not None and not self.lease.confirm():
+                    raise LeaseLostError(
+                        f"lease lost: another job took over {self.storage.url} while step "
+                        f"{manifest.step} was being committed; not committed") from None
+                if isinstance(exc, FileNotFoundError):
+                    raise
+                self._make_room(manifest.step, replace=False)
+        else:
+            raise FileExistsError(f"{self.storage.describe(rel)} kept reappearing; another "
+                                  f"writer is committing this step")
+        if self.lease is not None:
+            self._confirm_after_commit(manifest)
+        try:
+            self.storage.delete(f"{d}/{marker_name(manifest.save_id)}")
+        except Exception:  # noqa: BLE001 - a leftover marker of a committed attempt is inert
+            pass
+
+    def _confirm_after_commit(self, manifest: Manifest) -> None:
+        try:
+            ok = self.lease.confirm()
+        except Exception as exc:  # noqa: BLE001 - storage down: fall back to the record
+            log.warning("could not renew the lease after committing step %d: %s",
+                        manifest.step, exc)
+            ok = False
+        if ok:
+            self.lease.committed_ids.add(manifest.save_id)
+            return
+        # Not proven by a renewal: the commit counts by the readers' rule (is_fenced), which
+        # needs the new holder's close record once it has started closing. Whenever it
+        # counts, this holder's own close record must list it too.
+        deadline = time.monotonic() + 10.0
+        while True:
+            if not self.is_fenced(manifest):
+                self.lease.committed_ids.add(manifest.save_id)
+                return  # no closer yet (it will list it), or its record lists it
+            if self.fence.doc(self.lease.generation, "json") is not None:
+                break  # closed without it
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        raise LeaseLostError(
+            f"step {manifest.step} at {self.storage.describe(step_dirname(manifest.step))}: "
+            f"lease lost while committing (another job took it over); the manifest does not count "
+            f"(readers ignore it) and the new holder's checkpoints stand")
+
+    def _make_room(self, step: int, *, replace: bool) -> None:
+        """``manifest.json`` exists: move a fenced one aside (or, with ``replace``, un-commit a
+        valid one); otherwise raise ``FileExistsError``."""
+        try:
+            m = self.read_committed(step)
+        except FencedCheckpointError:
+            self._move(step, MANIFEST_NAME, f"fenced-{self._read_doc(self._rel(step)).save_id}"
+                                            f".json")
+            return
+        except CheckpointNotFoundError:
+            return  # gone meanwhile: try again
+        if replace:
+            self.uncommit(step)
+            return
+        raise FileExistsError(
+            f"checkpoint {self.storage.describe(step_dirname(step))} is already committed "
+            f"(id {m.save_id}); checkpoints are never overwritten")
+
+    def _rel(self, step: int, name: str = MANIFEST_NAME) -> str:
+        return f"{step_dirname(step)}/{name}"
+
+    def _move(self, step: int, src: str, dst: str) -> None:
+        """Copy then delete (no rename on S3): a crash in between leaves both, never none."""
+        data = self.storage.read_bytes(self._rel(step, src))
+        self.storage.write_bytes(self._rel(step, dst), data)
+        self.storage.delete(self._rel(step, src))
+
+    def abandon(self, step: int, save_id: str | None = None) -> list[str]:
+        """Remove the files of attempt ``save_id`` at ``step`` (every uncommitted attempt
+        there when None), once no writer of those attempts is left. Returns the names."""
+        if save_id is None:
+            return self._remove(step, dict(self.leftovers(steps=[step])).get(step, []))
+        folder = self._folder(step)
+        if self.has_manifest(step):
+            try:
+                if self.read_committed(step).save_id == save_id:
+                    return []  # it did commit after all
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                pass
+        return self._remove(step, [n for n in folder.files
+                                   if data_file_id(n) == save_id or n == marker_name(save_id)])
+
+    def _remove(self, step: int, names: Iterable[str]) -> list[str]:
+        names = sorted(names, key=lambda n: n.startswith("pending-"))  # markers last
+        for name in names:
+            self.storage.delete(self._rel(step, name))
+        if names:
+            self._drop_empty_folder(step)
+        return list(names)
+
+    def _drop_empty_folder(self, step: int) -> None:
+        """Remove the step's folder once empty (S3 has no folders: nothing to do there)."""
+        d = step_dirname(step)
+        if self.storage.is_s3 or self.storage.listdir(d):
+            return
+        try:
+            if self.storage.is_local:
+                os.rmdir(self.storage.path(d))  # fails, harmlessly, if a file appeared
+            else:
+                self.storage.fs.rmdir(self.storage.path(d))
+        except OSError:
+            pass
+
+    def uncommit(self, step: int) -> str:
+        """Un-commit ``step`` reversibly; returns the id of the kept version."""
+        self._require_lease(renew=True)
+        m = self.read_committed(step)
+        self._move(step, MANIFEST_NAME, f"rolled-back-{m.save_id}.json")
+        return m.save_id
+
+    def restore(self, save_id: str, *, replace: bool = False) -> Manifest:
+        """Re-commit the rolled-back version ``save_id`` under the current lease.
+
+        Refused while a committed checkpoint of that step exists unless ``replace``, which
+        rolls that one back in turn. The data is verified before the commit.
+        """
+        self._require_lease()
+        entry = self.find(save_id)
+        if entry.status == COMMITTED:
+            raise FileExistsError(f"checkpoint id {save_id} (step {entry.step}) is already "
+                                  f"committed; nothing to restore")
+        if entry.status != ROLLED_BACK or entry.manifest is None:
+            raise CheckpointNotFoundError(
+                f"checkpoint id {save_id} (step {entry.step}) is {entry.status}, not "
+                f"rolled-back: only a rolled-back checkpoint can be restored")
+        verify_files(self.storage, entry.manifest, full=True)
+        if self.has_manifest(entry.step):
+            try:
+                self._make_room(entry.step, replace=replace)
+            except FileExistsError as exc:
+                raise FileExistsError(f"{exc}. Pass --replace to roll it back and restore "
+                                      f"{save_id} in its place.") from None
+            except CorruptCheckpointError:
+                if not replace:
+                    raise
+                self._move(entry.step, MANIFEST_NAME, f"damaged-manifest-{os.urandom(6).hex()}"
+                                                      f".json")
+        m = entry.manifest
+        m.writer = {**m.writer, "restored_unix": time.time()}
+        self.commit(m)
+        self.storage.delete(self._rel(entry.step, entry.name))
+        return m
+
+    def delete(self, step: int) -> None:
+        """Delete the committed checkpoint of ``step``: the manifest first (un-commit), then
+        its data files and marker. Other versions in the folder (rolled back) stay."""
+        self._require_lease(renew=True)
+        m = self.read_committed(step)
+        self.storage.delete(self._rel(step))
+        self._remove(step, [n for n in self._folder(step).files
+                            if n in m.files or n == marker_name(m.save_id)])
+
+    def delete_entry(self, entry: Entry) -> list[str]:
+        """Delete one non-committed version (rolled back, fenced, incomplete) and its files."""
+        self._require_lease(renew=True)
+        if entry.status == COMMITTED:
+            raise ValueError("delete a committed checkpoint with Lifecycle.delete(step)")
+        folder = self._folder(entry.step)
+        keep = self._referenced(entry.step, exclude=entry.name)
+        names = {entry.name}
+        if entry.id:
+            names |= {n for n in folder.files if data_file_id(n) == entry.id
+                      or n in (marker_name(entry.id), f"fenced-{entry.id}.json")}
+        if entry.manifest is not None:
+            names |= set(entry.manifest.files) & set(folder.files)
+        return self._remove(entry.step, sorted((names - keep) & set(folder.files)))
+
+    def _referenced(self, step: int, exclude: str | None = None) -> set[str]:
+        """Data files some manifest or rolled-back manifest of ``step`` still needs.
+
+        A manifest lists its attachment files in ``files`` (the parser refuses one that
+        does not), so they are referenced like data files.
+        """
+        out: set[str] = set()
+        for e in self.entries(step):
+            if e.manifest is not None and e.name != exclude and e.status != FENCED:
+                out |= set(e.manifest.files)
+        return out
+
+    # -- leftovers -------------------------------------------------------------------------
+    def leftovers(self, steps: Iterable[int] | None = None) -> list[tuple[int, list[str]]]:
+        """Files of dead attempts: ``(step, names)`` for every folder that has some.
+
+        Called by the lease holder when none of its own attempts is in flight (at start-up
+        and by ``ckpt gc``), so every attempt without a manifest is dead. Only names this
+        module or the writer produce are considered; anything else is left alone.
+        """
+        out = []
+        for step in (self.steps() if steps is None else steps):
+            folder = self._folder(step)
+            dead = _dead_files(folder, self.entries(step, folder))
+            if dead:
+                out.append((step, dead))
+        return out
+
+    def cleanup(self, on_removed: Callable[[int, list[str]], None] | None = None) -> list[int]:
+        """Remove every dead attempt's files (see ``leftovers``); returns the steps touched.
+
+        A fenced-off manifest is moved aside first, which makes its data files leftovers.
+        A corrupt manifest is never removed silently (`ckpt list` shows it, gc leaves it).
+        """
+        self._require_lease(renew=True)
+        touched = []
+        for step in self.steps():
+            folder = self._folder(step)
+            entries = self.entries(step, folder)
+            for e in entries:
+                if e.status == FENCED and e.name == MANIFEST_NAME:
+                    aside = f"fenced-{e.id}.json"
+                    self._move(step, MANIFEST_NAME, aside)
+                    folder.files[aside] = folder.files.pop(MANIFEST_NAME)
+            dead = _dead_files(folder, entries)
+            if dead:
+                self._remove(step, dead)
+                touched.append(step)
+                if on_removed is not None:
+                    on_removed(step, dead)
+        return touched
+
+    def manifests(self) -> Iterator[Manifest]:
+        """Every ``manifest.json`` under the root that parses (counted or not)."""
+        for step in self.steps():
+            try:
+                yield self._read_doc(self._rel(step))
+            except (FileNotFoundError, CorruptCheckpointError):
+                continue
+
+
+def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
+                  fingerprint: str | None = None, force: bool = False,
+                  on_lost: Callable[[str], None] | None = None,
+                  heartbeat: bool = True, lifecycle: Lifecycle | None = None) -> Lifecycle:
+    """Take the write lease on ``storage`` and fence off every earlier writer.
+
+    The one way any writing path (the manager, ``ckpt.save``, the CLI) becomes the writer
+    of a root. Returns the ``Lifecycle`` to write through (``lifecycle`` if given, now
+    holding the lease); release with ``release_lease``. Raises ``LeaseHeldError`` when a live
+    job holds the lease (unless ``force``, which fences that job off).
+    """
+    life = lifecycle or Lifecycle(storage)
+    opened, closed = life.fence.generations()
+    lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
+                  fingerprint=fingerprint)
+    lease.acquire(force=force, min_generation=max(opened | closed, default=0) + 1,
+                  heartbeat=heartbeat)
+    life.lease = lease
+    try:
+        # Mark the generation used before any manifest carries it, so that it is never
+        # handed out again (not even after a damaged or deleted lease file).
+        life.fence.mark(lease.generation, "open", lease.holder_id)
+        for g in sorted(opened - closed):
+            if g < lease.generation:
+                life.fence.close(g, life.manifests(), closed_by=lease.holder_id)
+    except BaseException:
+        lease.release()
+        raise
+    return life
+
+
+def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
+                      lifecycle: Lifecycle | None = None, **lease_options: Any) -> Lifecycle:
+    """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
+    ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
+    the same ``LeaseHeldError``. Collective."""
+    life = lifecycle or Lifecycle(storage)
+    error = ""
+    if coordinator:
+        try:
+            acquire_lease(storage, lifecycle=life, **lease_options)
+        except LeaseHeldError as exc:
+            error = str(exc)
+    error = agreement.broadcast(error)
+    if error:
+        if coordinator and life.lease is not None and life.lease.held:
+            release_lease(life)
+        raise LeaseHeldError(error)
+    return life
+
+
+def release_lease(life: Lifecycle) -> None:
+    """Close this writer's generation (listing what it committed), then release the lease."""
+    lease = life.lease
+    if lease is None:
+        return
+    if lease.held:
+        try:
+            lease.stop_heartbeat()
+            life.fence.write_close(lease.generation, lease.committed_ids, lease.holder_id,
+                                   closed_by=lease.holder_id)
+        except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
+            log.warning("could not close lease generation %d on %s: %s", lease.generation,
+                        life.storage.url, exc)
+    lease.release()
+
+
+__all__ += ["marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME"]

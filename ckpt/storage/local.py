@@ -1,0 +1,215 @@
+"""Local disk (plain paths and ``file://``): durable writes, exclusive creates, no links.
+
+A checkpoint root is untrusted input, so reads never follow a symbolic link out of it: a
+file that is itself a link, or one whose folder resolves outside the root, is refused with
+:class:`~ckpt.errors.CorruptCheckpointError` naming it. Writes never go through a planted
+link or hard link either: a file is written to a fresh temporary name in the same folder
+(``O_CREAT|O_EXCL|O_NOFOLLOW``), fsync'd and renamed over the target (the rename replaces a
+link, it does not follow it).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from ckpt.errors import CorruptCheckpointError
+from ckpt.storage._base import FsspecBackend
+
+__all__ = ["LocalBackend", "replace_file", "write_new_file", "fsync_dir"]
+
+log = logging.getLogger("ckpt.storage")
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class LocalBackend(FsspecBackend):
+    """Files under a local folder. Listing, folder creation and deletion are fsspec's;
+    everything that reads or writes a file is done here with ``os`` calls."""
+
+    is_local = True
+
+    def _check_inside_root(self, rel: str) -> None:
+        """Refuse ``rel`` when its folder resolves outside the root (a linked folder)."""
+        root = os.path.realpath(self.root)
+        folder = os.path.realpath(os.path.dirname(self.path(rel)))
+        if folder != root and not folder.startswith(root.rstrip(os.sep) + os.sep):
+            where = self.describe(rel)
+            raise CorruptCheckpointError(
+                f"{where} lies outside the checkpoint root {self.url} (its folder is a "
+                f"symbolic link to {folder}); ckpt does not follow links out of a root. "
+                f"Replace the link with the folder itself or delete it.", path=where)
+
+    def open_fd(self, rel: str) -> int:
+        """A read-only file descriptor of ``rel``, never through a link
+        (``CorruptCheckpointError`` naming it)."""
+        self._check_inside_root(rel)
+        try:
+            return os.open(self.path(rel), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            where = self.describe(rel)
+            raise CorruptCheckpointError(
+                f"{where} is a symbolic link; ckpt never reads through links in a checkpoint "
+                f"root (it could lead anywhere). Replace it with the file itself or delete it.",
+                path=where) from None
+
+    def size(self, rel: str) -> int:
+        fd = self.open_fd(rel)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def read(self, rel: str, start: int | None, end: int | None) -> bytes:
+        with os.fdopen(self.open_fd(rel), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            lo = 0 if start is None else (max(0, size + start) if start < 0 else start)
+            hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
+            if hi <= lo:
+                return b""
+            f.seek(lo)
+            return f.read(hi - lo)
+
+    def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
+              max_concurrency: int) -> None:
+        self.retry.call(f"write {self.describe(rel)}",
+                        lambda: self._write_and_rename(rel, views, durable))
+
+    def _write_and_rename(self, rel: str, views: Sequence[memoryview], durable: bool) -> None:
+        """Write a fresh temporary file next to ``rel`` and rename it over ``rel``."""
+        self._check_inside_root(rel)
+
+        def write(f) -> None:
+            for view in views:
+                f.write(view)
+        replace_file(self.path(rel), write, durable=durable)
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write a fsync'd temporary file and hard-link it into place (``link`` fails if the
+        target exists, unlike ``rename``); False if ``rel`` already exists."""
+        self._check_inside_root(rel)
+        p = self.path(rel)
+        tmp = _tmp_name(p)
+        write_new_file(tmp, data)
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            # A filesystem without hard links: O_EXCL still makes the create exclusive.
+            try:
+                write_new_file(p, data)
+            except FileExistsError:
+                return False
+        finally:
+            os.unlink(tmp)
+        fsync_dir(os.path.dirname(p))
+        return True
+
+    def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes,
+                             lock_timeout: float = 10.0) -> bool:
+        """Swap under a short-lived lock folder (``mkdir`` is atomic, also on NFS) with
+        ``os.replace``, so the file never disappears and an exclusive create cannot slip in
+        between. A lock held longer than ``lock_timeout`` belongs to a dead swapper."""
+        self._check_inside_root(rel)
+        p = self.path(rel)
+        lock = f"{p}.swap-lock"
+        deadline = time.monotonic() + lock_timeout
+        while True:
+            try:
+                os.mkdir(lock)
+                break
+            except FileExistsError:
+                if time.monotonic() > deadline:
+                    log.warning("breaking stale lock %s", lock)
+                    try:
+                        os.rmdir(lock)
+                    except FileNotFoundError:
+                        pass
+                    deadline = time.monotonic() + lock_timeout
+                time.sleep(0.005)
+        try:
+            try:
+                # Never through a link: a planted one reads as "someone else changed it".
+                fd = os.open(p, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    if f.read() != expected:
+                        return False
+            except FileNotFoundError:
+                return False
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    return False
+                raise
+            replace_file(p, lambda f: f.write(data))
+            return True
+        finally:
+            try:
+                os.rmdir(lock)
+            except FileNotFoundError:
+                pass
+
+
+def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = True) -> None:
+    """Write ``path`` atomically: ``write(file)`` fills a fresh temporary file beside it
+    (created exclusively, never through a link), which is synced and renamed over ``path``
+    (a link planted at ``path`` is replaced, not followed); then the folder is synced."""
+    tmp = _tmp_name(path)
+    fd = _create_file(tmp)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(path))  # the new name must survive a crash too
+
+
+def _create_file(path: str) -> int:
+    """A descriptor to write a new file at ``path``: created exclusively, never through a
+    link (``FileExistsError`` if anything, a link included, is there)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                   0o644)
+
+
+def write_new_file(path: str, data: bytes) -> None:
+    """``data`` in a new file at ``path`` (see :func:`_create_file`), fsync'd."""
+    with os.fdopen(_create_file(path), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _tmp_name(p: str) -> str:
+    """A fresh name next to ``p`` (``commit.py`` recognises and removes leftovers)."""
+    return f"{p}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def fsync_dir(path: str) -> None:
+    """Sync a folder's entries (best effort: a filesystem that cannot is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

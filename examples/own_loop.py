@@ -12,8 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt.dcp import ModelState, RNGState
-from ckpt.job import CheckpointManager
+from ckpt import CheckpointManager, ModelState, RNGState
 
 
 def train(root: str, steps: int = 30) -> None:

@@ -91,8 +91,7 @@ def check_node_local(state: Any, node_of_rank: list[int], world: Agreement) -> N
     a node (HSDP, tensor parallelism in a node), replicas across nodes and pipeline stages
     per node are fine. ``state``: resolved (``ckpt.dcp.api.resolve_state``)."""
     bad = cross_node_key(state, node_of_rank)
-    flags = world.max(int(bad is not None))
-    if flags[0]:
+    if world.any(bad is not None):
         where = f" ({bad})" if bad else " (on another rank)"
         raise ValueError(
             f"the local tier needs every tensor whole within a node, but a tensor is "

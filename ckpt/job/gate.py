@@ -3,14 +3,15 @@
 Contract: the manager's training thread calls :class:`SaveGate` on every rank of the
 manager's control group at the same points (``due`` once per step, ``agree`` once per save).
 A time-based cadence decides differently on each rank, so it is agreed, but only every
-``check_every`` steps (about 1/20 of the interval, each rank proposes :func:`check_period`
-at each save and the smallest wins): a save is at most 5% of an interval late. Whether the
-previous save is in flight, whether the step is committed (the coordinator answers without a
-storage request in the common case: :class:`CommittedSteps`), whether the lease is lost and
-whether a failure is pending are agreed in one all-reduce. ``ckpt.job.tiers`` agrees its local
-tier's period with :func:`check_period` too. Also here: what feeds the decision (each
-step's time, :func:`observe_step`; each used save slot, :func:`use_slot`) and the report of
-a skipped save.
+``check_every`` steps (about 1/20 of the interval: each rank proposes a period at each save
+and the smallest wins): a save is at most 5% of an interval late. That rule is
+:class:`DueAgreement`, the one definition of an agreed due check (``ckpt.job.tiers`` agrees
+its local tier across nodes with one too). Whether the previous save is in flight, whether
+the step is committed (the coordinator answers without a storage request in the common case:
+:class:`CommittedSteps`), whether the lease is lost and whether a failure is pending are
+agreed in one all-reduce. Also here: what feeds the decision (each step's time,
+:func:`observe_step`; each used save slot, :func:`use_slot`) and the report of a skipped
+save.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from ckpt.format import Manifest
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore, Lifecycle
 
-__all__ = ["CommittedSteps", "SaveChecks", "SaveGate", "check_period", "observe_step",
+__all__ = ["CommittedSteps", "DueAgreement", "SaveChecks", "SaveGate", "observe_step",
            "use_slot", "report_lease_lost", "report_busy_skip"]
 
 log = logging.getLogger(__name__)
 
 
-def check_period(cadence: Any) -> int:
+def _check_period(cadence: Any) -> int:
     """Steps between agreements of a time-based ``cadence``: ~1/20 of its interval (1 when
     it has no estimate; this rank's proposal, the smallest one wins)."""
     try:
@@ -40,6 +41,36 @@ def check_period(cadence: Any) -> int:
     except Exception:  # noqa: BLE001 - advisory only
         steps = None
     return max(1, int(steps) // 20) if steps else 1
+
+
+class DueAgreement:
+    """Whether a cadence's save is due, decided alike on every rank of ``agreement``.
+
+    A deterministic cadence (a step count) answers the same on every rank: no collective.
+    A time-based one answers by each rank's clock, so its answer is agreed (any rank's True
+    wins), but only on every ``check_every``-th step; on the steps between, it is not due.
+    ``check_every`` is agreed at each save (:meth:`agree`): the smallest period any rank
+    proposes, ~1/20 of the cadence's interval. Contract: every rank of the agreement's group
+    calls :meth:`decide` and :meth:`agree` at the same points, from the agreement's thread.
+    """
+
+    def __init__(self, agreement: Agreement):
+        self.agreement = agreement
+        self.check_every = 1
+
+    def decide(self, cadence: Any, step: int, want: bool) -> bool:
+        """This rank's ``want`` (does ``cadence`` want a save at ``step``?) as every rank
+        decides it (see the class docstring; ``cadence`` None: ``want`` as it is)."""
+        if cadence is None or cadence.deterministic:
+            return want
+        return step % self.check_every == 0 and self.agreement.any(want)
+
+    def agree(self, cadence: Any, *flags: bool) -> list[bool]:
+        """One all-reduce, at a save: for each of ``flags``, whether some rank raised it;
+        with it ``check_every`` for ``cadence`` is agreed."""
+        raised, (period,) = self.agreement.any_and_min(flags, (_check_period(cadence),))
+        self.check_every = max(1, period)
+        return raised
 
 
 def observe_step(step_times: StepTimes, cadence: Any, history: FailureHistory, now: float,
@@ -120,29 +151,23 @@ class SaveGate:
 
     def __init__(self, ctl: Agreement, store: CheckpointStore, life: Lifecycle,
                  coordinator: bool):
-        self.ctl = ctl
         self.committed = CommittedSteps(store, life, coordinator)
-        self.check_every = 1
+        self.timing = DueAgreement(ctl)
 
     def due(self, cadence: Any, step: int) -> bool:
         """Does ``cadence`` (None: never) want a save at ``step``? Agreed when it is not
-        deterministic."""
+        deterministic (:class:`DueAgreement`)."""
         if cadence is None:
             return False
         want = bool(cadence.should_save(step, time.monotonic()))
-        if not cadence.deterministic:
-            want = step % self.check_every == 0 and self.ctl.any(want)
-        return want
+        return self.timing.decide(cadence, step, want)
 
     def agree(self, step: int, *, cadence: Any, busy: bool, lease_lost: bool,
               pending_failure: bool, last_committed: Manifest | None) -> SaveChecks:
         """One all-reduce: the checks of a save of ``step``; also agrees ``check_every``."""
         committed = self.committed.contains(step, last_committed)
-        any_busy, exists, lost, failed, neg_period = self.ctl.max(
-            int(busy), int(committed), int(lease_lost), int(pending_failure),
-            -check_period(cadence))
-        self.check_every = max(1, -neg_period)  # the smallest any rank proposed
-        return SaveChecks(bool(any_busy), bool(exists), bool(lost), bool(failed))
+        return SaveChecks(*self.timing.agree(cadence, busy, committed, lease_lost,
+                                             pending_failure))
 
 
 def report_lease_lost(events: EventBus, step: int, url: str) -> None:

@@ -51,7 +51,7 @@ from ckpt.events import Event, EventBus
 from ckpt.format import Manifest
 from ckpt.job._tier_layout import check_node_local, node_groups, same_root
 from ckpt.job._tier_resume import common_local_steps, drop_newer_local, try_load
-from ckpt.job.gate import check_period
+from ckpt.job.gate import DueAgreement
 from ckpt.job.manager import CheckpointManager
 from ckpt.job.retention import KeepLast, RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed
@@ -125,7 +125,8 @@ class TieredCheckpointManager:
             self.free_groups()
             raise
         self._checked_layout = False  # whether the state's layout was checked (save)
-        self._local_check_every = 1  # steps between agreements of a time-based local due
+        # A time-based local due, agreed across nodes (each node's manager agrees it within).
+        self._local_due = DueAgreement(self._world)
         self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
         t_start = time.time()
         self.durable = CheckpointManager(root, cadence=cadence, retention=retention,
@@ -201,12 +202,11 @@ class TieredCheckpointManager:
         """Call after every training step: saves each tier that is due (one stall when both
         are). Returns True if a save of either tier was started."""
         local_due = self.local.due(step, state)
-        cadence = self.local.cadence
-        if self.num_nodes > 1 and cadence is not None and not cadence.deterministic:
-            # One step on every node, or no local step. Agreed only every
-            # ``_local_check_every`` steps (~1/20 of the interval, agreed at each local save),
-            # as the manager does within a node: a due save waits at most that long.
-            local_due = step % self._local_check_every == 0 and self._world.any(local_due)
+        if self.num_nodes > 1:
+            # One step on every node, or no local step: agreed across nodes as the manager
+            # agrees it within a node (``DueAgreement``: a due save waits at most ~5% of an
+            # interval).
+            local_due = self._local_due.decide(self.local.cadence, step, local_due)
         durable_due = self.durable.due(step, state)
         if not (local_due or durable_due):
             return False
@@ -240,9 +240,7 @@ class TieredCheckpointManager:
             # step would be usable only when no node happened to be busy.
             elsewhere = False
             if self.num_nodes > 1:
-                busy, neg_period = self._world.max(int(self.local.in_flight()),
-                                                   -check_period(self.local.cadence))
-                elsewhere, self._local_check_every = bool(busy), max(1, -neg_period)
+                (elsewhere,) = self._local_due.agree(self.local.cadence, self.local.in_flight())
             started_local = self.local.save(step, state, user_metadata=user_metadata,
                                             force=force, attachments=attachments, reuse=reuse,
                                             busy_elsewhere=elsewhere)

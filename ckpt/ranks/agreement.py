@@ -14,7 +14,7 @@ background thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,18 @@ class Agreement:
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
+
+    def min(self, *values: int) -> list[int]:
+        """Element-wise MIN of ``values`` over all ranks (one all-reduce)."""
+        return self.any_and_min((), values)[1]
+
+    def any_and_min(self, flags: Sequence[bool], values: Sequence[int]
+                    ) -> tuple[list[bool], list[int]]:
+        """In one all-reduce: for each of ``flags``, whether some rank raised it; for each
+        of ``values``, the smallest any rank proposed. (A minimum is the MAX of the
+        negated values, so one MAX all-reduce carries both.)"""
+        out = self.max(*(int(bool(f)) for f in flags), *(-int(v) for v in values))
+        return [bool(f) for f in out[:len(flags)]], [-v for v in out[len(flags):]]
 
     def all(self, ok: bool) -> bool:
         """True only if every rank says ``ok``."""

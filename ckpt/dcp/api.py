@@ -32,16 +32,17 @@ from ckpt.dcp.reader import CkptReader
 from ckpt.dcp.savecost import SaveCost
 from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.writer import CkptWriter
-from ckpt.errors import (
-    AllCheckpointsDamagedError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    RankFailuresError,
-)
+from ckpt.errors import CheckpointError, CorruptCheckpointError, RankFailuresError
 from ckpt.format import Manifest, step_dirname
 from ckpt.ranks import Agreement, cpu_group
-from ckpt.root import CheckpointStore, Lifecycle, acquire_for_ranks, release_lease
+from ckpt.root import (
+    Candidate,
+    CheckpointStore,
+    Lifecycle,
+    acquire_for_ranks,
+    release_lease,
+    walk_newest,
+)
 from ckpt.storage import Storage
 
 __all__ = ["save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state", "unwrap_dcp_error"]
@@ -272,13 +273,15 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
                 ) -> Manifest | None:
     """Load the newest committed checkpoint that loads cleanly on every rank.
 
-    A checkpoint that fails verification on any rank is skipped with a warning naming the
-    file (and ``on_fallback(step, reason)``), and the one before it is tried; each failed
-    attempt leaves ``state`` untouched (``load`` is transactional). Returns None when the
-    root holds no committed checkpoint. When it holds some and every one failed, ``state``
-    is unchanged and the result is None too, unless ``raise_if_all_damaged``: then
-    ``AllCheckpointsDamagedError`` lists each step and why it failed, so a caller can tell
-    "nothing there" from "everything damaged". ``scratch``: as for :func:`load`.
+    The walk is :func:`ckpt.root.walk_newest` (candidates: the committed steps the group's
+    first rank lists). A checkpoint that fails verification on any rank is skipped with a
+    warning naming the file (also ``on_fallback(step, message)``), and the one before it is
+    tried; each failed attempt leaves ``state`` untouched (``load`` is transactional).
+    Returns None when the root holds no committed checkpoint. When it holds some and every
+    one failed, ``state`` is unchanged and the result is None too, unless
+    ``raise_if_all_damaged``: then ``AllCheckpointsDamagedError`` lists each step and why it
+    failed, so a caller can tell "nothing there" from "everything damaged". ``scratch``: as
+    for :func:`load`.
     ``extra_state(manifest)``: more entries to load from that checkpoint in the same
     transaction, chosen once its manifest is known (e.g. RNG state only on the same layout).
     Collective over ``process_group`` (as for :func:`load`).
@@ -287,47 +290,21 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     agreement = Agreement(group)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
-    candidates = store.committed_steps()
-    # Every rank must walk the same candidate list.
-    candidates = agreement.broadcast(candidates)
-    failures: list[tuple[int, str]] = []
-    for step in reversed(candidates):
-        error: BaseException | None = None
-        manifest = None
-        try:
-            manifest = store.read_manifest(step)
-            if verify in ("full", "size"):
-                # Cheap whole-checkpoint size check first: catches truncation of files this
-                # rank would not read.
-                store.verify_manifest(manifest, full=False)
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-            error = exc
-        if not agreement.all(error is None):
-            reason = str(error or "failed verification on another rank")
-            failures.append((step, reason))
-            _fell_back(step, f"not usable ({reason})", on_fallback)
-            continue
-        try:
-            load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
-                            process_group=group, num_threads=num_threads,
-                            ignore_keys=ignore_keys, scratch=scratch)
-            error = None
-        except (CorruptCheckpointError, RankFailuresError) as exc:
-            if isinstance(exc, RankFailuresError) and not exc.any_of(CorruptCheckpointError):
-                raise
-            error = exc
-        if agreement.all(error is None):
-            return manifest
-        reason = str(error or "failed verification on another rank")
-        failures.append((step, reason))
-        _fell_back(step, f"failed verification while loading ({reason})", on_fallback)
-    if failures and raise_if_all_damaged:
-        raise AllCheckpointsDamagedError(storage.describe(), failures)
-    return None
+    # Every rank must walk the same candidate list: the first rank's.
+    steps = agreement.broadcast(store.committed_steps())
 
+    def load_one(_: Candidate, manifest: Manifest) -> None:
+        load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
+                        process_group=group, num_threads=num_threads,
+                        ignore_keys=ignore_keys, scratch=scratch)
 
-def _fell_back(step: int, reason: str, on_fallback: Callable[[int, str], None] | None) -> None:
-    message = f"checkpoint step {step} is {reason}; falling back to an earlier one"
-    log.warning("%s", message)
-    if on_fallback is not None:
-        on_fallback(step, message)
+    walked = walk_newest(
+        [Candidate(step, store) for step in steps],
+        # A cheap whole-checkpoint size check first: it catches truncated files this rank
+        # would not read. The load checks the checksums (``verify``) of what it reads.
+        check="size" if verify in ("full", "size") else "none", load=load_one,
+        agreement=agreement,
+        on_fallback=None if on_fallback is None else lambda c, why: on_fallback(c.step, why))
+    if raise_if_all_damaged:
+        walked.raise_if_all_damaged(storage.describe())
+    return walked.manifest

@@ -5,8 +5,7 @@ keeps what retention says and resumes from the newest checkpoint that verifies.
 (:class:`SaveGate`): whether a save is due and may start, agreed by every rank.
 ``persist``: the background half of a save (write, commit, retry). ``retention``: which
 committed checkpoints to keep. ``tiers`` (:class:`TieredCheckpointManager`): a fast local
-tier per node under the durable one (``_tier_layout``: where local checkpoints live;
-``_tier_resume``: the agreement of a tiered resume).
+tier per node under the durable one (``_tier_layout``: where local checkpoints live).
 """
 
 from ckpt.job.manager import CheckpointManager

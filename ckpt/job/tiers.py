@@ -20,13 +20,17 @@ Life of a step (every rank calls the same methods at the same points)::
         one   ─► that tier stages and persists, as a plain manager does
 
     load_latest ─► candidate steps: each tier's committed steps; a local step counts only
-        if it is committed on every node ─► newest first: local before durable at the
-        same step ─► size check on every rank, agreed ─► load (checksums), agreed
+        if it is committed on every node ─► the walk (``ckpt.root.walk_newest``): newest
+        first, local before durable at the same step ─► size check on every rank, agreed
+        ─► load (checksums), agreed ─► local steps newer than the one loaded are deleted
 
 A local step present on some nodes only, or whose files fail on one rank, is skipped (all
 ranks agreeing) and the walk goes on, into the durable tier. Loads are transactional per
 node: a local load whose checksums fail on one node after another node loaded it is
-followed by a load of an older checkpoint, which overwrites every key loaded.
+followed by a load of an older checkpoint, which overwrites every key loaded. The
+collectives of a resume run on the job-wide tier group (``_world``, main thread only):
+which local steps every node has (an all-gather of each node's listing), the durable steps
+(rank 0's listing) and each verdict of the walk.
 
 Failure classes (``docs/cadence.md``): the local tier survives a process crash and a
 restart on the same nodes, and loses a node's part with the node. So the local tier's
@@ -46,15 +50,14 @@ import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy
 from ckpt.dcp import api
-from ckpt.errors import AllCheckpointsDamagedError
 from ckpt.events import Event, EventBus
 from ckpt.format import Manifest
 from ckpt.job._tier_layout import check_node_local, node_groups, same_root
-from ckpt.job._tier_resume import common_local_steps, drop_newer_local, try_load
 from ckpt.job.gate import DueAgreement
 from ckpt.job.manager import CheckpointManager
 from ckpt.job.retention import KeepLast, RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed
+from ckpt.root import Candidate, walk_newest
 from ckpt.storage import Storage
 
 __all__ = ["TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP"]
@@ -294,30 +297,44 @@ class TieredCheckpointManager:
             manifest = self.durable.load_latest(state, step=step, **options)
             self._after_load(manifest, "durable", set(), {step})
             return manifest
-        local_steps = set(common_local_steps(self.local, self._group, self.distributed,
-                                             self.local_root))
+        local_steps = set(self._common_local_steps())
         durable_steps = set(self._world.broadcast(
             [int(s) for s in self.durable.store.committed_steps()] if self.rank == 0 else None))
-        failures: list[tuple[int, str]] = []
-        for candidate in sorted(local_steps | durable_steps, reverse=True):
-            for tier, mgr, steps in (("local", self.local, local_steps),
-                                     ("durable", self.durable, durable_steps)):
-                if candidate not in steps:
-                    continue
-                manifest, reason = try_load(self._world, mgr, candidate, state, tier == "local",
-                                            **options)
-                if manifest is not None:
-                    self._after_load(manifest, tier, local_steps, durable_steps)
-                    return manifest
-                failures.append((candidate, f"{tier} tier: {reason}"))
-                log.warning("checkpoint step %d of the %s tier %s; trying an older one",
-                            candidate, tier, reason)
-                self.events.emit("load_fallback", candidate, reason=reason, tier=tier)
-        if failures and raise_if_all_damaged:
-            raise AllCheckpointsDamagedError(
-                f"{self.durable.storage.describe()} and local tier {self.local_root}", failures)
-        self._after_load(None, None, local_steps, durable_steps)
-        return None
+        tiers = {"local": self.local, "durable": self.durable}
+        walked = walk_newest(
+            # Local first: at a step both tiers hold, the local one is tried first. Any error
+            # of the local tier falls back (``tolerant``); the durable tier's as for
+            # ``ckpt.load_latest``.
+            [Candidate(s, self.local.store, "local", tolerant=True) for s in sorted(local_steps)]
+            + [Candidate(s, self.durable.store, "durable") for s in sorted(durable_steps)],
+            check="size" if self.durable.verify in ("full", "size") else "none",
+            load=lambda c, _: tiers[c.tier].load_latest(state, step=c.step, **options),
+            agreement=self._world,
+            on_fallback=lambda c, message: self.events.emit("load_fallback", c.step,
+                                                            reason=message, tier=c.tier))
+        if raise_if_all_damaged:
+            walked.raise_if_all_damaged(
+                f"{self.durable.storage.describe()} and local tier {self.local_root}")
+        self._after_load(walked.manifest, walked.candidate.tier if walked.candidate else None,
+                         local_steps, durable_steps)
+        return walked.manifest
+
+    def _common_local_steps(self) -> list[int]:
+        """Local steps committed on every node (the same list on every rank): each node's
+        coordinator lists its root once, the lists are gathered over the tier group."""
+        mine: list[int] | None = None  # None: not a node's coordinator, no listing
+        if self.local.rank == 0:
+            try:
+                mine = [int(s) for s in self.local.store.committed_steps()]
+            except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
+                log.warning("local tier %s unreadable, not used: %s", self.local_root, exc)
+                mine = []
+        if not self.distributed:
+            return mine or []
+        lists: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(lists, mine, group=self._group)  # live peers' lists, no storage
+        nodes = [set(steps) for steps in lists if steps is not None]
+        return sorted(set.intersection(*nodes))
 
     def _after_load(self, manifest: Manifest | None, tier: str | None,
                     local_steps: set[int], durable_steps: set[int]) -> None:
@@ -339,7 +356,21 @@ class TieredCheckpointManager:
                     # (Without one: from the step resumed.)
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
-        drop_newer_local(self.local, step, self.events, self.local_root)
+        self._drop_newer_local(step)
+
+    def _drop_newer_local(self, step: int) -> None:
+        """Each node's coordinator deletes its local steps newer than ``step``: they could
+        not be saved again, and the next resume would jump onto them."""
+        if self.local.rank != 0:
+            return
+        try:
+            for newer in [s for s in self.local.store.committed_steps() if s > step]:
+                self.local.store.delete(newer)
+                self.events.emit("local_retention_deleted", newer, tier="local",
+                                 reason=f"newer than the resumed step {step}")
+        except Exception as exc:  # noqa: BLE001 - a later save of that step is refused
+            log.warning("could not delete local steps newer than %d in %s: %s", step,
+                        self.local_root, exc)
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

@@ -4,8 +4,9 @@
 ``fence``: which manifests count once the lease has changed hands. ``lifecycle``
 (:class:`Lifecycle`): every transition of a checkpoint folder (begin, commit, abandon,
 cleanup, uncommit, restore, delete) and every file name in it, made by the lease holder.
-``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and the walk to
-the newest checkpoint that verifies.
+``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and
+(:func:`walk_newest`) the one walk to the newest checkpoint that verifies, which every
+resume uses.
 """
 
 from ckpt.root.fence import Fence
@@ -26,12 +27,12 @@ from ckpt.root.lifecycle import (
     parse_marker,
     release_lease,
 )
-from ckpt.root.store import CheckpointInfo, CheckpointStore
+from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, Walked, walk_newest
 
 __all__ = [
     "Lease", "LEASE_NAME", "read_lease", "Fence",
     "Lifecycle", "Entry", "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
     "acquire_lease", "acquire_for_ranks", "release_lease",
     "attachment_file", "data_file_id", "marker_name", "parse_marker",
-    "CheckpointStore", "CheckpointInfo",
+    "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
 ]

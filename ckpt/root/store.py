@@ -1,4 +1,5 @@
-"""Discovery, verification and deletion of the checkpoints under one root (the read side).
+"""Discovery, verification and deletion of the checkpoints under one root (the read side),
+and the one walk to the newest usable checkpoint.
 
 A root holds one folder per step, ``step_NNNNNNNNN/``. A step is *committed* when its
 manifest exists, parses, describes that step and was not fenced off; *incomplete* when it
@@ -7,16 +8,30 @@ its manifest was un-committed (kept, restorable); *fenced* when its manifest was
 a writer that had lost the lease; *corrupt* when the manifest is unreadable or its files
 fail verification. The life-cycle itself (every transition, every file name) lives in
 :mod:`ckpt.root.lifecycle`.
+
+:func:`walk_newest` is the one definition of "the newest checkpoint that verifies": which
+candidates in which order, what counts as usable, what falls back and how a fallback is
+reported. ``CheckpointStore.latest`` (one process, no load), ``ckpt.load_latest`` (every
+rank of a group, with a load) and the two-tier resume of ``ckpt.job.tiers`` (candidates of
+two roots) all walk through it; the collectives that make the candidate list the same on
+every rank stay with their callers.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
 
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (
+    AllCheckpointsDamagedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RankFailuresError,
+)
 from ckpt.format import Manifest, step_dirname
+from ckpt.ranks import Agreement
 from ckpt.root.lifecycle import (
     COMMITTED,
     CORRUPT,
@@ -29,9 +44,10 @@ from ckpt.root.lifecycle import (
 from ckpt.root.verify import verify_files
 from ckpt.storage import Storage
 
-__all__ = ["CheckpointInfo", "CheckpointStore"]
+__all__ = ["CheckpointInfo", "CheckpointStore", "Candidate", "Walked", "walk_newest"]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class CheckpointInfo:
@@ -139,20 +155,16 @@ class CheckpointStore:
         self.verify_manifest(manifest, full=full, progress=progress)
         return manifest
 
+    def candidates(self, tier: str | None = None) -> list["Candidate"]:
+        """Every committed step as a candidate of :func:`walk_newest` (``tier``: as there)."""
+        return [Candidate(step, self, tier) for step in self.committed_steps()]
+
     def latest(self, *, check: str = "size") -> Manifest | None:
         """The newest committed checkpoint that passes ``check``; older ones are tried in turn.
 
-        Every checkpoint skipped on the way is logged with the reason.
+        Every checkpoint skipped on the way is logged with the reason (:func:`walk_newest`).
         """
-        for step in reversed(self.committed_steps()):
-            try:
-                manifest = self.read_manifest(step)
-                if check != "none":
-                    self.verify_manifest(manifest, full=(check == "full"))
-                return manifest
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                log.warning("skipping checkpoint step %d: %s", step, exc)
-        return None
+        return walk_newest(self.candidates(), check=check).manifest
 
     # -- changes (through the life-cycle) -------------------------------------------------
     def delete(self, step: int) -> None:
@@ -175,3 +187,122 @@ class CheckpointStore:
             except CheckpointError as exc:
                 out.append((newer, None, exc))
         return out
+
+
+# -- the walk to the newest usable checkpoint ------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint a resume may start from: ``step`` under ``store``. ``tier`` names the
+    store in messages (None: the only root walked); ``tolerant``: any error of this
+    candidate falls back, not only damage (a node-local tier never stops a resume)."""
+
+    step: int
+    store: CheckpointStore
+    tier: str | None = None
+    tolerant: bool = False
+
+    def describe(self) -> str:
+        """In words: ``checkpoint step 20``, or ``checkpoint step 20 of the local tier``."""
+        of_tier = f" of the {self.tier} tier" if self.tier else ""
+        return f"checkpoint step {self.step}{of_tier}"
+
+
+@dataclass
+class Walked:
+    """Where a walk ended: the candidate that loaded and its manifest (both None when none
+    did), and each candidate passed over, ``(step, why)``, newest first."""
+
+    candidate: Candidate | None = None
+    manifest: Manifest | None = None
+    failures: list[tuple[int, str]] = field(default_factory=list)
+
+    def raise_if_all_damaged(self, where: str) -> None:
+        """Raise ``AllCheckpointsDamagedError`` (naming ``where`` and every failure) when
+        there were candidates and none loaded: "everything damaged", not "nothing there"."""
+        if self.candidate is None and self.failures:
+            raise AllCheckpointsDamagedError(where, self.failures)
+
+
+_NOT_USABLE = (CorruptCheckpointError, CheckpointNotFoundError)
+"""Errors of reading and checking a candidate that pass it over: damaged, gone, fenced off."""
+
+
+def _falls_back(exc: BaseException, candidate: Candidate, damage: tuple[type, ...]) -> bool:
+    """Does ``exc`` mean "this candidate is damaged: try an older one"? Yes for a
+    ``damage`` error (on any rank, for per-rank failures) and, for a ``tolerant``
+    candidate, for any error. Anything else (storage down, a state that does not match) is
+    raised: an older checkpoint would not fare better."""
+    if candidate.tolerant:
+        return True
+    if isinstance(exc, RankFailuresError):
+        return any(isinstance(e, damage) for e in exc.errors.values())
+    return isinstance(exc, damage)
+
+
+def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
+                load: Callable[[Candidate, Manifest], Any] | None = None,
+                agreement: Agreement | None = None,
+                on_fallback: Callable[[Candidate, str], None] | None = None) -> Walked:
+    """Find the newest usable checkpoint among ``candidates``.
+
+    Order: newest step first; candidates of one step in the order given (a faster tier
+    first). A candidate is usable when its manifest reads as committed and its files pass
+    ``check`` (``"none"``, ``"size"``: every file there at full size, ``"full"``: and every
+    checksum); then ``load(candidate, manifest)`` runs (when given) and the candidate counts
+    only if it succeeded. Damage passes the candidate over (reading: a corrupt, missing or
+    fenced manifest or file; loading: a checksum or size mismatch on any rank; for a
+    ``tolerant`` candidate any error); anything else is raised. A candidate passed over is
+    reported once: a warning ("checkpoint step 20 is not usable (<why>); falling back to an
+    earlier one", or "... failed verification while loading (<why>) ..."),
+    ``on_fallback(candidate, message)`` and an entry in the result's ``failures``.
+
+    With an ``agreement`` the walk is collective over its group: every rank passes the same
+    candidates, and each verdict (usable, loaded) is agreed, so one rank's failure passes a
+    candidate over on every rank. Without one, this process decides alone.
+    """
+    walked = Walked()
+    for candidate in sorted(candidates, key=lambda c: -c.step):  # stable: tier order kept
+        error: BaseException | None = None
+        manifest = None
+        try:
+            manifest = candidate.store.read_manifest(candidate.step)
+            if check != "none":
+                candidate.store.verify_manifest(manifest, full=(check == "full"))
+        except Exception as exc:  # noqa: BLE001 - _falls_back decides, the rest is raised
+            if not _falls_back(exc, candidate, _NOT_USABLE):
+                raise
+            error = exc
+        if not _agreed(agreement, error):
+            _fall_back(walked, candidate, "is not usable", error, on_fallback)
+            continue
+        if load is not None:
+            try:
+                load(candidate, manifest)
+            except Exception as exc:  # noqa: BLE001 - _falls_back decides, the rest is raised
+                if not _falls_back(exc, candidate, (CorruptCheckpointError,)):
+                    raise
+                error = exc
+            if not _agreed(agreement, error):
+                _fall_back(walked, candidate, "failed verification while loading", error,
+                           on_fallback)
+                continue
+        walked.candidate, walked.manifest = candidate, manifest
+        return walked
+    return walked
+
+
+def _agreed(agreement: Agreement | None, error: BaseException | None) -> bool:
+    """Did the step succeed here (and, with an ``agreement``, on every rank)?"""
+    return agreement.all(error is None) if agreement is not None else error is None
+
+
+def _fall_back(walked: Walked, candidate: Candidate, verdict: str, error: BaseException | None,
+               on_fallback: Callable[[Candidate, str], None] | None) -> None:
+    """Report ``candidate`` passed over: warning, ``on_fallback``, ``walked.failures``."""
+    why = str(error) if error is not None else "failed on another rank"
+    message = f"{candidate.describe()} {verdict} ({why}); falling back to an earlier one"
+    log.warning("%s", message)
+    walked.failures.append(
+        (candidate.step, f"{candidate.tier} tier: {why}" if candidate.tier else why))
+    if on_fallback is not None:
+        on_fallback(candidate, message)

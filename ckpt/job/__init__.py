@@ -1,11 +1,15 @@
 """A job's checkpoints: the manager that saves on a cadence, persists in the background,
 keeps what retention says and resumes from the newest checkpoint that verifies.
 
-``manager`` (:class:`CheckpointManager`): orchestration on the training thread. ``gate``
-(:class:`SaveGate`): whether a save is due and may start, agreed by every rank.
-``persist``: the background half of a save (write, commit, retry). ``retention``: which
-committed checkpoints to keep. ``tiers`` (:class:`TieredCheckpointManager`): a fast local
-tier per node under the durable one (``_tier_layout``: where local checkpoints live).
+``manager`` (:class:`CheckpointManager`): orchestration on the training thread, staging and
+resume. ``gate`` (:class:`SaveGate`): whether a save is due and may start, agreed by every
+rank (:class:`~ckpt.job.gate.DueAgreement`: the one agreed due check). ``persist``: the
+background half of a save (write, commit, retry). ``retention``: which committed checkpoints
+to keep. ``tiers`` (:class:`TieredCheckpointManager`): a fast local tier per node under the
+durable one. Internals: ``_claim`` (a manager's claim on its root: lease, cleanup, failure
+history), ``_commits`` (what a manager knows of its commits, the bookkeeping after each),
+``_inflight`` (the staged copy a save persists, the one background slot), ``_tier_layout``
+(where local checkpoints live).
 """
 
 from ckpt.job.manager import CheckpointManager

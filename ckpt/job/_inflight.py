@@ -1,23 +1,45 @@
-"""A manager's one background save slot: at most one save persists at a time.
+"""A manager's save in flight: the staged copy it persists, and the one background slot.
 
-The slot owns the persist thread (one worker), the job in flight, its step and the outcome of
-the newest save that failed. The training thread starts jobs, waits for them and re-raises
-failures; the persist thread records a failure (``failure``) before its job finishes, so
-whoever waited for the job sees it. Whether a failure is re-raised on every rank alike is the
-manager's business (it agrees that first).
+:class:`StagedCopy`: a copy of the state staged into a manager's reused host buffers at one
+step (staging is the one stall of a save). A manager remembers the newest copy it staged so
+that another manager can persist the same copy at the same step
+(``CheckpointManager.save(..., reuse=...)``; ``ckpt.job.tiers`` saves both tiers with one
+stall).
+
+:class:`InflightSave`: at most one save persists at a time. The slot owns the persist thread
+(one worker), the job in flight, its step and the outcome of the newest save that failed. The
+training thread starts jobs, waits for them and re-raises failures; the persist thread records
+a failure (``failure``) before its job finishes, so whoever waited for the job sees it.
+Whether a failure is re-raised on every rank alike is the manager's business (it agrees that
+first).
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from ckpt.errors import CheckpointError
 
-__all__ = ["InflightSave"]
+__all__ = ["StagedCopy", "InflightSave"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagedCopy:
+    """A copy of the state staged by a manager at ``step`` (in its staging buffers), which
+    another manager may persist too (``save(..., reuse=...)``): one stall for two saves.
+    ``wait_ready()`` blocks until the copies are done (on CUDA they are only enqueued) and
+    returns their device time when known."""
+
+    step: int
+    staged: Any
+    nbytes: int
+    stall_seconds: float
+    wait_ready: Callable[[], float | None] = lambda: None
 
 
 class InflightSave:

@@ -21,12 +21,13 @@ together; nothing is committed unless every rank wrote its files. The commit is 
 transition goes through :mod:`ckpt.root.lifecycle`, which fences such a writer off. ``close``
 releases the lease and frees the two private groups.
 
-This module orchestrates; each step is its own unit: the agreed decisions of a save step
-(:mod:`ckpt.job.gate`), staging and reuse (:mod:`ckpt.job._manager_staging`), the persist
-thread (:mod:`ckpt.job._inflight`, :mod:`ckpt.job.persist`), the bookkeeping after a commit
-(:mod:`ckpt.job._manager_commit`), the lease (:mod:`ckpt.job._manager_lease`), the failure history
-(:mod:`ckpt.cadence.history`), resume (:mod:`ckpt.job._manager_load`) and the private groups
-(:mod:`ckpt.ranks.groups`).
+This module orchestrates, stages and resumes; each other part has its own home: the agreed
+decisions of a save step (:mod:`ckpt.job.gate`), the staged copy and the persist thread
+(:mod:`ckpt.job._inflight`), the background write (:mod:`ckpt.job.persist`), the commits and
+the bookkeeping after each (:mod:`ckpt.job._commits`), the claim on the root: lease, cleanup
+and failure history (:mod:`ckpt.job._claim`), the walk to the newest checkpoint that
+verifies (:func:`ckpt.root.walk_newest`, through :func:`ckpt.dcp.api.load_latest`) and the
+private groups (:mod:`ckpt.ranks.groups`).
 """
 
 from __future__ import annotations
@@ -37,20 +38,18 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from ckpt.cadence import CadencePolicy, StepTimes, parse_interval, write_history
+from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interval
 from ckpt.dcp import StagingBuffers, api, check_attachments
 from ckpt.events import EventBus
 from ckpt.format import Manifest
-from ckpt.job._inflight import InflightSave
-from ckpt.job._manager_commit import after_commit
-from ckpt.job._manager_lease import claim_root
-from ckpt.job._manager_load import load_for_manager
-from ckpt.job._manager_staging import StagedCopy, stage_copy
+from ckpt.job._claim import RootClaim
+from ckpt.job._commits import Commits
+from ckpt.job._inflight import InflightSave, StagedCopy
 from ckpt.job.gate import SaveGate, observe_step, report_busy_skip, report_lease_lost, use_slot
 from ckpt.job.persist import Persister
 from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
-from ckpt.root import CheckpointStore, Lifecycle, release_lease
+from ckpt.root import CheckpointStore, Lease, Lifecycle
 from ckpt.storage import Storage
 
 __all__ = ["CheckpointManager"]
@@ -82,11 +81,12 @@ class CheckpointManager:
     """
 
     def __init__(self, root: str | Storage, *, storage_options: dict[str, Any] | None = None,
-                 cadence: CadencePolicy | str | None = None, retention: Sequence[RetentionPolicy] | None = None,
+                 cadence: CadencePolicy | str | None = None,
+                 retention: Sequence[RetentionPolicy] | None = None,
                  async_save: bool = True, busy: str = "skip", verify: str = "full",
-                 num_threads: int | None = None, use_lease: bool = True, lease_ttl_seconds: float = 60.0,
-                 raise_on_failure: bool = False, max_attempts: int = 3,
-                 retry_backoff_seconds: float = 0.5,
+                 num_threads: int | None = None, use_lease: bool = True,
+                 lease_ttl_seconds: float = 60.0, raise_on_failure: bool = False,
+                 max_attempts: int = 3, retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
                  job_fingerprint: str | None = None, process_group=None,
                  events: EventBus | None = None):
@@ -104,9 +104,6 @@ class CheckpointManager:
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.events = events or EventBus(rank=dist.get_rank() if self.distributed else 0)
         self.cadence = parse_interval(cadence) if isinstance(cadence, str) else cadence
-        if retention is None:
-            retention = [KeepLast(3), KeepPinned(self.store)]
-        self.retention = list(retention)
         self.async_save = async_save
         self.busy = busy
         self.verify = verify
@@ -119,8 +116,6 @@ class CheckpointManager:
         self.step_times = StepTimes()
         self.num_skipped = 0
         self.num_saves = 0
-        self.last_committed: Manifest | None = None
-        self.newest_committed_step: int | None = None  # by this manager, known on every rank
         self.lease_lost = False  # agreed on every rank at a save
         self.resumed_tier: str | None = None  # a plain manager has one tier ("durable")
         self._closed = False
@@ -140,22 +135,38 @@ class CheckpointManager:
         # Rank 0 takes the lease (fencing off earlier writers), removes dead attempts'
         # leftovers and reads the job's failure history; every rank learns both. One history
         # per job, shared with the cadence (which accumulates uptime in it).
-        self.lease, self.history = claim_root(
-            self.storage, self._ctl, self.life, self.events, coordinator=self.rank == 0,
-            use_lease=use_lease, ttl_seconds=lease_ttl_seconds, job_name=job_name,
-            fingerprint=job_fingerprint)
+        self._claim = RootClaim(self.life, self._ctl, self.events, coordinator=self.rank == 0,
+                                use_lease=use_lease, ttl_seconds=lease_ttl_seconds,
+                                job_name=job_name, fingerprint=job_fingerprint)
         if self.cadence is not None:
             self.cadence.history = self.history
         self.save_history()
+        if retention is None:
+            retention = [KeepLast(3), KeepPinned(self.store)]
+        self._commits = Commits(self.events, self.store, self._claim, retention,
+                                coordinator=self.rank == 0)
         self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
 
-    # -- failure history (for the auto cadence's MTBF) ---------------------------------------
+    # -- the claim on the root and the commits, as callers see them ---------------------------
+    @property
+    def lease(self) -> Lease | None:
+        """The write lease (rank 0, with ``use_lease``; else None)."""
+        return self._claim.lease
+
+    @property
+    def owner(self) -> str | None:
+        return self._claim.owner
+
+    @property
+    def history(self) -> FailureHistory:
+        """The job's failure history (for the auto cadence's MTBF), the same on every rank."""
+        return self._claim.history
+
     def save_history(self) -> None:
         """Write the failure history now (rank 0, holding the lease); saves also do. For a
         caller that changed ``history`` (``ckpt.job.tiers`` takes back a failure that was not a
         node loss)."""
-        if self.rank == 0 and (self.lease is None or self.lease.held):
-            write_history(self.storage, self.history)
+        self._claim.save_history()
 
     @property
     def lease_lost_url(self) -> str | None:
@@ -163,8 +174,19 @@ class CheckpointManager:
         return self.storage.url if self.lease_lost else None
 
     @property
-    def owner(self) -> str | None:
-        return self.lease.holder_id if self.lease is not None else None
+    def retention(self) -> list[RetentionPolicy]:
+        """The retention policies applied after each commit (rank 0)."""
+        return self._commits.retention
+
+    @property
+    def newest_committed_step(self) -> int | None:
+        """The newest step this manager committed or found committed (every rank)."""
+        return self._commits.newest_step
+
+    @property
+    def last_committed(self) -> Manifest | None:
+        """The newest manifest this manager committed (rank 0; None elsewhere)."""
+        return self._commits.last_manifest
 
     # -- saving ------------------------------------------------------------------------------
     def prepare(self, state: dict[str, Any]) -> None:
@@ -227,7 +249,7 @@ class CheckpointManager:
             raise RuntimeError("CheckpointManager.save() called after close()")
         busy, exists, lost, failed = self._gate.agree(
             step, cadence=self.cadence, busy=self.in_flight() or busy_elsewhere,
-            lease_lost=self.lease is not None and not self.lease.held,
+            lease_lost=self._claim.lost,
             pending_failure=self.raise_on_failure and self._slot.failure is not None,
             last_committed=self.last_committed)
         if failed:
@@ -238,7 +260,7 @@ class CheckpointManager:
             report_lease_lost(self.events, step, self.storage.url)
             return False
         if exists:
-            self.newest_committed_step = max(step, self.newest_committed_step or step)
+            self._commits.found(step)
             self.events.emit("save_skipped", step, reason="already committed",
                              outcome="skipped")
             return False
@@ -256,44 +278,47 @@ class CheckpointManager:
             self._raise_pending_failure()
         t0 = time.monotonic()
         first = self.num_saves == 0
-        copy = stage_copy(self.staging, state, step, reuse)
-        if reuse is None:
-            self.num_stages += 1
-            self.last_staged = copy
+        if reuse is not None and reuse.step != step:
+            raise ValueError(f"reuse holds step {reuse.step}, not step {step}: pass the "
+                             f"copy staged at this step")
+        # A reused copy costs no stall here; the cadence still learns what staging cost.
+        copy = self._stage(state, step) if reuse is None else reuse
         self.num_saves += 1
         self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else copy.stall_seconds,
                          bytes=copy.nbytes, first=first, reused=reuse is not None)
         use_slot(self.cadence, step)
         self.step_times.save_started()
-        self._slot.start(step, self._persist, step, copy.staged, copy.nbytes, copy.stall_seconds,
-                         dict(user_metadata or {}), t0, attached, copy.wait_ready)
+        self._slot.start(step, self._persist, copy, dict(user_metadata or {}), attached, t0)
         if block or not self.async_save:
             self._slot.join()
             self._raise_pending_failure()
         return True
 
-    def _persist(self, step: int, staged: dict, nbytes: int, stall: float,
-                 user_metadata: dict, t_start: float, attachments: dict[str, Any] | None,
-                 wait_copies: Callable[[], float | None]) -> Manifest | None:
-        """Background thread: persist (with retries), then the bookkeeping of a commit:
-        events, cadence, history, retention."""
+    def _stage(self, state: dict[str, Any], step: int) -> StagedCopy:
+        """Copy ``state`` into the staging buffers (the stall, measured): the newest copy."""
+        t0 = time.monotonic()
+        staged, nbytes = self.staging.stage(api.resolve_state(state))
+        self.num_stages += 1
+        self.last_staged = StagedCopy(step, staged, nbytes, time.monotonic() - t0,
+                                      self.staging.wait_ready)
+        return self.last_staged
+
+    def _persist(self, copy: StagedCopy, user_metadata: dict[str, Any],
+                 attachments: dict[str, Any] | None, t_start: float) -> Manifest | None:
+        """Background thread: persist ``copy`` (with retries), then the bookkeeping of a
+        commit (``Commits.record``)."""
         # On CUDA the copies into the staged buffers were only enqueued: wait for them here,
         # off the training thread, before a byte is read (their device time: copy_seconds).
-        copy_seconds = wait_copies()
-        out = self._persister.run(step, staged, nbytes=nbytes, stall=stall,
-                                  user_metadata=user_metadata, attachments=attachments)
+        copy_seconds = copy.wait_ready()
+        out = self._persister.run(copy.step, copy.staged, nbytes=copy.nbytes,
+                                  stall=copy.stall_seconds, user_metadata=user_metadata,
+                                  attachments=attachments)
         if not out.committed:
             if out.error is not None:
                 self._slot.failure = out.error
             return None
-        out.cost.lap()
-        self.newest_committed_step = step
-        if self.rank == 0:
-            self.last_committed = out.manifest
-        after_commit(step, out, events=self.events, cadence=self.cadence,
-                     slowdown=self.step_times.slowdown(), save_history=self.save_history,
-                     store=self.store, retention=self.retention, coordinator=self.rank == 0,
-                     stall=stall, copy_seconds=copy_seconds, nbytes=nbytes, t_start=t_start)
+        self._commits.record(out, copy, cadence=self.cadence, copy_seconds=copy_seconds,
+                             t_start=t_start, slowdown=self.step_times.slowdown())
         return out.manifest
 
     def _raise_pending_failure(self) -> None:
@@ -321,17 +346,38 @@ class CheckpointManager:
         """
         if self._closed:
             raise RuntimeError("CheckpointManager.load_latest() called after close()")
+        t0 = time.monotonic()
+        fallbacks: list[int] = []
+
+        def fell_back(skipped: int, message: str) -> None:
+            fallbacks.append(skipped)
+            self.events.emit("load_fallback", skipped, reason=message)
+
         # Read into the staging buffers (saves need them anyway, already touched) unless a
-        # save is persisting from them. Resumed at a step, the cadence counts the next
-        # interval from there (a resumed run saves at 40 and 50 after resuming at 30 with a
-        # cadence of 10).
-        manifest = load_for_manager(
-            state, storage=self.storage, store=self.store, events=self.events,
-            process_group=self._ctl_group, verify=self.verify, num_threads=self.num_threads,
-            scratch=None if self.in_flight() else self.staging, step=step, strict=strict,
-            ignore_keys=ignore_keys, raise_if_all_damaged=raise_if_all_damaged,
-            extra_state=extra_state, on_loaded=lambda loaded: use_slot(self.cadence, loaded))
+        # save is persisting from them.
+        scratch = None if self.in_flight() else self.staging
+        if scratch is not None:
+            scratch.prepare(api.resolve_state(state))
+        options = dict(verify=self.verify, strict=strict, process_group=self._ctl_group,
+                       num_threads=self.num_threads, ignore_keys=ignore_keys, scratch=scratch)
+        if step is not None:
+            manifest = api.load_with_extra(state, self.storage, self.store.read_manifest(step),
+                                           extra_state, **options)
+        else:
+            manifest = api.load_latest(state, self.storage, on_fallback=fell_back,
+                                       raise_if_all_damaged=raise_if_all_damaged,
+                                       extra_state=extra_state, **options)
         self.resumed_tier = "durable" if manifest is not None else None
+        if manifest is None:
+            return None
+        # Resumed at a step, the cadence counts the next interval from there (a resumed run
+        # saves at 40 and 50 after resuming at 30 with a cadence of 10).
+        use_slot(self.cadence, manifest.step)
+        seconds = time.monotonic() - t0
+        self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
+                         bytes=manifest.total_bytes, verify=self.verify,
+                         bytes_per_second=manifest.total_bytes / seconds if seconds > 0
+                         else 0.0, num_fallbacks=len(fallbacks))
         return manifest
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -351,8 +397,7 @@ class CheckpointManager:
         try:
             self._slot.close()
         finally:
-            if self.lease is not None:
-                release_lease(self.life)
+            self._claim.release()
             self.free_groups()
             # The persist thread is done with the staged copy (and so is another tier
             # that persisted ``last_staged``): free the host memory it took.

@@ -16,7 +16,8 @@ class per filesystem family:
 
 The interface is :class:`Backend`; a new filesystem family is a new subclass and a line in
 :func:`open_backend`. Nothing outside this package asks which backend a root is on: it asks
-the :class:`Storage` (``is_local``, ``local_path``, ...).
+the :class:`Storage` what the root can do (``local_path``, ``has_folders``,
+``default_threads``, ``preferred_file_bytes``) or where it is (``Storage.location``).
 """
 
 from ckpt.storage._base import Backend, FsspecBackend

@@ -215,7 +215,7 @@ class CkptReader(StorageReader):
             return out
         # Local files: read straight into borrowed buffers (an item each) or fresh scratch.
         try:
-            f = open(self.storage.local_path(rel), "rb", buffering=0)
+            f = self.storage.open_local(rel)
         except FileNotFoundError:
             raise missing_file_error(where) from None
         with f:

@@ -30,9 +30,9 @@ class Backend(ABC):
     translates its errors. Primitives raise ``FileNotFoundError`` for a missing object and
     the filesystem's own errors otherwise; they may be called from several threads at once.
 
-    Capabilities, what :class:`~ckpt.storage._storage.Storage` tells callers that take a
-    faster or simpler path where one exists (nothing outside this package asks which backend
-    a root is on):
+    The capabilities below (and :meth:`local_path`) are what
+    :class:`~ckpt.storage._storage.Storage` tells callers that take a faster or simpler path
+    where one exists: nothing outside this package asks which backend a root is on.
     """
 
     has_folders = True

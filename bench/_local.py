@@ -64,14 +64,14 @@ def _timed_per_bucket(one, n: int) -> float:
 def raw_write(path_prefix: str, buckets: list[list[torch.Tensor]], crc: bool = False) -> float:
     """Write each bucket to its own file (one thread each), fsync every file; seconds.
 
-    With ``crc``, each thread first takes the crc32c of every tensor it writes (the same
-    library as ckpt), as a floor for a save that checksums."""
-    import crc32c
+    With ``crc``, each thread first takes the crc32c of every tensor it writes (ckpt's own
+    ``crc32c_of``), as a floor for a save that checksums."""
+    from ckpt.format import crc32c_of
 
     def one(k: int) -> None:
         if crc:
             for t in buckets[k]:
-                crc32c.crc32c(byte_view(t))
+                crc32c_of([byte_view(t)])
         with open(f"{path_prefix}.{k}", "wb", buffering=0) as f:
             for t in buckets[k]:
                 f.write(byte_view(t))

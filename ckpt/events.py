@@ -4,6 +4,9 @@ Core code emits events; ``monitoring/`` turns them into metrics, so the store ca
 embedded without the Prometheus client library. A subscriber is any callable taking an ``Event``;
 subscribers are called synchronously on the emitting thread and must not raise (errors are
 logged and swallowed so that monitoring can never break a save).
+
+Every kind the store and the trainer emit is listed with its fields in :data:`KINDS`; the
+local tier of a two-tier job emits the same kinds prefixed (:data:`LOCAL_PREFIX`).
 """
 
 from __future__ import annotations
@@ -16,33 +19,82 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Event", "EventBus", "JsonlEventLog"]
+__all__ = ["Event", "EventBus", "JsonlEventLog", "KINDS", "LOCAL_PREFIX", "tier_of"]
 
 log = logging.getLogger(__name__)
 
-# Kinds emitted by ckpt (fields in parentheses). Save events carry ``outcome``:
-# "committed", "retrying", "failed", "abandoned" or "skipped".
-#   save_staged     (step, stall_seconds, bytes, first)
-#   save_committed  (step, outcome, stall_seconds, copy_seconds, persist_seconds,
-#                    total_seconds, bytes, bytes_per_second, retries, attempts, total_bytes);
-#                    copy_seconds: the device time of CUDA staging copies, None on CPU
-#   save_cost       (step, wall_seconds, cpu_seconds, total_wall_seconds,
-#                    persist_thread_cpu_seconds, helper_cpu_seconds, background_cpu_seconds,
-#                    process_cpu_seconds): what a committed save cost in the background,
-#                    per phase (ckpt.dcp.savecost.PHASES), emitted after its retention
-#   save_failed     (step, outcome, error, attempt, final, stall_seconds, persist_seconds,
-#                    bytes, retries)
-#   save_skipped    (step, outcome, reason[, in_flight_step, num_skipped])
-#   save_waited     (step, wait_seconds, in_flight_step)
-#   load_done       (step, outcome, seconds, bytes, bytes_per_second, verify, num_fallbacks)
-#   load_fallback   (step, reason)
-#   retention_deleted (step)     retention_failed (step, error)
-#   lease_acquired  (holder, took_over)     lease_lost (reason)
-#   cleanup_aborted (step)
-#   cadence         (interval_steps, interval_seconds, active_bound, ...); the trainer also
-#                   emits one at start-up (step None) so the interval is known before a save
-# Kinds emitted by the trainer: train_step (loss, grad_norm, step_seconds, tokens_per_second,
-# lr), failure (failure: nan|spike|hang|straggler|preempted), resumed, checkpoint_uncommitted.
+LOCAL_PREFIX = "local_"
+"""The two-tier manager (``ckpt.job.tiers``) re-emits every event of its local tier on the
+job's bus as ``local_<kind>`` (``local_save_committed`` ...) with the same fields plus
+``tier="local"``: a consumer that reads ``save_committed`` sees the durable tier's saves
+only, and the event log tells the tiers apart at a glance. Kinds without the prefix are the
+durable tier's (or not a tier's at all)."""
+
+# Every kind ckpt and the trainer emit, with the names of its fields (``step`` and ``time``,
+# ``rank`` are on every event). A field listed may be absent from some events of its kind
+# (noted below). tests/ckpt/test_events.py checks this table against every ``emit`` call
+# and every kind ``monitoring/`` reads.
+KINDS: dict[str, tuple[str, ...]] = {
+    # -- saves (ckpt.job). ``outcome``: "committed", "retrying", "failed", "abandoned" or
+    #    "skipped". Durations in seconds, sizes in bytes, of this rank.
+    # The staging copy is done and training goes on; ``reused``: the two-tier manager's local
+    # save persists the copy its durable save staged (stall 0).
+    "save_staged": ("stall_seconds", "bytes", "first", "reused"),
+    # ``copy_seconds``: device time of CUDA staging copies (None on CPU); ``retries`` and
+    # ``attempts`` of this save; ``total_bytes``: the manifest's (coordinator; else None).
+    "save_committed": ("outcome", "stall_seconds", "copy_seconds", "persist_seconds",
+                       "total_seconds", "bytes", "bytes_per_second", "retries", "attempts",
+                       "total_bytes"),
+    # What a committed save cost in the background, per phase (``ckpt.dcp.savecost.PHASES``):
+    # ``wall_seconds`` and ``cpu_seconds`` are {phase: seconds}; emitted after its retention.
+    "save_cost": ("wall_seconds", "cpu_seconds", "total_wall_seconds",
+                  "persist_thread_cpu_seconds", "helper_cpu_seconds", "background_cpu_seconds",
+                  "process_cpu_seconds"),
+    # One attempt failed (``final``: no attempt follows); ``retries``: this save's so far.
+    "save_failed": ("outcome", "error", "attempt", "final", "stall_seconds", "persist_seconds",
+                    "bytes", "retries"),
+    # A due save not made: ``reason`` "already committed", "lease lost" or "previous save in
+    # flight" (then with ``in_flight_step`` and ``num_skipped``, the skips in a row).
+    "save_skipped": ("outcome", "reason", "in_flight_step", "num_skipped"),
+    # A blocking save waited this long for the save in flight.
+    "save_waited": ("wait_seconds", "in_flight_step"),
+    # -- loads (ckpt.job)
+    "load_done": ("outcome", "seconds", "bytes", "bytes_per_second", "verify", "num_fallbacks"),
+    # The checkpoint at ``step`` was skipped; ``tier`` ("local"/"durable") from the two-tier
+    # manager's walk over both tiers only.
+    "load_fallback": ("reason", "tier"),
+    # -- retention and the root's lease (coordinator). ``reason``: only on the local tier's
+    #    steps deleted because they are newer than the step resumed.
+    "retention_deleted": ("reason",),
+    "retention_failed": ("error",),
+    "lease_acquired": ("holder", "took_over", "generation"),
+    "lease_lost": ("reason",),
+    "cleanup_aborted": ("files",),  # files of aborted saves removed at ``step``
+    # -- cadence (ckpt.cadence): ``CadencePolicy.describe()``. Emitted after every commit;
+    #    the trainer also emits one at start-up (step None), so the interval is known early.
+    "cadence": ("policy", "interval_steps", "interval_seconds", "active_bound", "inputs"),
+    # A start counted as a failure in the root's history (restart, take-over, aborted saves).
+    "failure_recorded": ("restarted", "took_over", "num_failures"),
+    # The two-tier manager took that failure back from the durable tier's history: the
+    # local tier survived it, so no node was lost.
+    "failure_reclassified": ("tier", "reason"),
+    # -- the trainer (trainer/)
+    "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr"),
+    # ``failure``: "nan", "spike", "hang", "straggler" or "preempted"; ``loss`` with nan and
+    # spike, ``slow_rank`` with straggler.
+    "failure": ("failure", "loss", "slow_rank"),
+    "resumed": ("same_layout",),
+    # A checkpoint newer than the step resumed from was un-committed (``step``: that one).
+    "checkpoint_uncommitted": ("resumed_step",),
+}
+
+
+def tier_of(kind: str) -> tuple[str, str]:
+    """``("local", base kind)`` for a local-tier kind (:data:`LOCAL_PREFIX`), else
+    ``("durable", kind)``."""
+    if kind.startswith(LOCAL_PREFIX):
+        return "local", kind[len(LOCAL_PREFIX):]
+    return "durable", kind
 
 
 @dataclass

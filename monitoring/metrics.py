@@ -7,6 +7,13 @@ this package imports prometheus_client, so the store stays embeddable without it
 Every rank runs its own ``Metrics`` and serves it on its own port (``base + LOCAL_RANK``,
 see :func:`local_port`); every series carries a ``rank`` label.
 
+Two checkpoint tiers (``ckpt.job.tiers``): the series both tiers feed (saves by outcome, the
+save stall, the newest commit's step and time) carry a ``tier`` label, ``"durable"`` or
+``"local"``. The local tier's events (``local_<kind>``, ``ckpt.events.LOCAL_PREFIX``) feed
+only the ``tier="local"`` series, and the alert rules read ``tier="durable"``: local saves
+never hide a durable tier that stopped committing. Every other ``ckpt_`` series is the
+durable tier's.
+
 Every series an alert or a dashboard panel reads exists from construction: counters at 0 for
 each label value (so ``increase()`` sees the first event), histograms empty, gauges at a
 documented start value. Prometheus cannot tell a series born at 1 from one that was always
@@ -39,9 +46,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ckpt.dcp import PHASES
-from ckpt.events import Event, EventBus
+from ckpt.events import Event, EventBus, tier_of
 
-__all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS"]
+__all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS"]
 
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -49,6 +56,7 @@ _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 DEFAULT_HOST = "0.0.0.0"  # the same default as trainer.config_schema.MetricsConfig.host
 SAVE_OUTCOMES = ("committed", "failed", "skipped")
 FAILURE_KINDS = ("nan", "spike", "hang", "straggler", "preempted")
+TIERS = ("durable", "local")  # values of the ``tier`` label
 AGE_INTERVALS = 3  # checkpoint age limit: this many intervals (+ slack)
 _EWMA = 0.2
 
@@ -75,27 +83,41 @@ class Metrics:
         self.stall_factor, self.stall_min_seconds = stall_factor, stall_min_seconds
         self.stall_max_seconds, self.startup_seconds = stall_max_seconds, startup_seconds
         self.age_slack_seconds = age_slack_seconds
-        r, L = self.registry, ["rank"]
+        r = self.registry
 
-        def counter(name, doc, extra=(), values=((),)):
-            c = Counter(name, doc, L + list(extra), registry=r)
-            for v in values:
-                c.labels(rk, *v)  # the series exists at 0 before the first event
+        def labels(tiered: bool) -> tuple[list[str], list[tuple[str, ...]]]:
+            """The label names up to ``tier``, and their values: one series per tier."""
+            if tiered:
+                return ["rank", "tier"], [(rk, t) for t in TIERS]
+            return ["rank"], [(rk,)]
+
+        def counter(name, doc, extra=(), values=((),), tiered=False):
+            names, heads = labels(tiered)
+            c = Counter(name, doc, names + list(extra), registry=r)
+            for head in heads:
+                for v in values:
+                    c.labels(*head, *v)  # the series exists at 0 before the first event
             return c
 
-        def gauge(name, doc, value=0.0):
-            g = Gauge(name, doc, L, registry=r)
-            g.labels(rk).set(value)
+        def gauge(name, doc, value=0.0, tiered=False):
+            names, heads = labels(tiered)
+            g = Gauge(name, doc, names, registry=r)
+            for head in heads:
+                g.labels(*head).set(value)
             return g
 
-        def histogram(name, doc):
-            h = Histogram(name, doc, L, buckets=_SECONDS, registry=r)
-            h.labels(rk)
+        def histogram(name, doc, tiered=False):
+            names, heads = labels(tiered)
+            h = Histogram(name, doc, names, buckets=_SECONDS, registry=r)
+            for head in heads:
+                h.labels(*head)
             return h
 
-        self.saves = counter("ckpt_saves_total", "Checkpoint saves by outcome", ["outcome"],
-                             [(o,) for o in SAVE_OUTCOMES])
-        self.stall = histogram("ckpt_save_stall_seconds", "Training stall per save (staging copy)")
+        self.saves = counter("ckpt_saves_total", "Checkpoint saves by tier and outcome",
+                             ["outcome"], [(o,) for o in SAVE_OUTCOMES], tiered=True)
+        self.stall = histogram("ckpt_save_stall_seconds",
+                               "Training stall per save (staging copy; a local save that "
+                               "persists the durable save's copy: 0), by tier", tiered=True)
         self.persist = histogram("ckpt_save_persist_seconds", "Background persist + commit time")
         self.save_bytes = gauge("ckpt_save_bytes", "Bytes staged by this rank in the last save")
         self.save_cpu = histogram("ckpt_save_background_cpu_seconds",
@@ -108,23 +130,12 @@ class Metrics:
         self.retries = counter("ckpt_storage_retries_total",
                                "Storage retries and save re-attempts, failed saves included")
         self.last_step = gauge("ckpt_last_committed_step",
-                               "Step of the newest committed checkpoint; -1 = none", -1)
+                               "Step of the newest committed checkpoint, by tier; -1 = none",
+                               -1, tiered=True)
         self.start_time = time.time()
         self.last_time = gauge("ckpt_last_commit_timestamp_seconds",
-                               "Unix time of the newest commit (process start when none)",
-                               self.start_time)
-        # The fast local tier (ckpt.job.tiers): its own series, never the durable tier's above.
-        self.local_saves = counter("ckpt_local_saves_total",
-                                   "Local-tier checkpoint saves by outcome", ["outcome"],
-                                   [(o,) for o in SAVE_OUTCOMES])
-        self.local_stall = histogram("ckpt_local_save_stall_seconds",
-                                     "Training stall per local-tier save (0 when it reused the "
-                                     "durable tier's copy)")
-        self.local_last_step = gauge("ckpt_local_last_committed_step",
-                                     "Step of the newest local-tier commit; -1 = none", -1)
-        self.local_last_time = gauge("ckpt_local_last_commit_timestamp_seconds",
-                                     "Unix time of the newest local-tier commit (process start "
-                                     "when none)", self.start_time)
+                               "Unix time of the newest commit, by tier (process start when "
+                               "none)", self.start_time, tiered=True)
         self.loads = counter("ckpt_loads_total", "Checkpoint loads")
         self.fallbacks = counter("ckpt_load_fallbacks_total",
                                  "Checkpoints skipped on load because they failed verification")
@@ -183,8 +194,8 @@ class Metrics:
             log.warning("metrics: could not read the newest checkpoint: %s", exc)
             return
         if manifest is not None:
-            self.last_step.labels(self.rank).set(manifest.step)
-            self.last_time.labels(self.rank).set(manifest.created_unix)
+            self.last_step.labels(self.rank, "durable").set(manifest.step)
+            self.last_time.labels(self.rank, "durable").set(manifest.created_unix)
 
     def allow_grace(self, extra_seconds: float) -> None:
         """Raise the stall threshold by ``extra_seconds`` until the next step (the hang
@@ -233,31 +244,33 @@ class Metrics:
             if not every or step - self._last_skip[1] < every:
                 return
         self._last_skip = (cause, step)
-        self.saves.labels(self.rank, "skipped").inc()
+        self.saves.labels(self.rank, "durable", "skipped").inc()
 
     # -- events ------------------------------------------------------------------------------
     def on_event(self, ev: Event) -> None:
         f: dict[str, Any] = ev.fields
         rk = self.rank
-        k = ev.kind
-        if k == "save_staged":
-            self.stall.labels(rk).observe(f.get("stall_seconds", 0.0))
+        tier, k = tier_of(ev.kind)
+        if tier == "local":
+            self._on_local_event(k, ev)
+        elif k == "save_staged":
+            self.stall.labels(rk, "durable").observe(f.get("stall_seconds", 0.0))
             self.save_bytes.labels(rk).set(f.get("bytes", 0))
             self._last_skip = None
         elif k == "save_committed":
-            self.saves.labels(rk, "committed").inc()
+            self.saves.labels(rk, "durable", "committed").inc()
             self.persist.labels(rk).observe(f.get("persist_seconds", 0.0))
             self.throughput.labels(rk).set(f.get("bytes_per_second", 0.0))
             self._count_retries(ev.step, f.get("retries"))
             self._save_retries.pop(ev.step, None)
-            self.last_step.labels(rk).set(ev.step or 0)
-            self.last_time.labels(rk).set(ev.time)
+            self.last_step.labels(rk, "durable").set(ev.step or 0)
+            self.last_time.labels(rk, "durable").set(ev.time)
         elif k == "save_failed":
             self._count_retries(ev.step, f.get("retries"))
             if f.get("final"):
                 self._save_retries.pop(ev.step, None)
                 if f.get("outcome", "failed") == "failed":
-                    self.saves.labels(rk, "failed").inc()
+                    self.saves.labels(rk, "durable", "failed").inc()
         elif k == "save_skipped":
             self._count_skip(ev)
         elif k == "save_cost":
@@ -265,17 +278,6 @@ class Metrics:
             for phase, seconds in (f.get("cpu_seconds") or {}).items():
                 if phase in PHASES and isinstance(seconds, (int, float)) and seconds > 0:
                     self.save_phase_cpu.labels(rk, phase).inc(seconds)
-        elif k == "local_save_staged":
-            self.local_stall.labels(rk).observe(f.get("stall_seconds", 0.0))
-        elif k == "local_save_committed":
-            self.local_saves.labels(rk, "committed").inc()
-            self.local_last_step.labels(rk).set(ev.step or 0)
-            self.local_last_time.labels(rk).set(ev.time)
-        elif k == "local_save_failed":
-            if f.get("final") and f.get("outcome", "failed") == "failed":
-                self.local_saves.labels(rk, "failed").inc()
-        elif k == "local_save_skipped":
-            self.local_saves.labels(rk, "skipped").inc()
         elif k == "load_done":
             self.loads.labels(rk).inc()
         elif k == "load_fallback":
@@ -312,6 +314,22 @@ class Metrics:
         elif k == "resumed":
             self.resumes.labels(rk).inc()
             self.resumed_step.labels(rk).set(ev.step if ev.step is not None else -1)
+
+    def _on_local_event(self, k: str, ev: Event) -> None:
+        """An event of the local tier (its kind without the prefix): only its saves count,
+        in the ``tier="local"`` series; a skip counts once per skipped step."""
+        f, rk = ev.fields, self.rank
+        if k == "save_staged":
+            self.stall.labels(rk, "local").observe(f.get("stall_seconds", 0.0))
+        elif k == "save_committed":
+            self.saves.labels(rk, "local", "committed").inc()
+            self.last_step.labels(rk, "local").set(ev.step or 0)
+            self.last_time.labels(rk, "local").set(ev.time)
+        elif k == "save_failed":
+            if f.get("final") and f.get("outcome", "failed") == "failed":
+                self.saves.labels(rk, "local", "failed").inc()
+        elif k == "save_skipped":
+            self.saves.labels(rk, "local", "skipped").inc()
 
     # -- serving -------------------------------------------------------------------------------
     def serve(self, port: int, addr: str = DEFAULT_HOST) -> int:

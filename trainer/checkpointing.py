@@ -254,9 +254,8 @@ def check_startup(cfg: Config) -> None:
         store = CheckpointStore(c.root, c.storage_options or None)
     except ValueError as exc:
         raise ConfigError(f"checkpoint.root: {exc}", key="checkpoint.root") from None
-    storage = store.storage
-    if storage.is_local:
-        path = storage.path()
+    path = store.storage.local_path()
+    if path is not None:
         existing = path
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)
@@ -268,11 +267,13 @@ def check_startup(cfg: Config) -> None:
             raise ConfigError(f"checkpoint.root: cannot create {path}: {existing} is not "
                               f"writable; fix its permissions or choose another root",
                               key="checkpoint.root")
-    if c.local_root and "://" not in c.local_root:
+    if c.local_root:
         from ckpt.job import node_local_root
+        from ckpt.storage import Storage
 
-        path = os.path.abspath(os.path.expanduser(
-            node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0") or 0))))
+        path = Storage(node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0")
+                                                         or 0))).local_path()
+    if c.local_root and path is not None:
         existing = path
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)

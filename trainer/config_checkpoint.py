@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckpt.cadence import Interval
+from ckpt.storage import Storage
 from trainer.config_section import Section, config_field as _f
 
 __all__ = ["CheckpointConfig"]
@@ -81,12 +82,6 @@ class CheckpointConfig(Section):
 
 
 def _same_folder(a: str, b: str) -> bool:
-    """Do two roots name the same place (or one inside the other)? URLs compare as text."""
-    import os
-
-    if "://" in a or "://" in b:
-        a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
-    else:
-        a = os.path.join(os.path.realpath(os.path.expanduser(a)), "")
-        b = os.path.join(os.path.realpath(os.path.expanduser(b)), "")
+    """Do two roots name the same place (or one inside the other)?"""
+    a, b = Storage.location(a), Storage.location(b)
     return a.startswith(b) or b.startswith(a)

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt.storage import Storage
+
 __all__ = ["BandwidthMeasurement", "measure_bandwidth"]
 
 
@@ -43,8 +45,7 @@ def measure_bandwidth(
     if num_bytes < 1:
         raise ValueError(f"num_bytes={num_bytes!r} is invalid: pass a test object size >= 1 byte")
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    local = "file" in protocols or "local" in protocols
+    local = Storage(url, storage_options).local_path() is not None
     if local:
         fs.makedirs(root, exist_ok=True)
     path = f"{root.rstrip('/')}/.ckpt-plan-probe-{uuid.uuid4().hex}"

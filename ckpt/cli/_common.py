@@ -71,7 +71,7 @@ def open_store(args) -> CheckpointStore:
     (listing a missing bucket raises StorageUnavailableError naming it)."""
     store = CheckpointStore(args.url, storage_options(args))
     storage = store.storage
-    if not storage.is_s3:
+    if storage.has_folders:
         if not storage.exists(""):
             raise UsageError(f"checkpoint root {args.url} does not exist; check the path "
                              f"(the folder that holds the step_* folders)")
@@ -170,7 +170,7 @@ def writer(args, command: str, *, force: bool = False):
     """
 
     storage = Storage(args.url, storage_options(args))
-    if not storage.exists("") and not storage.is_s3:
+    if storage.has_folders and not storage.exists(""):
         raise CheckpointNotFoundError(f"checkpoint root {args.url} does not exist")
     try:
         life = acquire_lease(storage, ttl_seconds=30.0, job_name=f"ckpt {command}",

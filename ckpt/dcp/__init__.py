@@ -25,7 +25,6 @@ from ckpt.dcp.attachments import (
     read_attachment,
     read_from,
 )
-from ckpt.dcp.layout import default_threads
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import VERIFY_MODES, CkptReader
 from ckpt.dcp.savecost import PHASES, SaveCost
@@ -36,7 +35,7 @@ from ckpt.dcp.writer import CkptWriter
 __all__ = [
     "save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state",
     "unwrap_dcp_error",
-    "CkptWriter", "CkptReader", "VERIFY_MODES", "default_threads",
+    "CkptWriter", "CkptReader", "VERIFY_MODES",
     "SafeSavePlanner", "SafeLoadPlanner",
     "StagingBuffers", "CopyReady",
     "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",

@@ -4,7 +4,7 @@ A data file (``r<rank>_<save_id>_<k>.bin``, named by :mod:`ckpt.dcp.writer`) is 
 bytes packed back to back: no header, no padding, each tensor's elements in native byte
 order. The manifest's ``ItemLocation`` (file, offset, length, crc32c) finds each item
 (``docs/format.md``). :func:`tensor_view_bytes` is the writer's direction,
-:func:`tensor_from_bytes` the reader's; :func:`default_threads` sizes both sides' I/O.
+:func:`tensor_from_bytes` the reader's.
 """
 
 from __future__ import annotations
@@ -16,19 +16,8 @@ import torch
 
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import ItemLocation
-from ckpt.storage import Storage
 
-__all__ = ["default_threads", "tensor_view_bytes", "buffer_nbytes", "tensor_from_bytes"]
-
-
-def default_threads(storage: Storage) -> int:
-    """Files (and streams) per rank: object stores want many requests in flight.
-
-    Measured on a loopback S3 endpoint: 16 concurrent uploads per rank match a raw parallel
-    upload of the same bytes, 4 multipart files reach about half of it; on local disk a few
-    files saturate the device (bench/, docs/performance.md).
-    """
-    return 16 if storage.is_s3 else 4
+__all__ = ["tensor_view_bytes", "buffer_nbytes", "tensor_from_bytes"]
 
 
 def tensor_view_bytes(t: torch.Tensor) -> Any:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckpt.dcp.layout import default_threads, tensor_from_bytes
+from ckpt.dcp.layout import tensor_from_bytes
 from ckpt.errors import (
     CorruptCheckpointError,
     crc_mismatch_error,
@@ -73,7 +73,7 @@ class CkptReader(StorageReader):
         self.manifest = manifest
         self.verify = verify
         self.scratch = scratch  # a StagingBuffers to borrow read buffers from, or None
-        self.num_threads = max(1, num_threads or default_threads(storage))
+        self.num_threads = max(1, num_threads or storage.default_threads)
         self.on_bytes_read = on_bytes_read
         self._metadata = manifest.to_dcp_metadata()
         # (planner, [(request, target slice or None, staged tensor or object bytes)])
@@ -109,7 +109,7 @@ class CkptReader(StorageReader):
                 md[req.storage_index.fqn].properties.dtype
             per_file.setdefault(loc.file, {})[loc] = dtype
         lent: dict[ItemLocation, torch.Tensor] = {}
-        if self.scratch is not None and self.storage.is_local:
+        if self.scratch is not None and self.storage.local_path() is not None:
             items = [loc for wanted in per_file.values() for loc, dtype in wanted.items()
                      if dtype is not None]
             for loc, buf in zip(items, self.scratch.borrow([loc.length for loc in items])):
@@ -200,7 +200,7 @@ class CkptReader(StorageReader):
                         else tensor_from_bytes(piece, dtype, where, loc))
 
         locs = sorted(wanted, key=lambda loc: loc.offset)
-        if not self.storage.is_local:
+        if self.storage.local_path() is None:
             for start, end, group in _coalesce(locs):
                 try:
                     data = memoryview(self.storage.read_bytes(rel, start, end))
@@ -215,7 +215,7 @@ class CkptReader(StorageReader):
             return out
         # Local files: read straight into borrowed buffers (an item each) or fresh scratch.
         try:
-            f = open(self.storage.path(rel), "rb", buffering=0)
+            f = self.storage.open_local(rel)
         except FileNotFoundError:
             raise missing_file_error(where) from None
         with f:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckpt.dcp.attachments import attachment_bytes
-from ckpt.dcp.layout import buffer_nbytes, default_threads, tensor_view_bytes
+from ckpt.dcp.layout import buffer_nbytes, tensor_view_bytes
 from ckpt.dcp.savecost import SaveCost
 from ckpt.format import (
     DTYPE_NAMES,
@@ -48,7 +48,6 @@ from ckpt.storage import Storage
 
 __all__ = ["CkptWriter"]
 
-_S3_FILE_BYTES = 32 << 20  # one S3 part (Storage.write_buffers' default part size)
 _FILE_KEY = "__file__:"
 _MAX_NAMED = 10  # keys named in one error
 _FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES)
@@ -77,7 +76,7 @@ class CkptWriter(StorageWriter):
         self.step = step
         self.step_dir = step_dir
         self.save_id = save_id or uuid.uuid4().hex[:12]
-        self.num_threads = max(1, num_threads or default_threads(storage))
+        self.num_threads = max(1, num_threads or storage.default_threads)
         self.extra = dict(manifest_extra or {})
         self.durable = durable
         self.is_coordinator = True
@@ -160,17 +159,17 @@ class CkptWriter(StorageWriter):
                     crc = known[item.index.fqn]
             resolved.append((item, buf, crc))
         num_files = self.num_threads
-        if self.storage.is_s3:
+        file_bytes = self.storage.preferred_file_bytes
+        if file_bytes:
             # Object stores: files of about one part each, so every file is a single PUT and
-            # num_threads of them are in flight (multipart completion is slow on some
-            # servers, and parallel parts of one file add nothing over parallel files).
+            # num_threads of them are in flight (Storage.preferred_file_bytes says why).
             total = sum(buffer_nbytes(r[1]) for r in resolved)
-            num_files = max(num_files, min(1024, -(-total // _S3_FILE_BYTES)))
+            num_files = max(num_files, min(1024, -(-total // file_bytes)))
         buckets = _balance(resolved, num_files)
         # Local files: each file's bytes are synced by itself, and the folder (the files'
         # names) once for all of them, before this rank reports its files written; the
         # manifest, the commit, comes only after every rank did (DCP's contract).
-        sync_here = self.durable and self.storage.is_local
+        sync_here = self.durable and self.storage.local_path() is not None
         cost = self.cost
         results: list[WriteResult] = []
 
@@ -197,7 +196,7 @@ class CkptWriter(StorageWriter):
                     self.storage.write_buffers(rel, bufs, durable=self.durable and not sync_here)
                 if sync_here:
                     with cost.phase("fsync"):
-                        _fsync_path(self.storage.path(rel))
+                        _fsync_path(self.storage.local_path(rel))
             finally:
                 if summer is not None:
                     summer.join()
@@ -226,7 +225,7 @@ class CkptWriter(StorageWriter):
                     results.extend(out)
         if sync_here and non_empty:
             with cost.phase("fsync"):
-                _fsync_path(self.storage.path(self.step_dir))
+                _fsync_path(self.storage.local_path(self.step_dir))
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:

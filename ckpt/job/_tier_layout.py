@@ -9,22 +9,20 @@ checkpoint must hold whole tensors, or it could never be loaded on its own). Use
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ckpt.ranks import Agreement
+from ckpt.storage import Storage
 
 __all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local"]
 
 
 def same_root(a: str, b: str) -> bool:
     """Do the roots ``a`` and ``b`` name the same folder?"""
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+    return Storage.location(a) == Storage.location(b)
 
 
 def cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str | None:

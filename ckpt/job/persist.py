@@ -24,10 +24,15 @@ from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.ranks import Agreement
 from ckpt.root import Lifecycle
+from ckpt.storage import backoff_seconds
 
-__all__ = ["Persister", "PersistOutcome"]
+__all__ = ["Persister", "PersistOutcome", "MAX_BACKOFF_SECONDS"]
 
 log = logging.getLogger(__name__)
+
+MAX_BACKOFF_SECONDS = 5.0
+"""The longest pause between two attempts of a save (``retry_backoff_seconds`` doubles per
+attempt up to this); no jitter: every rank pauses alike, see ``backoff_seconds``."""
 
 
 @dataclass
@@ -117,7 +122,8 @@ class Persister:
                     return PersistOutcome(False, error=exc, attempts=attempt,
                                           retries=retries(), cost=cost,
                                           persist_seconds=time.monotonic() - t0)
-                time.sleep(min(5.0, self.retry_backoff_seconds * 2 ** (attempt - 1)))
+                time.sleep(backoff_seconds(attempt, self.retry_backoff_seconds,
+                                           MAX_BACKOFF_SECONDS))
         raise AssertionError("unreachable: the last attempt returns")
 
     def _remove_attempts(self, step: int, attempt_ids: list[str]) -> None:

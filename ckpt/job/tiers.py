@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy
 from ckpt.dcp import api
-from ckpt.events import Event, EventBus
+from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
 from ckpt.job._tier_layout import check_node_local, node_groups, same_root
 from ckpt.job.gate import DueAgreement
@@ -159,7 +159,7 @@ class TieredCheckpointManager:
         durable tier's metrics and alerts (checkpoint age, failed saves) must not be fed by
         local saves, which would hide a durable tier that stopped committing."""
         fields = {k: v for k, v in ev.fields.items() if k != "tier"}
-        self.events.emit(f"local_{ev.kind}", ev.step, tier="local", **fields)
+        self.events.emit(LOCAL_PREFIX + ev.kind, ev.step, tier="local", **fields)
 
     # -- the durable tier's view, for callers of a plain manager ---------------------------
     @property

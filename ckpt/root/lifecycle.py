@@ -442,17 +442,8 @@ class Lifecycle:
         return list(names)
 
     def _drop_empty_folder(self, step: int) -> None:
-        """Remove the step's folder once empty (S3 has no folders: nothing to do there)."""
-        d = step_dirname(step)
-        if self.storage.is_s3 or self.storage.listdir(d):
-            return
-        try:
-            if self.storage.is_local:
-                os.rmdir(self.storage.path(d))  # fails, harmlessly, if a file appeared
-            else:
-                self.storage.fs.rmdir(self.storage.path(d))
-        except OSError:
-            pass
+        """Remove the step's folder once empty (a file that appears meanwhile keeps it)."""
+        self.storage.remove_empty_folder(step_dirname(step))
 
     def uncommit(self, step: int) -> str:
         """Un-commit ``step`` reversibly; returns the id of the kept version."""

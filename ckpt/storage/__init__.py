@@ -16,17 +16,18 @@ class per filesystem family:
 
 The interface is :class:`Backend`; a new filesystem family is a new subclass and a line in
 :func:`open_backend`. Nothing outside this package asks which backend a root is on: it asks
-the :class:`Storage` (``is_local``, ``local_path``, ...).
+the :class:`Storage` what the root can do (``local_path``, ``has_folders``,
+``default_threads``, ``preferred_file_bytes``) or where it is (``Storage.location``).
 """
 
 from ckpt.storage._base import Backend, FsspecBackend
-from ckpt.storage._retry import RetryPolicy, is_transient_error
+from ckpt.storage._retry import RetryPolicy, backoff_seconds, is_transient_error
 from ckpt.storage._s3 import S3Backend, SegmentsReader
 from ckpt.storage._storage import Storage, open_backend
 from ckpt.storage.local import LocalBackend, fsync_dir, replace_file, write_new_file
 
 __all__ = [
-    "Storage", "RetryPolicy", "is_transient_error",
+    "Storage", "RetryPolicy", "backoff_seconds", "is_transient_error",
     "Backend", "FsspecBackend", "LocalBackend", "S3Backend", "open_backend", "SegmentsReader",
     "replace_file", "write_new_file", "fsync_dir",
 ]

@@ -30,13 +30,22 @@ class Backend(ABC):
     translates its errors. Primitives raise ``FileNotFoundError`` for a missing object and
     the filesystem's own errors otherwise; they may be called from several threads at once.
 
-    Capabilities, for callers that take a faster or simpler path where one exists:
-    ``is_local`` (files on a local file system, readable with ``open_local``) and ``is_s3``
-    (no folders: a prefix exists through its objects).
+    The capabilities below (and :meth:`local_path`) are what
+    :class:`~ckpt.storage._storage.Storage` tells callers that take a faster or simpler path
+    where one exists: nothing outside this package asks which backend a root is on.
     """
 
-    is_local = False
-    is_s3 = False
+    has_folders = True
+    """Whether folders exist apart from their files. False: a prefix exists through its
+    objects only (S3), needs no creating, and is never left behind empty."""
+
+    default_threads = 4
+    """Files (and streams) per rank a save or a load uses when not told: on a local disk a
+    few files saturate the device (bench/, docs/performance.md)."""
+
+    preferred_file_bytes: int | None = None
+    """The size a save's data files should not exceed for the fastest writes (one request
+    each), or None where ``num_threads`` files of any size are as fast."""
 
     def __init__(self, url: str, fs: Any, root: str, retry: RetryPolicy):
         self.url = url
@@ -60,6 +69,11 @@ class Backend(ABC):
         """The user-facing URL of ``rel``, for messages."""
         rel = rel.strip("/")
         return f"{self.url}/{rel}" if rel else self.url
+
+    def local_path(self, rel: str) -> str | None:
+        """The path of ``rel`` on the local file system, where ``os`` calls (``open``,
+        ``fsync``) reach it; None when the root is not on a local file system."""
+        return None
 
     def read_or_none(self, rel: str) -> bytes | None:
         """The whole of ``rel``, or None if it cannot be read for any reason.
@@ -114,6 +128,11 @@ class Backend(ABC):
     @abstractmethod
     def delete(self, rel: str, recursive: bool) -> None:
         """Delete ``rel`` (a folder or prefix with ``recursive``); absent is not an error."""
+
+    @abstractmethod
+    def rmdir(self, rel: str) -> None:
+        """Remove the empty folder ``rel``; ``OSError`` if it is not empty (nothing to do
+        without folders)."""
 
 
 class FsspecBackend(Backend):
@@ -190,3 +209,6 @@ class FsspecBackend(Backend):
         except FileNotFoundError as exc:
             if error_code(exc)[0] == "NoSuchBucket":
                 raise
+
+    def rmdir(self, rel: str) -> None:
+        self.fs.rmdir(self.path(rel))

@@ -1,4 +1,5 @@
-"""Which storage errors are worth retrying, and the retry loop (backoff with full jitter)."""
+"""Which storage errors are worth retrying, the one backoff, and the retry loop (with full
+jitter)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import threading
 import time
 from typing import Awaitable, Callable, TypeVar
 
-__all__ = ["RetryPolicy", "is_transient_error", "error_code", "is_credentials_error",
-           "is_precondition_failed"]
+__all__ = ["RetryPolicy", "backoff_seconds", "is_transient_error", "error_code",
+           "is_credentials_error", "is_precondition_failed"]
 
 log = logging.getLogger("ckpt.storage")
 T = TypeVar("T")
@@ -94,11 +95,24 @@ def is_precondition_failed(exc: BaseException) -> bool:
     return code == "PreconditionFailed" or status == 412
 
 
+def backoff_seconds(retry: int, base_seconds: float, max_seconds: float) -> float:
+    """The exponential backoff before retry ``retry`` (1-based): ``base_seconds`` doubled
+    for each retry before it, at most ``max_seconds``.
+
+    :class:`RetryPolicy` pauses a uniform draw below it (full jitter: many ranks hitting one
+    throttled endpoint spread out); the manager's save re-attempts
+    (:class:`ckpt.job.persist.Persister`) pause exactly this long, every rank alike, since
+    each attempt is a collective that all ranks enter together anyway.
+    """
+    return min(max_seconds, base_seconds * 2 ** (retry - 1))
+
+
 class RetryPolicy:
     """Exponential backoff with full jitter for transient storage errors.
 
     ``attempts`` counts the first try: 5 means up to 4 retries. The delay before retry ``k``
-    (1-based) is uniform in ``[0, min(max_seconds, base_seconds * 2**(k-1))]``.
+    (1-based) is uniform in ``[0, backoff_seconds(k, base_seconds, max_seconds)]``, i.e.
+    below ``min(max_seconds, base_seconds * 2**(k-1))``.
     ``num_retries`` is the total number of retries performed through this policy, across
     threads, for events and metrics.
 
@@ -134,7 +148,7 @@ class RetryPolicy:
         """The delay before the next attempt, or None to give up (and count the retry)."""
         if attempt >= self.attempts or not is_transient_error(exc):
             return None
-        cap = min(self.max_seconds, self.base_seconds * 2 ** (attempt - 1))
+        cap = backoff_seconds(attempt, self.base_seconds, self.max_seconds)
         with self._lock:
             delay = self._jitter.uniform(0, cap)
             self.num_retries += 1

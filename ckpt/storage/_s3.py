@@ -33,14 +33,15 @@ from ckpt.storage._base import FsspecBackend
 from ckpt.storage._retry import RetryPolicy, error_code, is_precondition_failed
 
 __all__ = ["S3Backend", "SegmentsReader", "open_s3", "write_client", "split_parts",
-           "MIN_PART_BYTES", "MAX_PARTS", "MAX_PUT_BYTES", "DEFAULT_MAX_POOL_CONNECTIONS",
-           "PROTOCOLS"]
+           "MIN_PART_BYTES", "MAX_PARTS", "MAX_PUT_BYTES", "DEFAULT_PART_BYTES",
+           "DEFAULT_MAX_POOL_CONNECTIONS", "PROTOCOLS"]
 
 log = logging.getLogger("ckpt.storage")
 PROTOCOLS = ("s3", "s3a")
 MIN_PART_BYTES = 5 << 20  # S3's smallest part (all parts but the last)
 MAX_PARTS = 10_000  # S3's most parts per upload
 MAX_PUT_BYTES = 5 << 30  # S3's largest single PUT
+DEFAULT_PART_BYTES = 32 << 20  # a multipart upload's parts (Storage.write_buffers)
 
 DEFAULT_MAX_POOL_CONNECTIONS = 128  # the blocking client's connections: 16 writers x 8 parts
 
@@ -141,7 +142,16 @@ class S3Backend(FsspecBackend):
     s3fs's; writes are blocking botocore requests made here (:func:`write_client`), on the
     calling thread. There are no folders."""
 
-    is_s3 = True
+    has_folders = False
+
+    default_threads = 16
+    """Measured on a loopback S3 endpoint: 16 concurrent uploads per rank match a raw
+    parallel upload of the same bytes, 4 multipart files reach about half of it."""
+
+    preferred_file_bytes = DEFAULT_PART_BYTES
+    """Files of about one part: each is a single PUT and ``default_threads`` of them are in
+    flight (multipart completion is slow on some servers, and parallel parts of one file
+    add nothing over parallel files)."""
 
     def __init__(self, url: str, fs: Any, root: str, retry: RetryPolicy,
                  options: dict[str, Any]):
@@ -164,6 +174,9 @@ class S3Backend(FsspecBackend):
 
     def makedirs(self, rel: str) -> None:
         pass  # prefixes need no creation
+
+    def rmdir(self, rel: str) -> None:
+        pass  # a prefix without objects does not exist
 
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:

@@ -34,7 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ckpt.errors import StorageUnavailableError
 from ckpt.storage._base import Backend, FsspecBackend
 from ckpt.storage._retry import RetryPolicy, error_code, is_credentials_error, is_transient_error
-from ckpt.storage._s3 import PROTOCOLS as S3_PROTOCOLS, S3Backend, open_s3
+from ckpt.storage._s3 import DEFAULT_PART_BYTES, PROTOCOLS as S3_PROTOCOLS, S3Backend, open_s3
 from ckpt.storage.local import LocalBackend
 
 __all__ = ["Storage", "open_backend"]
@@ -52,9 +52,10 @@ class Storage:
     spawned processes.
 
     ``backend`` is the :class:`~ckpt.storage.Backend` that does the requests; ``fs`` (the
-    fsspec filesystem), ``root`` (the root as a path on it), ``is_local`` and ``is_s3`` come
-    from it. Callers use ``is_local``/``is_s3`` only to take a faster or simpler path where
-    one exists.
+    fsspec filesystem) and ``root`` (the root as a path on it) come from it. Callers never
+    ask which backend a root is on; they ask what it can do, to take a faster or simpler
+    path where one exists: :meth:`local_path`, :attr:`has_folders`, :attr:`default_threads`,
+    :attr:`preferred_file_bytes`; :meth:`location` compares two roots.
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
@@ -92,13 +93,41 @@ class Storage:
     def root(self) -> str:
         return self.backend.root
 
-    @property
-    def is_local(self) -> bool:
-        return self.backend.is_local
+    # -- what the backend can do ------------------------------------------------------------
+    def local_path(self, rel: str = "") -> str | None:
+        """The path of ``rel`` on the local file system (for ``os`` calls: ``fsync``,
+        :meth:`open_local`), or None when the root is not on one (S3, ``memory://``)."""
+        return self.backend.local_path(rel)
 
     @property
-    def is_s3(self) -> bool:
-        return self.backend.is_s3
+    def has_folders(self) -> bool:
+        """Whether folders exist apart from their files. False on S3: a prefix exists only
+        through its objects, so a root that holds nothing yet is not "missing"."""
+        return self.backend.has_folders
+
+    @property
+    def default_threads(self) -> int:
+        """Files (and streams) per rank for a save or a load when not told: object stores
+        want many requests in flight (16), local disks a few files (4)."""
+        return self.backend.default_threads
+
+    @property
+    def preferred_file_bytes(self) -> int | None:
+        """The size a save's data files should not exceed for the fastest writes, one
+        request each (S3: one part, 32 MiB); None where a few large files are as fast."""
+        return self.backend.preferred_file_bytes
+
+    @staticmethod
+    def location(url: str) -> str:
+        """Where the root ``url`` is, as text to compare with another root's: a local path
+        (``file://`` included) as its real absolute folder (``~`` expanded, links resolved),
+        any other URL as written; always ending in ``/``, so ``a.startswith(b)`` means "the
+        same folder or inside it". Opens nothing."""
+        url = os.fspath(url) if isinstance(url, os.PathLike) else str(url).strip()
+        protocol, path = fsspec.core.split_protocol(url)
+        if protocol in (None, "file", "local"):
+            return os.path.join(os.path.realpath(os.path.expanduser(path)), "")
+        return url.rstrip("/") + "/"
 
     # -- paths -----------------------------------------------------------------------------
     def path(self, rel: str = "") -> str:
@@ -122,7 +151,7 @@ class Storage:
         if isinstance(exc, (FileNotFoundError, FileExistsError, IsADirectoryError,
                             NotADirectoryError)):
             return None
-        if self.is_local and isinstance(exc, PermissionError):
+        if self.local_path() is not None and isinstance(exc, PermissionError):
             return StorageUnavailableError(
                 f"permission denied to {what} {where}: {exc}. Check the file permissions of "
                 f"the checkpoint folder.")
@@ -185,7 +214,7 @@ class Storage:
         self._wrap("create folder", rel, lambda: self.backend.makedirs(rel))
 
     def write_buffers(self, rel: str, buffers: Sequence[Any], *, durable: bool = True,
-                      part_bytes: int = 32 << 20, max_concurrency: int = 8) -> None:
+                      part_bytes: int = DEFAULT_PART_BYTES, max_concurrency: int = 8) -> None:
         """Write the concatenation of ``buffers`` (bytes-like, numpy arrays included) to ``rel``.
 
         Local files are fsync'd when ``durable``. On S3 an object of two parts or more goes
@@ -240,6 +269,16 @@ class Storage:
     def delete(self, rel: str, recursive: bool = False) -> None:
         """Delete ``rel`` (a folder/prefix with ``recursive``); absent is not an error."""
         self._wrap("delete", rel, lambda: self.backend.delete(rel, recursive))
+
+    def remove_empty_folder(self, rel: str) -> None:
+        """Remove folder ``rel`` if it is empty. Absent, not empty, or a file appearing
+        meanwhile: left as it is, no error; without folders (S3) there is nothing to do."""
+        if not self.has_folders or self.listdir(rel):
+            return
+        try:
+            self.backend.rmdir(rel)
+        except OSError:
+            pass
 
 
 def _byte_view(buf: Any) -> memoryview:

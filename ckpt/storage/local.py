@@ -31,7 +31,8 @@ class LocalBackend(FsspecBackend):
     """Files under a local folder. Listing, folder creation and deletion are fsspec's;
     everything that reads or writes a file is done here with ``os`` calls."""
 
-    is_local = True
+    def local_path(self, rel: str) -> str:
+        return self.path(rel)
 
     def _check_inside_root(self, rel: str) -> None:
         """Refuse ``rel`` when its folder resolves outside the root (a linked folder)."""

@@ -102,3 +102,43 @@ def test_copies_of_a_policy_draw_their_own_jitter():
     copies = [pickle.loads(pickle.dumps(policy)) for _ in range(2)]
     draws = [[c._jitter.random() for _ in range(4)] for c in copies]
     assert draws[0] != draws[1]  # ranks handed one pickled policy do not retry in lockstep
+
+
+def test_one_backoff_for_storage_retries_and_save_attempts():
+    from ckpt.storage import backoff_seconds
+
+    assert [backoff_seconds(k, 0.5, 5.0) for k in range(1, 7)] == [0.5, 1, 2, 4, 5, 5]
+    policy = RetryPolicy(attempts=30, base_seconds=0.2, max_seconds=10.0)
+    for retry in range(1, 12):  # RetryPolicy's jitter stays below the same backoff
+        cap = backoff_seconds(retry, 0.2, 10.0)
+        delays = [policy._should_retry("x", TimeoutError(), retry) for _ in range(20)]
+        assert all(0 <= d <= cap for d in delays) and max(delays) > cap / 4
+
+
+def test_save_attempts_pause_the_documented_backoff_without_touching_global_rngs(
+        tmp_path, monkeypatch):
+    """The manager's save re-attempts pause ``retry_backoff_seconds`` doubling per attempt,
+    at most 5 s, and draw from no random generator."""
+    import time as real_time
+
+    from ckpt.job import CheckpointManager, persist
+    from tests.ckpt._mgr_util import FaultyStorage
+
+    pauses = []
+
+    class _Clock:
+        monotonic = staticmethod(real_time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            pauses.append(seconds)
+
+    monkeypatch.setattr(persist, "time", _Clock)
+    storage = FaultyStorage(str(tmp_path / "root"), fail_attempts=-1)
+    before = _rng_states()
+    with CheckpointManager(storage, retention=[], max_attempts=6,
+                           retry_backoff_seconds=0.5) as mgr:
+        assert mgr.save(1, {"w": torch.ones(4)})
+        assert mgr.wait(raise_errors=False) is None
+    assert pauses == [0.5, 1, 2, 4, 5]
+    _assert_same_states(before, _rng_states())

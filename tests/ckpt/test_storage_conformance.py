@@ -7,6 +7,7 @@ behaviour" means. ``any_root`` (tests/conftest.py) gives one empty root per back
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,3 +272,55 @@ def test_save_load_list_verify_roundtrip(any_root):
     store.delete(7)
     assert store.list() == []
     assert ckpt.load_latest({"extra": dict(extra2)}, url, storage_options=opts) is None
+
+
+# -- what a root can do: the questions callers ask instead of "which backend?" ---------------
+def test_local_path_reaches_the_file_with_os_calls(storage, any_root):
+    storage.makedirs("d")
+    storage.write_bytes("d/x.bin", b"abc")
+    path = storage.local_path("d/x.bin")
+    assert (path is not None) == (any_root.kind in ("local", "file"))
+    if path is None:
+        assert storage.local_path() is None
+        with pytest.raises(ValueError, match="not on a local file system"):
+            storage.open_local("d/x.bin")
+        return
+    with open(path, "rb") as f:
+        assert f.read() == b"abc"
+    with storage.open_local("d/x.bin") as f:
+        assert f.read() == b"abc"
+    assert storage.local_path("d") == str(Path(path).parent)
+
+
+def test_has_folders_says_whether_an_empty_folder_exists(storage):
+    storage.makedirs("empty/sub")
+    assert storage.exists("empty") == storage.has_folders
+    assert [e[0] for e in storage.listdir("")] == (["empty"] if storage.has_folders else [])
+
+
+def test_remove_empty_folder(storage):
+    storage.makedirs("d/e")
+    storage.write_bytes("d/f.bin", b"1")
+    storage.remove_empty_folder("d")  # not empty: left as it is
+    assert storage.read_bytes("d/f.bin") == b"1"
+    storage.remove_empty_folder("d/e")
+    assert [e[0] for e in storage.listdir("d")] == ["f.bin"]
+    storage.remove_empty_folder("absent")  # nothing there: no error
+    storage.delete("d/f.bin")
+    storage.remove_empty_folder("d")
+    assert storage.listdir("") == [] and not storage.exists("d")
+
+
+def test_location_compares_roots_without_opening_them(any_root, tmp_path):
+    url = any_root.url
+    here = Storage.location(url)
+    assert here.endswith("/") and Storage.location(url + "/") == here
+    inside = Storage.location(url.rstrip("/") + "/sub")
+    assert inside.startswith(here) and not here.startswith(inside)
+    assert not Storage.location(url.rstrip("/") + "-other").startswith(here)
+    if any_root.kind in ("local", "file"):  # a path, its file:// URL and a link to it agree
+        folder = tmp_path / "root"
+        folder.mkdir(exist_ok=True)
+        (tmp_path / "link").symlink_to(folder)
+        assert {Storage.location(str(folder)), Storage.location(folder.as_uri()),
+                Storage.location(str(tmp_path / "link"))} == {here}

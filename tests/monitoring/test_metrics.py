@@ -16,7 +16,7 @@ from ckpt.dcp import api
 from ckpt.events import EventBus
 from ckpt.root import CheckpointStore
 from monitoring import Metrics, local_port
-from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, SAVE_OUTCOMES
+from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, SAVE_OUTCOMES, TIERS
 from tests.dist import free_port, run_ranks
 from trainer.config_schema import MetricsConfig
 
@@ -33,28 +33,37 @@ def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
     return out
 
 
+_TIERED = ("ckpt_saves_total", "ckpt_save_stall_seconds", "ckpt_last_committed_step",
+            "ckpt_last_commit_timestamp_seconds")
+
+
 def _value(metrics: Metrics, name: str, **labels: str) -> float:
+    """A sample's value; a series with a ``tier`` label is the durable tier's unless told."""
     labels.setdefault("rank", metrics.rank)
+    if name.startswith(_TIERED):
+        labels.setdefault("tier", "durable")
     return _samples(metrics)[(name, tuple(sorted(labels.items())))]
 
 
 def test_every_series_exists_before_the_first_event():
     m = Metrics(rank=3)
     s = _samples(m)
-    for outcome in SAVE_OUTCOMES:
-        assert s[("ckpt_saves_total", (("outcome", outcome), ("rank", "3")))] == 0
+    for tier in TIERS:
+        t = (("rank", "3"), ("tier", tier))
+        for outcome in SAVE_OUTCOMES:
+            assert s[("ckpt_saves_total", (("outcome", outcome), *t))] == 0
+        assert s[("ckpt_save_stall_seconds_count", t)] == 0
+        assert s[("ckpt_last_committed_step", t)] == -1
+        assert abs(s[("ckpt_last_commit_timestamp_seconds", t)] - time.time()) < 60
     for kind in FAILURE_KINDS:
         assert s[("train_failures_total", (("kind", kind), ("rank", "3")))] == 0
     for name in ("ckpt_storage_retries_total", "ckpt_load_fallbacks_total",
                  "ckpt_lease_lost_total", "ckpt_retention_failures_total",
                  "ckpt_retention_deleted_total", "ckpt_loads_total", "train_resumes_total"):
         assert s[(name, (("rank", "3"),))] == 0, name
-    for name in ("ckpt_save_stall_seconds_count", "ckpt_save_persist_seconds_count",
-                 "train_step_seconds_count"):
+    for name in ("ckpt_save_persist_seconds_count", "train_step_seconds_count"):
         assert s[(name, (("rank", "3"),))] == 0, name
     r = (("rank", "3"),)
-    assert s[("ckpt_last_committed_step", r)] == -1
-    assert abs(s[("ckpt_last_commit_timestamp_seconds", r)] - time.time()) < 60
     assert s[("train_last_step_timestamp_seconds", r)] == s[
         ("train_process_start_timestamp_seconds", r)]
     assert s[("ckpt_age_limit_seconds", r)] == math.inf  # interval unknown: never pages
@@ -269,7 +278,7 @@ def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
-    assert _value(m, "ckpt_local_last_committed_step") == -1
+    assert _value(m, "ckpt_last_committed_step", tier="local") == -1
     state = {"w": torch.zeros(4), "step": 0}
     with TieredCheckpointManager(str(tmp_path / "durable"), str(tmp_path / "local"),
                                  cadence="4", local_cadence="1", events=bus,
@@ -279,12 +288,39 @@ def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(
             state["step"] = step
             mgr.maybe_save(step, state)
         mgr.wait()
-    assert _value(m, "ckpt_local_saves_total", outcome="committed") == 5
-    assert _value(m, "ckpt_local_last_committed_step") == 5
-    assert _value(m, "ckpt_local_save_stall_seconds_count") == 5
+    assert _value(m, "ckpt_saves_total", tier="local", outcome="committed") == 5
+    assert _value(m, "ckpt_last_committed_step", tier="local") == 5
+    assert _value(m, "ckpt_save_stall_seconds_count", tier="local") == 5
     assert _value(m, "ckpt_saves_total", outcome="committed") == 1  # step 4 only
     assert _value(m, "ckpt_last_committed_step") == 4
-    assert _value(m, "ckpt_local_saves_total", outcome="failed") == 0
+    assert _value(m, "ckpt_save_stall_seconds_count") == 1
+    assert _value(m, "ckpt_saves_total", tier="local", outcome="failed") == 0
+    assert not [name for name, _ in _samples(m) if name.startswith("ckpt_local_")]
+
+
+def test_local_tier_events_feed_only_the_local_series():
+    """Each save event of the local tier (``local_<kind>``) moves its ``tier="local"`` series;
+    no durable series and nothing the alerts read moves."""
+    bus = EventBus(rank=0)
+    m = Metrics(bus, rank=0)
+    before = _samples(m)
+    bus.emit("local_save_staged", 3, tier="local", stall_seconds=0.5, bytes=10)
+    bus.emit("local_save_committed", 3, tier="local", outcome="committed", retries=4,
+             persist_seconds=1.0, bytes_per_second=10.0)
+    bus.emit("local_save_failed", 4, tier="local", outcome="failed", final=True, retries=2)
+    bus.emit("local_save_skipped", 5, tier="local", reason="previous save in flight")
+    bus.emit("local_save_skipped", 6, tier="local", reason="previous save in flight")
+    bus.emit("local_lease_lost", None, tier="local", reason="taken over")
+    bus.emit("local_retention_failed", 2, tier="local", error="denied")
+    after = _samples(m)
+    moved = {key for key in after if after[key] != before.get(key)}
+    assert moved and all(dict(labels).get("tier") == "local" for _, labels in moved), moved
+    local = dict(tier="local")
+    assert _value(m, "ckpt_saves_total", outcome="committed", **local) == 1
+    assert _value(m, "ckpt_saves_total", outcome="failed", **local) == 1
+    assert _value(m, "ckpt_saves_total", outcome="skipped", **local) == 2  # one per step
+    assert _value(m, "ckpt_save_stall_seconds_sum", **local) == 0.5
+    assert _value(m, "ckpt_last_committed_step", **local) == 3
 
 
 def test_background_cpu_of_each_save_by_phase(tmp_path):

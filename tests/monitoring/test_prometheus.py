@@ -101,13 +101,14 @@ def test_prometheus_scrapes_checkpoint_and_training_metrics(prometheus):
              bytes_per_second=2.0 * (1 << 20), retries=2)
     bus.emit("save_skipped", 42, reason="previous save in flight")
     bus.emit("failure", 43, failure="nan")
-    _wait_value(port, 'ckpt_last_committed_step{job="train"}', 40)
-    _wait_value(port, 'ckpt_saves_total{outcome="committed"}', 1)
-    _wait_value(port, 'ckpt_saves_total{outcome="skipped"}', 1)
+    _wait_value(port, 'ckpt_last_committed_step{job="train",tier="durable"}', 40)
+    _wait_value(port, 'ckpt_last_committed_step{job="train",tier="local"}', -1)
+    _wait_value(port, 'ckpt_saves_total{tier="durable",outcome="committed"}', 1)
+    _wait_value(port, 'ckpt_saves_total{tier="durable",outcome="skipped"}', 1)
     _wait_value(port, "ckpt_storage_retries_total", 2)
     _wait_value(port, "train_step", 41)
     _wait_value(port, 'train_failures_total{kind="nan"}', 1)
-    age = float(_query(port, "time() - ckpt_last_commit_timestamp_seconds")
+    age = float(_query(port, 'time() - ckpt_last_commit_timestamp_seconds{tier="durable"}')
                 ["data"]["result"][0]["value"][1])
     assert 0 <= age < 60
 
@@ -149,9 +150,30 @@ def test_every_dashboard_query_returns_data_from_a_fresh_exporter(prometheus):
 def test_a_single_event_fires_its_alert(prometheus):
     """Counters start at 0, so one failed save, one lost lease, one NaN step page."""
     bus, port = prometheus
-    _wait_value(port, 'ckpt_saves_total{outcome="failed"}', 0)
+    _wait_value(port, 'ckpt_saves_total{tier="durable",outcome="failed"}', 0)
     bus.emit("save_failed", 10, outcome="failed", final=True, retries=2)
     bus.emit("lease_lost", None, reason="taken over")
     bus.emit("failure", 11, failure="nan")
     for name in ("CheckpointSaveFailures", "CheckpointLeaseLost", "TrainingLossNotFinite"):
         _wait_alert(port, name)
+
+
+def test_local_tier_events_are_the_local_series_and_page_nothing(prometheus):
+    """The local tier's failed and skipped saves and long stalls land in the same series
+    with ``tier="local"``; no checkpoint alert reads them."""
+    bus, port = prometheus
+    _wait_value(port, 'ckpt_saves_total{tier="local",outcome="failed"}', 0)
+    for step in range(1, 6):
+        bus.emit("local_save_staged", step, tier="local", stall_seconds=30.0, bytes=1)
+        bus.emit("local_save_failed", step, tier="local", outcome="failed", final=True)
+        bus.emit("local_save_skipped", step, tier="local", reason="previous save in flight")
+    bus.emit("local_save_committed", 7, tier="local", outcome="committed")
+    _wait_value(port, 'ckpt_saves_total{tier="local",outcome="failed"}', 5)
+    _wait_value(port, 'ckpt_saves_total{tier="local",outcome="skipped"}', 5)
+    _wait_value(port, 'ckpt_last_committed_step{tier="local"}', 7)
+    _wait_value(port, 'ckpt_save_stall_seconds_count{tier="local"}', 5)
+    _wait_value(port, 'ckpt_saves_total{tier="durable",outcome="failed"}', 0)
+    _wait_value(port, 'ckpt_last_committed_step{tier="durable"}', -1)
+    _wait_value(port, 'count(ckpt_saves_total)', 6)  # 3 outcomes x 2 tiers, no twin series
+    time.sleep(5)  # several rule evaluations
+    assert not _alerts(port), _alerts(port)

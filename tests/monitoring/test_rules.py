@@ -106,6 +106,28 @@ def test_dashboard_queries_read_only_exporter_metrics_and_cover_them_all():
             assert name in series, f"{alert} reads unknown metric {name!r}"
 
 
+def tiered_series() -> set[str]:
+    """Sample names of the series with a ``tier`` label (both checkpoint tiers feed them)."""
+    return {s.name for fam in Metrics().registry.collect() for s in fam.samples
+            if "tier" in s.labels}
+
+
+def test_alerts_read_the_durable_tier_only():
+    """Every alert that reads a series with a ``tier`` label selects ``tier="durable"``: the
+    local tier's saves never page, nor hide a durable tier that stopped committing."""
+    tiered = tiered_series()
+    assert {"ckpt_saves_total", "ckpt_save_stall_seconds_bucket", "ckpt_last_committed_step",
+            "ckpt_last_commit_timestamp_seconds"} <= tiered
+    read = set()
+    for alert, rule in alert_rules().items():
+        for m in re.finditer(r"\b([a-z_]+)(\{[^}]*\})?", rule):
+            if m.group(1) in tiered:
+                read.add(m.group(1))
+                assert 'tier="durable"' in (m.group(2) or ""), \
+                    f"{alert} reads {m.group(1)} without tier=\"durable\""
+    assert read, "no alert reads a tiered series"
+
+
 def test_structural_check_rejects_unknown_and_empty_queries(tmp_path, monkeypatch):
     """The check above fails on a typo'd metric and on a panel without a metric."""
     good = json.loads(DASHBOARD.read_text())

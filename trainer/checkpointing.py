@@ -287,7 +287,7 @@ def check_startup(cfg: Config) -> None:
         try:
             store.read_manifest(c.load_step)
         except CheckpointNotFoundError:
-            committed = store.committed_steps() if storage.exists("") else []
+            committed = store.committed_steps() if store.storage.exists("") else []
             shown = ", ".join(map(str, committed[-10:]))
             fix = (f"committed steps: {'..., ' if len(committed) > 10 else ''}{shown}. Pass "
                    f"one of them, or leave checkpoint.load_step unset to resume from the "
@@ -295,7 +295,7 @@ def check_startup(cfg: Config) -> None:
                    f"leave checkpoint.load_step unset to start fresh")
             raise ConfigError(
                 f"checkpoint.load_step={c.load_step}: no committed checkpoint at "
-                f"{storage.describe(step_dirname(c.load_step))}; {fix}",
+                f"{store.storage.describe(step_dirname(c.load_step))}; {fix}",
                 key="checkpoint.load_step") from None
         except CorruptCheckpointError as exc:
             raise ConfigError(f"checkpoint.load_step={c.load_step}: {exc}",

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, config_from_argv
     from trainer.determinism import apply_determinism
     from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
-    from trainer.train import check_startup, run
+    from trainer.checkpointing import check_startup
+    from trainer.train import run
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)

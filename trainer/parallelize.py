@@ -11,7 +11,7 @@ schedule when pp > 1. A degree of 1 skips that step (no FSDP on a 1-rank dp axis
 Mixed precision: FSDP2's MixedPrecisionPolicy when FSDP runs, else autocast.
 
 The TP plan and the FSDP2 groups of one stage module are :mod:`trainer.parallel_plans`
-(``apply_tp``, ``apply_fsdp``, re-exported here). ``build_parallel_model`` returns a
+(``apply_tp``, ``apply_fsdp``). ``build_parallel_model`` returns a
 ``ParallelModel``; the train loop only needs ``train_step`` / ``forward_backward``,
 ``clip_grad_norm_``, ``parameters``/``model_parts`` and the state-dict helpers. All methods that communicate must be called by every rank
 of the mesh, in the same order.
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.config_schema import ParallelConfig
+from trainer.config import ModelConfig, ParallelConfig
 from trainer.mesh import dp_mesh
-from trainer.model import ModelConfig, Transformer, cross_entropy_loss
+from trainer.model import Transformer, cross_entropy_loss
 from trainer.parallel_plans import apply_fsdp, apply_tp
 from trainer.pipeline import (
     build_pipeline_stages,
@@ -38,7 +38,7 @@ from trainer.pipeline import (
     run_schedule,
 )
 
-__all__ = ["apply_tp", "apply_fsdp", "ParallelModel", "build_parallel_model"]
+__all__ = ["ParallelModel", "build_parallel_model"]
 
 
 class ParallelModel:

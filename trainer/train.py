@@ -6,13 +6,12 @@ for gradient accumulation) -> global gradient norm and clipping -> loss guard (N
 optimizer and LR step -> log, metrics -> preemption check -> ``maybe_save`` (the cadence
 policy decides; the stall is only the staging copy). On start it resumes by itself from the
 newest checkpoint under ``checkpoint.root`` that verifies. What a checkpoint holds, the
-manager and what a resume settles are :mod:`trainer.checkpointing` (``check_startup`` is
-re-exported here).
+manager and what a resume settles are :mod:`trainer.checkpointing` (as is ``check_startup``,
+which ``python -m trainer`` runs before this module's :func:`run`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
@@ -32,7 +31,6 @@ from trainer.checkpointing import (
     ModelOptimState,
     TrainerState,
     build_manager,
-    check_startup,
     config_record,
     reconcile_config,
     same_layout,
@@ -53,7 +51,7 @@ from trainer.distributed import (
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 
-__all__ = ["Trainer", "TrainingStopped", "check_startup"]
+__all__ = ["Trainer", "TrainingStopped", "run"]
 
 log = logging.getLogger("trainer")
 
@@ -76,10 +74,7 @@ class Trainer:
         self.loaded_fingerprint: str | None = None
         p, t = cfg.parallel, cfg.training
         self.par = p  # resolved and checked against the model and batch by cfg.resolved
-        from trainer.model import ModelConfig as _MC
-
-        self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
-                                for f in dataclasses.fields(_MC)})
+        self.model_cfg = cfg.model
         # Deterministic kernels (python -m trainer set them before CUDA started already).
         apply_determinism(t.deterministic)
         # Every random stream a rank may use starts from the config's seed, so two runs of

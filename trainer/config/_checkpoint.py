@@ -3,11 +3,12 @@ root and the optional node-local tier) and which one is loaded."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckpt.cadence import Interval
-from trainer.config_section import Section, config_field as _f
+from trainer.config._section import Section, config_field as _f
 
 __all__ = ["CheckpointConfig"]
 
@@ -82,8 +83,6 @@ class CheckpointConfig(Section):
 
 def _same_folder(a: str, b: str) -> bool:
     """Do two roots name the same place (or one inside the other)? URLs compare as text."""
-    import os
-
     if "://" in a or "://" in b:
         a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
     else:

@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from trainer.config import load_config
 from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
 from trainer.memory_model import (
     SHARDINGS,
@@ -255,10 +256,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Candidate | None,
                                                   str]:
     num_gpus = args.nodes * args.gpus_per_node
-    cfg = None
-    if args.config:
-        from trainer.config import load_config
-        cfg = load_config(args.config, [])
+    cfg = load_config(args.config, []) if args.config else None
     vocab = args.vocab or (cfg.model.vocab_size if cfg else 32000)
     if args.params:
         shape = shape_from_params(parse_count(args.params), vocab)

@@ -19,6 +19,9 @@ Everything that needs "the data-parallel group" (data slices, loss means, DDP) u
 
 from __future__ import annotations
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 from trainer.config import ParallelConfig
 
 __all__ = ["build_mesh", "dp_mesh", "MESH_AXES", "HSDP_MESH_AXES"]
@@ -38,9 +41,6 @@ def build_mesh(par: ParallelConfig, device_type: str = "cpu"):
     (``Config.resolved`` or ``par.check``); here only the world size is compared, because
     that is the one fact a config cannot know.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size != par.world_size:
         raise ValueError(

@@ -33,6 +33,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from trainer.config import ModelConfig
 
@@ -187,8 +188,6 @@ class Transformer(nn.Module):
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the global value ``full`` into ``param``, keeping only this rank's piece of a DTensor."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         replicated = DTensor.from_local(

@@ -53,7 +53,7 @@ __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KI
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-DEFAULT_HOST = "0.0.0.0"  # the same default as trainer.config_schema.MetricsConfig.host
+DEFAULT_HOST = "0.0.0.0"  # the same default as trainer.config.MetricsConfig.host
 SAVE_OUTCOMES = ("committed", "failed", "skipped")
 FAILURE_KINDS = ("nan", "spike", "hang", "straggler", "preempted")
 TIERS = ("durable", "local")  # values of the ``tier`` label

@@ -12,14 +12,19 @@ import os
 import sys
 import traceback
 
+from ckpt.cli import OneLineArgumentParser, error_line
+from trainer.checkpointing import check_startup
+from trainer.config import ConfigError, config_from_argv
+from trainer.determinism import apply_determinism
+from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
+from trainer.layout_plan import add_plan_arguments, run_plan
+from trainer.train import run
+
 _DEBUG_FLAG = "--debug"
 
 
 def _fail(prog: str, exc: BaseException, debug: bool, code: int) -> int:
     """Report ``exc`` as one line on stderr (after its traceback with ``debug``)."""
-    from ckpt.cli import error_line
-    from trainer.config import ConfigError
-
     if debug:
         traceback.print_exception(exc)
     print(f"{prog}: error: {error_line(exc, (ConfigError,))}", file=sys.stderr)
@@ -31,9 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     debug = _DEBUG_FLAG in argv
     argv = [a for a in argv if a != _DEBUG_FLAG]
     if argv and argv[0] == "plan":
-        from ckpt.cli import OneLineArgumentParser
-        from trainer.layout_plan import add_plan_arguments, run_plan
-
         parser = OneLineArgumentParser(prog="python -m trainer plan",
                                        description="Estimate per-GPU memory and pick a layout")
         add_plan_arguments(parser)
@@ -46,11 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    from trainer.config import ConfigError, config_from_argv
-    from trainer.determinism import apply_determinism
-    from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
-    from trainer.train import check_startup, run
-
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         print("Keys: see docs/config.md (e.g. --training.steps=100 --parallel.tp=2 "
@@ -71,8 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid-collective
         # Leave through shutdown all the same: a traceback exit runs the interpreter's
         # finalizers, which can abort in a gloo thread and replace our exit code.
-        from ckpt.cli import error_line
-
         if debug:
             traceback.print_exception(exc)
         logging.getLogger("trainer").error("training failed: %s", error_line(exc))

@@ -10,9 +10,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import Any
 
+from ckpt.cadence import parse_interval
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.events import EventBus
+from ckpt.format import step_dirname
+from ckpt.job import (
+    CheckpointManager,
+    KeepEvery,
+    KeepLast,
+    KeepPinned,
+    TieredCheckpointManager,
+    node_local_root,
+)
+from ckpt.root import CheckpointStore
+from ckpt.storage import Storage
 from trainer.config import Config, ConfigError, ParallelConfig, TrainingConfig, config_to_dict
 
 __all__ = [
@@ -109,10 +123,6 @@ class TrainerState:
 def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str):
     """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
     set): cadence, retention, the layout recorded in every manifest. Every rank builds it."""
-    from ckpt.cadence import parse_interval
-    from ckpt.job import CheckpointManager, KeepEvery, KeepLast, KeepPinned
-    from ckpt.root import CheckpointStore
-
     c, par = cfg.checkpoint, cfg.parallel
     auto = dict(overhead_budget=c.overhead_budget,
                 initial_steps=max(1, min(100, cfg.training.steps // 4)))
@@ -133,8 +143,6 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
                    layout=layout, events=events, raise_on_failure=c.fail_on_error,
                    job_fingerprint=fingerprint)
     if c.local_root:
-        from ckpt.job import TieredCheckpointManager
-
         mgr = TieredCheckpointManager(
             c.root, c.local_root, local_cadence=parse_interval(
                 c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0, **auto),
@@ -241,12 +249,6 @@ def check_startup(cfg: Config) -> None:
 
     Every rank calls it (each reads the same root, so all agree); it writes nothing.
     """
-    import os
-
-    from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-    from ckpt.format import step_dirname
-    from ckpt.root import CheckpointStore
-
     c = cfg.checkpoint
     if not c.enabled:
         return
@@ -268,9 +270,6 @@ def check_startup(cfg: Config) -> None:
                               f"writable; fix its permissions or choose another root",
                               key="checkpoint.root")
     if c.local_root:
-        from ckpt.job import node_local_root
-        from ckpt.storage import Storage
-
         path = Storage(node_local_root(c.local_root, int(os.environ.get("GROUP_RANK", "0")
                                                          or 0))).local_path()
     if c.local_root and path is not None:

@@ -2,7 +2,7 @@
 
 Restarts: with ``torchrun --max-restarts``, restarted gloo workers can read the dead
 attempt's addresses from the shared rendezvous store and hang or fail in
-``connectFullMesh``. The group is therefore started by ``ckpt.init_distributed``, which
+``connectFullMesh``. The group is therefore started by ``ckpt.ranks.init_distributed``, which
 gives every attempt its own key space (``ckpt.ranks.torchrun`` explains).
 
 Exit: a gloo worker thread releasing a tensor while Python finalises can abort the process
@@ -21,7 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ckpt.ranks import torchrun as ckpt_distributed
+from ckpt import ranks
 
 __all__ = ["DistEnv", "init_distributed", "shutdown", "EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG",
            "EXIT_PREEMPTED", "EXIT_HANG", "EXIT_NOT_CHECKPOINTED", "EXIT_LEASE_LOST"]
@@ -69,8 +69,8 @@ def init_distributed(device: str = "auto", *, timeout_seconds: float) -> DistEnv
     if world <= 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(0, 1, 0, dev, None, restart)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    ckpt_distributed.init_distributed(backend, timeout_seconds=timeout_seconds,
-                                      device_id=dev if dev.type == "cuda" else None)
+    ranks.init_distributed(backend, timeout_seconds=timeout_seconds,
+                           device_id=dev if dev.type == "cuda" else None)
     if (dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             and _env_int("GROUP_WORLD_SIZE") > 1 and _env_int("TORCHELASTIC_MAX_RESTARTS") > 0):
         log.warning("a multi-node job with restarts shares the agents' store: a node that "

@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from trainer.config import load_config
 from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
 from trainer.memory_model import (
     SHARDINGS,
@@ -35,8 +36,8 @@ from trainer.memory_model import (
     shape_from_params,
 )
 
-__all__ = ["Plan", "parse_count", "candidate_layouts", "plan_layout", "add_plan_arguments",
-           "run_plan"]
+__all__ = ["LayoutAdvice", "parse_count", "candidate_layouts", "plan_layout",
+           "add_plan_arguments", "run_plan"]
 
 BUBBLE_WARN_FRACTION = 0.10
 """Warn when the pipeline bubble exceeds this fraction of step time."""
@@ -83,8 +84,11 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
 
 
 @dataclass
-class Plan:
-    """Result of :func:`plan_layout`; ``warnings`` are ``(code, message)`` pairs."""
+class LayoutAdvice:
+    """What :func:`plan_layout` advises: every candidate layout with its memory estimate
+    (``rows``), the recommended one, the requested one evaluated, and ``warnings`` as
+    ``(code, message)`` pairs. (A layout recommendation, not a checkpoint cadence plan like
+    :class:`ckpt.cadence.Plan`.)"""
 
     work: Workload
     num_gpus: int
@@ -125,7 +129,7 @@ def _count(n: float) -> str:
 
 
 def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes: float,
-                requested: Candidate | None = None) -> Plan:
+                requested: Candidate | None = None) -> LayoutAdvice:
     """Estimate every candidate layout, recommend the first (by preference) that fits in
     ``usable_bytes`` per GPU with a trainer dp_mode (ddp/fsdp), evaluate ``requested`` and
     collect warnings. Raises ValueError if ``requested`` does not use ``num_gpus`` GPUs."""
@@ -203,7 +207,7 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
                       f"{_gib(usable_bytes)} per GPU (smallest: {chosen[0].name} needs "
                       f"{_gib(chosen[1].total)}); add GPUs, lower the micro-batch or "
                       f"sequence length{hint}"))
-    return Plan(work, num_gpus, gpus_per_node, usable_bytes, rows, rec, req, warns)
+    return LayoutAdvice(work, num_gpus, gpus_per_node, usable_bytes, rows, rec, req, warns)
 
 
 # ------------------------------------------------------------------------------------ CLI
@@ -255,10 +259,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Candidate | None,
                                                   str]:
     num_gpus = args.nodes * args.gpus_per_node
-    cfg = None
-    if args.config:
-        from trainer.config import load_config
-        cfg = load_config(args.config, [])
+    cfg = load_config(args.config, []) if args.config else None
     vocab = args.vocab or (cfg.model.vocab_size if cfg else 32000)
     if args.params:
         shape = shape_from_params(parse_count(args.params), vocab)
@@ -311,15 +312,15 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
     return work, num_gpus, args.gpus_per_node, capacity * (1 - args.headroom), requested, gpu_name
 
 
-def _report(plan: Plan, gpu_name: str, nodes: int, show_all: bool) -> str:
-    w, sh = plan.work, plan.work.shape
+def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> str:
+    w, sh = advice.work, advice.work.shape
     pc = PRECISIONS[w.precision]
     shape = f"dim {sh.dim}, {sh.n_layers} layers, {sh.n_heads} heads, vocab {sh.vocab_size}"
     lines = [
         f"Model     {_count(sh.num_params)} params ({'assumed shape: ' if sh.inferred else ''}"
         f"{shape}{'; pass --dim/--layers/--heads for exact activations' if sh.inferred else ''})",
-        f"Hardware  {nodes} node(s) x {plan.gpus_per_node} x {gpu_name}; "
-        f"{_gib(plan.usable_bytes)} usable per GPU",
+        f"Hardware  {nodes} node(s) x {advice.gpus_per_node} x {gpu_name}; "
+        f"{_gib(advice.usable_bytes)} usable per GPU",
         f"Training  {w.precision} ({pc.description}), {w.optimizer}, seq {w.seq_len}, "
         f"micro-batch {w.micro_batch}, recompute {w.recompute}",
         f"Per param {pc.weight_bytes} weights + {pc.grad_bytes} grads + {optimizer_bytes_per_param(w):g} "
@@ -328,45 +329,46 @@ def _report(plan: Plan, gpu_name: str, nodes: int, show_all: bool) -> str:
         f", of which optimizer state {_gib(optimizer_bytes_per_param(w) * sh.num_params)}",
         "",
     ]
-    for label, pair in (("Requested", plan.requested), ("Recommended", plan.recommended)):
+    for label, pair in (("Requested", advice.requested), ("Recommended", advice.recommended)):
         if pair:
             lay, e = pair
-            lines += [f"{label + ':':13}{lay.name}  ({'fits' if plan.fits(e) else 'DOES NOT FIT'})",
+            lines += [f"{label + ':':13}{lay.name}  ({'fits' if advice.fits(e) else 'DOES NOT FIT'})",
                       f"             {lay.overrides(w.sequence_parallel)}",
-                      f"             {_gib(e.total)} of {_gib(plan.usable_bytes)} per GPU"]
-    if plan.recommended is None:
+                      f"             {_gib(e.total)} of {_gib(advice.usable_bytes)} per GPU"]
+    if advice.recommended is None:
         lines.append("Recommended: none - nothing fits (see warnings)")
-    unit, div = ("GiB", GIB) if plan.usable_bytes >= 4 * GIB else ("MiB", 1 << 20)
+    unit, div = ("GiB", GIB) if advice.usable_bytes >= 4 * GIB else ("MiB", 1 << 20)
     head = f"\n{'layout':30} {'weights':>8} {'grads':>8} {'optim':>8} {'buffers':>8} " \
            f"{'activ':>8} {'logits':>8} {'total':>8}  fits   ({unit} per GPU)"
     lines.append(head)
-    rows = plan.rows if show_all else plan.rows[:14]
+    rows = advice.rows if show_all else advice.rows[:14]
     for lay, e in rows:
         vals = (e.weights, e.grads, e.optimizer, e.fsdp_buffers, e.activations, e.logits, e.total)
-        mark = "yes" if plan.fits(e) else "no"
+        mark = "yes" if advice.fits(e) else "no"
         note = " (no trainer mode)" if lay.sharding in ("zero1", "zero2") else ""
         lines.append(f"{lay.name:30} " + " ".join(f"{v / div:8.1f}" for v in vals) +
                      f"  {mark}{note}")
-    if len(plan.rows) > len(rows):
-        lines.append(f"... {len(plan.rows) - len(rows)} more (--all)")
-    if plan.warnings:
+    if len(advice.rows) > len(rows):
+        lines.append(f"... {len(advice.rows) - len(rows)} more (--all)")
+    if advice.warnings:
         lines.append("\nWarnings:")
-        lines += [f"  [{code}] {msg}" for code, msg in plan.warnings]
+        lines += [f"  [{code}] {msg}" for code, msg in advice.warnings]
     return "\n".join(lines)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """Print the plan (text, or JSON with ``--json``). Returns 0 when a layout fits (and the
+    """Print the advice (text, or JSON with ``--json``). Returns 0 when a layout fits (and the
     requested one, if any, fits), 1 when it does not, 2 for bad input."""
     try:
         work, num_gpus, gpn, usable, requested, gpu_name = _from_args(args)
-        plan = plan_layout(work, num_gpus, gpn, usable, requested)
+        advice = plan_layout(work, num_gpus, gpn, usable, requested)
     except ValueError as e:
         print(f"plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps(advice.to_dict(), indent=2))
     else:
-        print(_report(plan, gpu_name, args.nodes, args.all))
-    ok = plan.recommended is not None and (plan.requested is None or plan.fits(plan.requested[1]))
+        print(_report(advice, gpu_name, args.nodes, args.all))
+    ok = advice.recommended is not None and (advice.requested is None or
+                                             advice.fits(advice.requested[1]))
     return 0 if ok else 1

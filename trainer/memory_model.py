@@ -2,7 +2,7 @@
 
 Pure arithmetic, no process group: weights, gradients, optimizer state, FSDP buffers,
 activations and logits of a :class:`Workload` on a :class:`Candidate` (a trainer layout,
-:class:`trainer.config_parallel.ParallelConfig`, plus how the dp axis shards state). The
+:class:`trainer.config.ParallelConfig`, plus how the dp axis shards state). The
 formulas and their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks
 candidates with it and prints the report.
 """
@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trainer.config_schema import ParallelConfig
+from trainer.config import ParallelConfig, num_transformer_params
 from trainer.hardware import OPTIMIZER_STATES, PRECISIONS
 
 __all__ = [
@@ -31,9 +31,9 @@ with ``dp_replicate > 1`` is HSDP: everything is sharded over ``dp_shard`` ranks
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer: attention 4*d^2, MLP 2*d*f (3*d*f when gated), untied
-    input/output embeddings V*d each. ``num_params`` is authoritative; when the dims were
-    guessed from it (``inferred``) they only shape the activation estimate."""
+    """A decoder-only transformer shaped like the trainer's (parameters counted by
+    :func:`trainer.config.num_transformer_params`). ``num_params`` is authoritative; when the
+    dims were guessed from it (``inferred``) they only shape the activation estimate."""
 
     num_params: int
     dim: int
@@ -44,18 +44,21 @@ class ModelShape:
     gated_mlp: bool = False
     inferred: bool = False
 
-    @property
-    def layer_params(self) -> int:
-        return 4 * self.dim * self.dim + (3 if self.gated_mlp else 2) * self.dim * self.ffn_dim \
-            + 2 * self.dim
+    def stage_params(self, n_layers: int, first: bool, last: bool) -> int:
+        """Parameters of a pipeline stage of ``n_layers`` blocks; the ``first`` holds the
+        embedding, the ``last`` the final norm and the output projection."""
+        return num_transformer_params(self.dim, self.ffn_dim, self.vocab_size,
+                                      n_layers=n_layers, gated_mlp=self.gated_mlp,
+                                      has_embedding=first, has_output=last)
 
     @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.dim
+    def layer_params(self) -> int:
+        return self.stage_params(1, first=False, last=False)
 
     @property
     def shape_params(self) -> int:
-        return self.n_layers * self.layer_params + 2 * self.embedding_params + self.dim
+        """Parameters of the whole model of these dims."""
+        return self.stage_params(self.n_layers, first=True, last=True)
 
 
 def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
@@ -240,9 +243,7 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
     w_div, g_div, o_div = shard[cand.sharding]
     best: MemoryEstimate | None = None
     for st in sorted({0, pp - 1}):
-        params = layers * sh.layer_params + sh.embedding_params * ((st == 0) + (st == pp - 1)) \
-            + sh.dim * (st == pp - 1)  # final norm
-        params = params * scale / t
+        params = sh.stage_params(layers, first=st == 0, last=st == pp - 1) * scale / t
         if pp == 1 or work.pp_schedule == "gpipe":
             in_flight = 1.0 if pp == 1 else m
         else:

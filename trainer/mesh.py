@@ -1,7 +1,7 @@
 """The (pp, dp, tp) DeviceMesh of a parallel layout.
 
-The layout itself is :class:`trainer.config_parallel.ParallelConfig` (the ``[parallel]`` config
-section, re-exported here): its rules run when a config is built and resolved, or when a
+The layout itself is :class:`trainer.config.ParallelConfig` (the ``[parallel]`` config
+section): its rules run when a config is built and resolved, or when a
 library caller runs ``ParallelConfig.check``; this module only turns a resolved layout into
 the one ``DeviceMesh`` every other part of ``trainer/`` uses.
 
@@ -19,9 +19,12 @@ Everything that needs "the data-parallel group" (data slices, loss means, DDP) u
 
 from __future__ import annotations
 
-from trainer.config_schema import ParallelConfig
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["ParallelConfig", "build_mesh", "dp_mesh", "MESH_AXES", "HSDP_MESH_AXES"]
+from trainer.config import ParallelConfig
+
+__all__ = ["build_mesh", "dp_mesh", "MESH_AXES", "HSDP_MESH_AXES"]
 
 MESH_AXES = ("pp", "dp", "tp")
 HSDP_MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -38,9 +41,6 @@ def build_mesh(par: ParallelConfig, device_type: str = "cpu"):
     (``Config.resolved`` or ``par.check``); here only the world size is compared, because
     that is the one fact a config cannot know.
     """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if world_size != par.world_size:
         raise ValueError(

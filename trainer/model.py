@@ -1,7 +1,8 @@
 """A small decoder-only transformer that splits cleanly into pipeline stages.
 
 The model is plain PyTorch (no parallelism inside); ``trainer.parallelize`` and
-``trainer.pipeline`` shard it. Three properties matter to the rest of the project:
+``trainer.pipeline`` shard it. Its sizes are the ``[model]`` config section,
+:class:`trainer.config.ModelConfig`, which also counts its parameters. Three properties matter to the rest of the project:
 
 * **Stable parameter names.** Blocks live in an ``nn.ModuleDict`` keyed by the *global*
   layer index (``"0"``, ``"1"``, ...), so a pipeline stage holding layers 4..7 names its
@@ -27,78 +28,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["ModelConfig", "Transformer", "TransformerBlock", "param_seed", "cross_entropy_loss"]
+from trainer.config import ModelConfig
 
-
-@dataclass
-class ModelConfig:
-    """Sizes of the reference transformer (dim 32 x 4 layers is ~50k params; dim 2048 x 20 ~1B)."""
-
-    vocab_size: int = 256
-    """Number of token ids; the output projection has this many logits."""
-    dim: int = 64
-    """Hidden size; must be divisible by ``n_heads``."""
-    n_layers: int = 2
-    """Number of transformer blocks."""
-    n_heads: int = 4
-    """Attention heads; head size is ``dim // n_heads`` and must be even (rotary)."""
-    ffn_dim: Optional[int] = None
-    """Hidden size of the MLP; ``None`` means ``int(ffn_multiplier * dim)``."""
-    ffn_multiplier: float = 4.0
-    """Used only when ``ffn_dim`` is None."""
-    activation: str = "swiglu"
-    """MLP kind: ``"swiglu"`` (w1, w3 gate, w2) or ``"gelu"`` (w1, w2)."""
-    max_seq_len: int = 2048
-    """Longest sequence the model accepts."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    init_std: float = 0.02
-    """Std of the normal init; residual output projections use ``init_std / sqrt(2 n_layers)``."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(
-                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(
-                f"model head size dim/n_heads = {self.dim // self.n_heads} must be even "
-                "(rotary embeddings rotate pairs); change model.dim or model.n_heads"
-            )
-        if self.activation not in ("swiglu", "gelu"):
-            raise ValueError(
-                f"model.activation must be 'swiglu' or 'gelu', got {self.activation!r}"
-            )
-        if self.ffn_dim is not None and self.ffn_dim < 1:
-            raise ValueError(f"model.ffn_dim must be >= 1 or None, got {self.ffn_dim}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def hidden_ffn_dim(self) -> int:
-        """The MLP hidden size actually used."""
-        return self.ffn_dim if self.ffn_dim is not None else int(self.ffn_multiplier * self.dim)
-
-    def num_params(self) -> int:
-        """Parameter count of the full model (for planning; no tensors are built)."""
-        d, f, v = self.dim, self.hidden_ffn_dim, self.vocab_size
-        mlp = (3 if self.activation == "swiglu" else 2) * d * f
-        block = 4 * d * d + mlp + 2 * d
-        return v * d + self.n_layers * block + d + d * v
+__all__ = ["Transformer", "TransformerBlock", "param_seed", "cross_entropy_loss"]
 
 
 def _rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -249,8 +188,6 @@ class Transformer(nn.Module):
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the global value ``full`` into ``param``, keeping only this rank's piece of a DTensor."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         replicated = DTensor.from_local(

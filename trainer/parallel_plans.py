@@ -9,6 +9,15 @@ called by every rank of the mesh with the same arguments.
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from trainer.model import Transformer
 
@@ -20,15 +29,6 @@ def apply_tp(model: Transformer, tp_mesh, sequence_parallel: bool = False) -> No
     row-sharded, embedding row-sharded (vocab), output projection column-sharded with
     replicated logits. With ``sequence_parallel`` the norms run on sequence shards and
     activations between blocks stay sharded along the sequence (dim 1)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
     between_blocks = Shard(1) if sequence_parallel else Replicate()
     plan = {}
     if model.tok_embeddings is not None:
@@ -86,8 +86,6 @@ def apply_fsdp(
     micro-batch before the matching backwards, and resharding would all-gather per
     micro-batch. Gradients are reduced in fp32 whatever the compute dtype.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -11,7 +11,7 @@ schedule when pp > 1. A degree of 1 skips that step (no FSDP on a 1-rank dp axis
 Mixed precision: FSDP2's MixedPrecisionPolicy when FSDP runs, else autocast.
 
 The TP plan and the FSDP2 groups of one stage module are :mod:`trainer.parallel_plans`
-(``apply_tp``, ``apply_fsdp``, re-exported here). ``build_parallel_model`` returns a
+(``apply_tp``, ``apply_fsdp``). ``build_parallel_model`` returns a
 ``ParallelModel``; the train loop only needs ``train_step`` / ``forward_backward``,
 ``clip_grad_norm_``, ``parameters``/``model_parts`` and the state-dict helpers. All methods that communicate must be called by every rank
 of the mesh, in the same order.
@@ -26,10 +26,18 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate
 
-from trainer.config_schema import ParallelConfig
+from trainer.config import ModelConfig, ParallelConfig
 from trainer.mesh import dp_mesh
-from trainer.model import ModelConfig, Transformer, cross_entropy_loss
+from trainer.model import Transformer, cross_entropy_loss
 from trainer.parallel_plans import apply_fsdp, apply_tp
 from trainer.pipeline import (
     build_pipeline_stages,
@@ -38,7 +46,7 @@ from trainer.pipeline import (
     run_schedule,
 )
 
-__all__ = ["apply_tp", "apply_fsdp", "ParallelModel", "build_parallel_model"]
+__all__ = ["ParallelModel", "build_parallel_model"]
 
 
 class ParallelModel:
@@ -174,8 +182,6 @@ class ParallelModel:
         every optimizer op touching them would all-reduce again, and the grad norm could
         not be taken locally; one all-reduce each here fixes both.
         """
-        from torch.distributed.tensor import DTensor, Replicate
-
         for p in self.parameters():
             g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
@@ -217,8 +223,6 @@ class ParallelModel:
         # not sharded over (pp stages hold different parameters, never copies). This beats
         # DTensor norms + full_tensor(): one collective instead of one or two per
         # (mesh, placements) group, and no reliance on gradient placements matching.
-        from torch.distributed.tensor import DTensor
-
         replicas = 1 if self.mesh is None else self.par.dp * self.par.tp
         is_inf = math.isinf(norm_type)
         acc = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -244,17 +248,10 @@ class ParallelModel:
     # --- checkpoint helpers: keys are the full model's FQNs on every layout -------------
     def model_state_dict(self) -> dict:
         """This rank's model state (DTensor shards under FSDP/TP), merged over its parts."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         return {k: v for part in self.model_parts for k, v in get_model_state_dict(part).items()}
 
     def optimizer_state_dict(self, optimizers: Sequence[torch.optim.Optimizer]) -> dict:
         """Flattened optimizer state; ``optimizers[i]`` must own exactly ``model_parts[i]``'s params."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         self._check_optimizers(optimizers)
         out: dict = {}
@@ -264,8 +261,6 @@ class ParallelModel:
 
     def load_model_state_dict(self, state: dict) -> None:
         """Load (in place) from a dict with the keys of ``model_state_dict`` (a superset is fine)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
         for part in self.model_parts:
             own = {k: state[k] for k in part.state_dict() if k in state}
             set_model_state_dict(part, own)
@@ -273,11 +268,6 @@ class ParallelModel:
     def load_optimizer_state_dict(
         self, optimizers: Sequence[torch.optim.Optimizer], state: dict
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
         opts = StateDictOptions(flatten_optimizer_state_dict=True)
         self._check_optimizers(optimizers)
         for part, optim in zip(self.model_parts, optimizers):

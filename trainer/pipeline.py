@@ -18,6 +18,15 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from trainer.config import ModelConfig
+from trainer.model import Transformer
 
 __all__ = [
     "split_layers",
@@ -55,7 +64,7 @@ def stage_ids_for_rank(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]
 
 
 def build_stage_modules(
-    model_cfg,
+    model_cfg: ModelConfig,
     pp_rank: int,
     pp: int,
     stages_per_rank: int,
@@ -67,8 +76,6 @@ def build_stage_modules(
     ``device`` (default meta: materialise with ``to_empty`` after parallelizing, then call
     ``init_weights``).
     """
-    from trainer.model import Transformer
-
     num_stages = pp * stages_per_rank
     layers = split_layers(model_cfg.n_layers, num_stages)
     out = []
@@ -96,8 +103,6 @@ def build_pipeline_stages(
     stages work for any micro-batch size. ``modules`` may be FSDP2 modules or DDP
     wrappers; ``PipelineStage`` syncs their gradients once per step, not per micro-batch.
     """
-    from torch.distributed.pipelining import PipelineStage
-
     return [
         PipelineStage(module, stage_id, num_stages, device, group=pp_group)
         for stage_id, module in modules
@@ -116,12 +121,6 @@ def build_schedule(
     of accumulation steps), because the schedule's own scaling divides the *accumulated*
     gradient and would break gradient accumulation across several ``step`` calls.
     """
-    from torch.distributed.pipelining import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
-
     name = schedule.lower()
     if name == "interleaved1f1b":
         return ScheduleInterleaved1F1B(

@@ -6,13 +6,12 @@ for gradient accumulation) -> global gradient norm and clipping -> loss guard (N
 optimizer and LR step -> log, metrics -> preemption check -> ``maybe_save`` (the cadence
 policy decides; the stall is only the staging copy). On start it resumes by itself from the
 newest checkpoint under ``checkpoint.root`` that verifies. What a checkpoint holds, the
-manager and what a resume settles are :mod:`trainer.checkpointing` (``check_startup`` is
-re-exported here).
+manager and what a resume settles are :mod:`trainer.checkpointing` (as is ``check_startup``,
+which ``python -m trainer`` runs before this module's :func:`run`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import math
@@ -24,15 +23,15 @@ import torch
 import torch.distributed as dist
 
 from ckpt.dcp import RNGState, init_optimizer_state
-from ckpt.errors import LeaseHeldError
+from ckpt.errors import AllCheckpointsDamagedError, LeaseHeldError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.ranks import Agreement
+from monitoring import Metrics
 from trainer.checkpointing import (
     ListState,
     ModelOptimState,
     TrainerState,
     build_manager,
-    check_startup,
     config_record,
     reconcile_config,
     same_layout,
@@ -52,8 +51,10 @@ from trainer.distributed import (
     DistEnv,
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
+from trainer.mesh import build_mesh, dp_mesh
+from trainer.parallelize import build_parallel_model
 
-__all__ = ["Trainer", "TrainingStopped", "check_startup"]
+__all__ = ["Trainer", "TrainingStopped", "run"]
 
 log = logging.getLogger("trainer")
 
@@ -66,9 +67,6 @@ class Trainer:
     """One rank's view of a training job. Build on every rank, then call :meth:`fit`."""
 
     def __init__(self, cfg: Config, env: DistEnv, *, events: EventBus | None = None):
-        from trainer import mesh as mesh_mod
-        from trainer.parallelize import build_parallel_model
-
         self.env = env
         self.cfg = cfg = cfg.resolved(env.world_size)
         self.fingerprint = config_fingerprint(cfg)
@@ -76,10 +74,7 @@ class Trainer:
         self.loaded_fingerprint: str | None = None
         p, t = cfg.parallel, cfg.training
         self.par = p  # resolved and checked against the model and batch by cfg.resolved
-        from trainer.model import ModelConfig as _MC
-
-        self.model_cfg = _MC(**{f.name: getattr(cfg.model, f.name)
-                                for f in dataclasses.fields(_MC)})
+        self.model_cfg = cfg.model
         # Deterministic kernels (python -m trainer set them before CUDA started already).
         apply_determinism(t.deterministic)
         # Every random stream a rank may use starts from the config's seed, so two runs of
@@ -88,7 +83,7 @@ class Trainer:
         random.seed(t.seed)
         self.mesh = None
         if env.distributed:
-            self.mesh = mesh_mod.build_mesh(self.par, env.device.type)
+            self.mesh = build_mesh(self.par, env.device.type)
         self.model = build_parallel_model(
             self.model_cfg, self.par, self.mesh, t.seed, env.device,
             param_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
@@ -104,7 +99,7 @@ class Trainer:
             o, lambda s: self.lr_schedule.lr_at(s) / self.lr_schedule.lr)
             for o in self.optimizers]
         # The whole dp rank (under HSDP replicate and shard ranks both): each its own slice.
-        dp_rank = mesh_mod.dp_mesh(self.mesh).get_local_rank() if self.mesh is not None else 0
+        dp_rank = dp_mesh(self.mesh).get_local_rank() if self.mesh is not None else 0
         self.loader = build_loader(cfg, dp_rank, p.dp)
         self.step = 0
         self.num_skipped_steps = 0
@@ -119,8 +114,6 @@ class Trainer:
         self.losses: list[tuple[int, float]] = []
         self.metrics = None
         if cfg.metrics.port:  # every rank, on base port + LOCAL_RANK (docs/monitoring.md)
-            from monitoring import Metrics
-
             m, hang = cfg.metrics, cfg.fault.hang_timeout_seconds
             self.metrics = Metrics(self.events, rank=env.rank, stall_factor=m.stall_factor,
                                    stall_min_seconds=m.stall_min_seconds,
@@ -158,8 +151,6 @@ class Trainer:
         """Load the newest valid checkpoint (or ``checkpoint.load_step``); None if none."""
         if self.manager is None or not self.cfg.checkpoint.resume:
             return None
-        from ckpt.errors import AllCheckpointsDamagedError
-
         c = self.cfg.checkpoint
         try:
             manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),

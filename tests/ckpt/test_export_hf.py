@@ -24,7 +24,8 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.export import consolidate, export, parse_dtype, select_keys
 from ckpt.format import step_dirname
 from tests.ckpt._helpers import flip_byte
-from trainer.model import ModelConfig, Transformer
+from trainer.config import ModelConfig
+from trainer.model import Transformer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -174,7 +174,7 @@ def _declared_all(tree: ast.Module) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("package", ("ckpt", "monitoring"))
+@pytest.mark.parametrize("package", ("ckpt", "trainer", "monitoring"))
 def test_no_module_hands_a_name_on(package):
     handed_on = []
     for name, tree in TREES.items():

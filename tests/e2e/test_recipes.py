@@ -48,9 +48,9 @@ def _missing(need: str) -> str | None:
                              env=base_env(), cwd=ROOT, capture_output=True, text=True)
         return None if "--select" in out.stdout else "ckpt export has no --select yet"
     if need == "schedule-override":
-        from trainer import config_schema
+        from trainer.config import TrainingConfig
 
-        fields = getattr(config_schema.TrainingConfig, "__dataclass_fields__", {})
+        fields = getattr(TrainingConfig, "__dataclass_fields__", {})
         return None if "override_schedule_on_resume" in fields else \
             "the trainer has no training.override_schedule_on_resume yet"
     raise AssertionError(f"unknown needs={need}")

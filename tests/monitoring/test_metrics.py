@@ -18,7 +18,7 @@ from ckpt.root import CheckpointStore
 from monitoring import Metrics, local_port
 from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, SAVE_OUTCOMES, TIERS
 from tests.dist import free_port, run_ranks
-from trainer.config_schema import MetricsConfig
+from trainer.config import MetricsConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from trainer.mesh import ParallelConfig, build_mesh, dp_mesh
-from trainer.model import ModelConfig
+from trainer.config import ModelConfig, ParallelConfig
+from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
 __all__ = ["MODEL", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "layout", "make_batches", "train",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckpt.cadence import Interval
 from trainer.config import (
@@ -20,7 +20,10 @@ from trainer.config import (
     config_to_toml,
     field_docs,
     load_config,
+    num_transformer_params,
 )
+from trainer.memory_model import shape_from_dims
+from trainer.model import Transformer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -279,12 +282,29 @@ def test_sections_validate_on_direct_construction():
     assert Config().model.hidden_ffn_dim == 256
 
 
-def test_model_section_matches_trainer_model():
-    model = pytest.importorskip("trainer.model")
-    cfg = load_config(str(CONFIGS / "gpu_1b.toml"), [])
-    built = model.ModelConfig(**dataclasses.asdict(cfg.model))
-    assert built.num_params() == cfg.model.num_params()
-    assert 0.9e9 < cfg.model.num_params() < 1.2e9
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_one_parameter_count_for_the_model_its_stages_and_the_planner(activation):
+    # The [model] section is the model's own config; its one count is the built model's,
+    # stage by stage, and the layout planner's exact shape counts the same.
+    cfg = load_config(str(CONFIGS / "gpu_1b.toml"), [f"--model.activation={activation}"]).model
+    with torch.device("meta"):
+        whole = Transformer(cfg)
+        first = Transformer(cfg, layer_ids=range(3), has_output=False)
+        middle = Transformer(cfg, layer_ids=range(3, 5), has_embedding=False, has_output=False)
+        last = Transformer(cfg, layer_ids=range(5, 7), has_embedding=False)
+    dims = (cfg.dim, cfg.hidden_ffn_dim, cfg.vocab_size)
+    gated = activation == "swiglu"
+    assert cfg.num_params() == sum(p.numel() for p in whole.parameters())
+    for part, first_stage, last_stage in ((first, True, False), (middle, False, False),
+                                          (last, False, True)):
+        assert num_transformer_params(*dims, n_layers=len(part.layers), gated_mlp=gated,
+                                      has_embedding=first_stage, has_output=last_stage) == \
+            sum(p.numel() for p in part.parameters())
+    shape = shape_from_dims(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size,
+                            cfg.hidden_ffn_dim, gated)
+    assert shape.num_params == cfg.num_params()
+    if gated:
+        assert 0.9e9 < cfg.num_params() < 1.2e9
 
 
 # -- timeouts: the process group's after the hang watchdog ------------------------------------

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+import trainer.__main__ as main_mod
 from tests.e2e._jobs import TINY
 from trainer.config import load_config
 from trainer.distributed import DistEnv
@@ -72,10 +73,6 @@ def test_a_cublas_setting_of_the_user_is_kept(loose, monkeypatch):
 def test_main_sets_them_before_the_process_group_starts(loose, monkeypatch, tmp_path):
     """``python -m trainer``: the flags are set before init_distributed, which starts CUDA
     (``torch.cuda.set_device``), and the group gets the config's ordered timeout."""
-    import trainer.__main__ as main_mod
-    import trainer.distributed
-    import trainer.train
-
     seen: dict = {}
 
     def fake_init(device, *, timeout_seconds):
@@ -86,9 +83,9 @@ def test_main_sets_them_before_the_process_group_starts(loose, monkeypatch, tmp_
         seen["exit"] = code
         raise SystemExit(code)
 
-    monkeypatch.setattr(trainer.distributed, "init_distributed", fake_init)
-    monkeypatch.setattr(trainer.distributed, "shutdown", fake_shutdown)
-    monkeypatch.setattr(trainer.train, "run", lambda cfg, env: 0)
+    monkeypatch.setattr(main_mod, "init_distributed", fake_init)
+    monkeypatch.setattr(main_mod, "shutdown", fake_shutdown)
+    monkeypatch.setattr(main_mod, "run", lambda cfg, env: 0)
     with pytest.raises(SystemExit):
         main_mod.main(["--config", str(TINY), "--fault.hang_timeout_seconds=200"])
     assert {k: seen[k] for k in ON} == ON

@@ -19,8 +19,13 @@ import torch.distributed as dist
 
 from tests.dist import run_ranks
 from tests.trainer import _parallel_worker as w
-from trainer.config import ConfigError, config_from_dict, config_to_dict, load_config
-from trainer.config_schema import ParallelConfig
+from trainer.config import (
+    ConfigError,
+    ParallelConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 
 RTOL = 1e-4  # as test_parallel_equivalence.py
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config_schema import ParallelConfig
+from trainer.config import ParallelConfig, load_config
 from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
 from trainer.layout_plan import (
     add_plan_arguments,
@@ -209,8 +209,6 @@ def test_cli_nothing_fits_exits_1(capsys):
 
 def test_candidates_are_trainer_layouts():
     # The planner evaluates the trainer's own layout type; its flags load back to that layout.
-    from trainer.config import load_config
-
     sh = shape_from_dims(1024, 8, 16, 32000)
     plan = plan_layout(Workload(sh), 8, 8, H100, requested=Candidate.of(2, 2, 2, "fsdp"))
     model = [f"--model.dim={sh.dim}", f"--model.n_layers={sh.n_layers}",
@@ -276,8 +274,6 @@ def test_hsdp_recommended_across_nodes_and_fsdp_there_warned():
 
 
 def test_cli_hsdp_layout_and_its_flags(capsys):
-    from trainer.config import load_config
-
     rc, out = _run(capsys, "--params", "7B", "--nodes", "2", "--dp", "16", "--dp-replicate", "2")
     assert rc == 0 and "Requested:   HSDP dp=2x8  (fits)" in out
     flags = next(line.split() for line in out.splitlines() if "--parallel.dp_replicate=2" in line)

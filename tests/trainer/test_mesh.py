@@ -1,4 +1,4 @@
-"""The layout type (trainer.config_schema.ParallelConfig): its rules, where they run, and the
+"""The layout type (trainer.config.ParallelConfig): its rules, where they run, and the
 stage split."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from trainer.config import Config, ConfigError, ModelConfig as ModelSection, load_config
-from trainer.mesh import ParallelConfig, build_mesh
-from trainer.model import ModelConfig
+from trainer.config import Config, ConfigError, ModelConfig, ParallelConfig, load_config
+from trainer.mesh import build_mesh
 from trainer.parallelize import build_parallel_model
 from trainer.pipeline import split_layers, stage_ids_for_rank
 
@@ -117,7 +116,7 @@ def test_config_section_and_library_share_one_rule_and_one_message():
     with pytest.raises(ConfigError) as from_config:
         load_config(None, ["--parallel.tp=3"])
     with pytest.raises(ConfigError) as from_library:
-        ParallelConfig(tp=3).check(ModelSection())
+        ParallelConfig(tp=3).check(ModelConfig())
     assert type(load_config(None, []).parallel) is ParallelConfig
     assert str(from_config.value).startswith(str(from_library.value))
     assert from_config.value.key == from_library.value.key == "parallel.tp"
@@ -132,13 +131,11 @@ def test_layout_rules_run_once_on_the_trainer_path(monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(ParallelConfig, "check", counting)
-    cfg = Config(model=ModelSection(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
+    cfg = Config(model=ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
     calls.clear()
     resolved = cfg.resolved(1)
     assert calls == [1]  # once, on the concrete layout
-    model_cfg = ModelConfig(**{f.name: getattr(resolved.model, f.name)
-                               for f in dataclasses.fields(ModelConfig)})
-    build_parallel_model(model_cfg, resolved.parallel, None, seed=0)
+    build_parallel_model(resolved.model, resolved.parallel, None, seed=0)
     assert calls == [1]  # building the model trusts the checked layout
 
 
@@ -160,14 +157,14 @@ def test_bf16_is_a_model_option_not_a_layout_field():
 @pytest.mark.parametrize(
     "kwargs,fragment",
     [
-        (dict(dim=30, n_heads=4), "model.dim (30) must be divisible by model.n_heads (4)"),
-        (dict(dim=12, n_heads=4), "must be even"),
-        (dict(activation="relu"), "model.activation"),
-        (dict(n_layers=0), "model.n_layers must be >= 1"),
+        (dict(dim=30, n_heads=4), "model.dim: 30 is not a multiple of model.n_heads=4"),
+        (dict(dim=12, n_heads=4), "head size dim / n_heads = 3 is odd"),
+        (dict(activation="relu"), "model.activation: must be one of 'swiglu', 'gelu'"),
+        (dict(n_layers=0), "model.n_layers: must be >= 1"),
     ],
 )
 def test_model_config_fields(kwargs, fragment):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         ModelConfig(**kwargs)
     assert fragment in str(err.value)
 

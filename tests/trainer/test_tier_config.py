@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trainer.checkpointing import check_startup
 from trainer.config import ConfigError, load_config
 
 
@@ -42,8 +43,6 @@ def test_local_root_needs_a_durable_root():
 
 
 def test_a_local_root_that_cannot_be_created_is_refused_at_start(tmp_path):
-    from trainer.train import check_startup
-
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = _load(f"--checkpoint.root={tmp_path}/ckpt", f"--checkpoint.local_root={blocker}/ckpt")

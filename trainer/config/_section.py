@@ -1,8 +1,8 @@
 """The building blocks of the config sections: the error type, the field helper, the
 section base class that coerces and validates, and the type coercion of values.
 
-Each section type (:mod:`trainer.config_schema`, :mod:`trainer.config_parallel`,
-:mod:`trainer.config_checkpoint`) subclasses :class:`Section` and declares its fields with
+Each section type (in :mod:`trainer.config._model`, ``_schema``, ``_parallel`` and
+``_checkpoint``) subclasses :class:`Section` and declares its fields with
 :func:`config_field`; errors are :class:`ConfigError` whose message starts with the dotted key.
 """
 

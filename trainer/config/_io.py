@@ -1,16 +1,11 @@
-"""Training configuration: one dataclass per component, loaded from TOML plus CLI overrides.
+"""Configs in and out: a TOML file plus ``--section.key=value`` overrides in, a dict or
+TOML text out, the fingerprint of the fields that define the training trajectory, and the
+field docs that docs/config.md is generated from.
 
-A :class:`Config` holds the sections ``model``, ``training``, ``parallel``, ``data``,
-``checkpoint``, ``metrics`` and ``fault``. Every field carries a one-line help text
-(``field(metadata={"help": ...})``); every section validates itself in ``__post_init__`` and
-raises :class:`ConfigError` whose message starts with the dotted key (``training.lr: ...``)
-and says how to fix it. :func:`load_config` reads a TOML file and then applies overrides
-written ``--section.key=value`` or ``--section.key value``; values are parsed to the field's
-type. Unknown sections and keys are errors with a "did you mean" suggestion.
-
-``parallel.dp = -1`` means "the rest of the world size"; :meth:`Config.resolved` turns it (and
-``parallel.n_microbatches = 0``) into concrete numbers once the world size is known and checks
-that the batch divides evenly over the layout.
+:func:`load_config` reads a TOML file and then applies overrides written
+``--section.key=value`` or ``--section.key value``; values are parsed to the field's type.
+Unknown sections and keys are errors with a "did you mean" suggestion; every error is a
+:class:`ConfigError` that says where the value was set.
 """
 
 from __future__ import annotations
@@ -30,16 +25,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from trainer.config._model import ModelConfig
+from trainer.config._schema import SECTIONS, Config
+from trainer.config._section import ConfigError, coerce, type_name
+
 __all__ = [
-    "ConfigError",
-    "ModelConfig",
-    "TrainingConfig",
-    "ParallelConfig",
-    "DataConfig",
-    "CheckpointConfig",
-    "MetricsConfig",
-    "FaultConfig",
-    "Config",
     "FINGERPRINT_FIELDS",
     "load_config",
     "config_from_argv",
@@ -50,21 +40,6 @@ __all__ = [
     "parse_overrides",
     "field_docs",
 ]
-
-from trainer.config_schema import (  # the types (trainer/config_schema.py), re-exported
-    SECTIONS,
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    FaultConfig,
-    MetricsConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainingConfig,
-    coerce,
-    type_name,
-)
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from ckpt.cadence import Interval
 from ckpt.storage import Storage
-from trainer.config_section import Section, config_field as _f
+from trainer.config._section import Section, config_field as _f
 
 __all__ = ["CheckpointConfig"]
 

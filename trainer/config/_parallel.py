@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from trainer.config_section import Section, config_field as _f, fail_key
+from trainer.config._section import Section, config_field as _f, fail_key
 
 __all__ = ["ParallelConfig", "DP_MODES", "PP_SCHEDULES"]
 

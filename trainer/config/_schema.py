@@ -1,14 +1,12 @@
-"""The config tree's types: one dataclass per section, each validating itself.
+"""The config tree: the small sections (``[training]``, ``[data]``, ``[metrics]``,
+``[fault]``), the :class:`Config` that holds every section and checks the rules across them,
+and :data:`SECTIONS`, the section names in file order.
 
-Every field carries a one-line help text (``field(metadata={"help": ...})``); every section
-coerces its field types and validates in ``__post_init__``, raising :class:`ConfigError`
-whose message starts with the dotted key (``training.lr: ...``) and says how to fix it.
-Reading TOML files and ``--section.key=value`` overrides is :mod:`trainer.config`'s part.
-
-This module holds the small sections and the :class:`Config` tree; the section base and
-value coercion are :mod:`trainer.config_section`, the ``[parallel]`` layout with its rules
-:mod:`trainer.config_parallel`, the ``[checkpoint]`` section :mod:`trainer.config_checkpoint`.
-All of them are re-exported here.
+Every field carries a one-line help text; every section coerces its field types and
+validates in ``__post_init__``, raising :class:`ConfigError` whose message starts with the
+dotted key (``training.lr: ...``) and says how to fix it. The section base is
+:mod:`trainer.config._section`; the ``[model]``, ``[parallel]`` and ``[checkpoint]`` sections
+have their own modules; reading TOML files and overrides is :mod:`trainer.config._io`.
 """
 
 from __future__ import annotations
@@ -18,83 +16,22 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from trainer.config_checkpoint import CheckpointConfig
-from trainer.config_parallel import DP_MODES, PP_SCHEDULES, ParallelConfig
-from trainer.config_section import (
-    ConfigError,
-    Section,
-    coerce,
-    config_field as _f,
-    fail_key,
-    type_name,
-)
+import torch
+
+from trainer.config._checkpoint import CheckpointConfig
+from trainer.config._model import ModelConfig
+from trainer.config._parallel import ParallelConfig
+from trainer.config._section import Section, config_field as _f, fail_key
 
 __all__ = [
-    "ConfigError",
-    "ModelConfig",
     "TrainingConfig",
-    "ParallelConfig",
-    "DP_MODES",
-    "PP_SCHEDULES",
     "DataConfig",
-    "CheckpointConfig",
     "MetricsConfig",
     "FaultConfig",
     "Config",
     "SECTIONS",
     "PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS",
-    "coerce",
-    "type_name",
 ]
-
-
-@dataclass
-class ModelConfig(Section):
-    """Shape of the reference decoder-only transformer (same fields as trainer.model's)."""
-
-    _section: ClassVar[str] = "model"
-    vocab_size: int = _f(256, "Number of token ids; every data token must be < vocab_size.")
-    dim: int = _f(64, "Hidden size (d_model); a multiple of n_heads.")
-    n_layers: int = _f(2, "Number of transformer blocks.")
-    n_heads: int = _f(4, "Attention heads; head size dim / n_heads must be even (rotary).")
-    ffn_dim: int | None = _f(None, "Hidden size of the MLP; None = ffn_multiplier * dim.")
-    ffn_multiplier: float = _f(4.0, "MLP size relative to dim, used when ffn_dim is None.")
-    activation: str = _f("swiglu", "MLP kind: 'swiglu' (3 matrices) or 'gelu' (2 matrices).")
-    max_seq_len: int = _f(2048, "Longest sequence the model accepts; >= training.seq_len.")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
-    rope_theta: float = _f(10000.0, "Rotary embedding base.")
-    init_std: float = _f(0.02, "Std of the initial weights (seeded by training.seed).")
-
-    def _validate(self) -> None:
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
-            self._at_least(name, 1)
-        if self.ffn_dim is not None:
-            self._at_least("ffn_dim", 1, "or leave it unset for ffn_multiplier * dim")
-        if self.dim % self.n_heads:
-            self._fail("dim", f"{self.dim} is not a multiple of model.n_heads={self.n_heads}",
-                       "pick dim = n_heads * head_dim")
-        if self.head_dim % 2:
-            self._fail("n_heads", f"head size dim / n_heads = {self.head_dim} is odd; rotary "
-                       "embeddings rotate pairs", "change model.dim or model.n_heads")
-        self._choice("activation", ("swiglu", "gelu"))
-        for name in ("ffn_multiplier", "norm_eps", "rope_theta", "init_std"):
-            if not getattr(self, name) > 0:
-                self._fail(name, f"must be > 0, got {getattr(self, name)}")
-
-    @property
-    def hidden_ffn_dim(self) -> int:
-        """The MLP hidden size actually used."""
-        return self.ffn_dim if self.ffn_dim is not None else int(self.ffn_multiplier * self.dim)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Parameter count: untied embedding and output, attention 4 d^2, MLP 2-3 d f, norms."""
-        d, f, v = self.dim, self.hidden_ffn_dim, self.vocab_size
-        block = 4 * d * d + (3 if self.activation == "swiglu" else 2) * d * f + 2 * d
-        return 2 * v * d + self.n_layers * block + d
 
 
 @dataclass
@@ -164,8 +101,6 @@ class TrainingConfig(Section):
         """``device`` with 'auto' resolved: 'cuda' when torch sees a GPU, else 'cpu'."""
         if self.device != "auto":
             return self.device
-        import torch
-
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -78,14 +78,15 @@ KINDS: dict[str, tuple[str, ...]] = {
     # The two-tier manager took that failure back from the durable tier's history: the
     # local tier survived it, so no node was lost.
     "failure_reclassified": ("tier", "reason"),
+    # A resume un-committed a checkpoint newer than the step it loaded (``step``: that one;
+    # ``CheckpointManager.uncommit_newer``), so the run saves that step again.
+    "checkpoint_uncommitted": ("resumed_step",),
     # -- the trainer (trainer/)
     "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr"),
     # ``failure``: "nan", "spike", "hang", "straggler" or "preempted"; ``loss`` with nan and
     # spike, ``slow_rank`` with straggler.
     "failure": ("failure", "loss", "slow_rank"),
     "resumed": ("same_layout",),
-    # A checkpoint newer than the step resumed from was un-committed (``step``: that one).
-    "checkpoint_uncommitted": ("resumed_step",),
 }
 
 

@@ -132,10 +132,12 @@ def _leftovers(store: CheckpointStore, infos: list[CheckpointInfo]
         folder = step_dirname(step)
         sizes = {n: size for n, kind, size in store.storage.listdir(folder) if kind == "file"}
         shown = ", ".join(rest[:3]) + (", ..." if len(rest) > 3 else "")
+        what = ("of a save in flight or of aborted ones (a live job holds the lease)" if live
+                else "of aborted saves")
         rows.append((CheckpointInfo(
             step, LEFTOVER, store.storage.describe(folder), sum(sizes.get(n, 0) for n in rest),
-            problem=f"{len(rest)} file(s) of aborted saves ({shown}); `ckpt gc` removes "
-                    f"them"), {"files": rest}))
+            problem=f"{len(rest)} file(s) {what} ({shown})" +
+                    ("" if live else "; `ckpt gc` removes them")), {"files": rest}))
     return rows
 
 

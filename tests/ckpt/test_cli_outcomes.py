@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.root import acquire_lease, release_lease
+from ckpt.root import LEASE_NAME, acquire_lease, release_lease
 from ckpt.storage import Storage
 from tests.ckpt._helpers import flip_byte
 
@@ -130,6 +131,13 @@ def test_list_all_shows_what_gc_would_remove(root, capsys):
     leftover = [r for r in json.loads(out) if r["status"] == "leftover"]
     assert leftover == [{**leftover[0], "step": 20, "bytes": 40,
                          "files": ["r00001_0123456789ab_0.bin"]}]
+    # While a live job holds the lease, an attempt without a manifest may be its save.
+    storage.write_bytes(LEASE_NAME, json.dumps(
+        {"holder": "h", "job": "train", "host": "node7", "pid": 99,
+         "heartbeat_unix": time.time(), "ttl_seconds": 600}).encode())
+    rc, out, _ = cli(capsys, "list", root, "--all")
+    assert out.count("a save in flight") == 2 and "`ckpt gc` removes" not in out
+    storage.delete(LEASE_NAME)
     assert cli(capsys, "gc", root, "--yes")[0] == 0
     rc, out, _ = cli(capsys, "list", root, "--all")
     assert [line.split()[2] for line in out.splitlines()[1:]] == ["committed", "committed"]

@@ -22,7 +22,6 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
 from ckpt.format import jsonio
 from ckpt.job import read_pins, set_pinned
 from ckpt.root import ROLLED_BACK, CheckpointStore, Lease, Lifecycle
-from ckpt.units import parse_duration
 
 __all__ = ["cmd_pin", "cmd_rollback", "cmd_restore", "cmd_gc"]
 
@@ -88,7 +87,7 @@ def cmd_gc(args) -> int:
     """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
     ``--yes``; either way the root's lease is respected."""
 
-    older = parse_duration(args.older_than) if args.older_than else 0.0
+    older = args.older_than or 0.0
 
     def plan(life) -> tuple[list, list]:
         rolled = []

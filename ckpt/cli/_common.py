@@ -25,7 +25,7 @@ from ckpt.storage import RetryPolicy, Storage
 __all__ = ["UsageError", "storage_options", "open_storage", "open_store", "fmt_bytes",
            "fmt_time", "fmt_seconds", "fmt_loss", "json_safe", "Progress", "info_row",
            "terminal_width", "format_table", "writer", "printable", "arg_type", "retry_policy",
-           "with_unit", "DEFAULT_RETRY_SECONDS", "UNANSWERED_SECONDS", "NOTICE_SECONDS"]
+           "with_unit", "parse_step", "DEFAULT_RETRY_SECONDS", "UNANSWERED_SECONDS", "NOTICE_SECONDS"]
 
 DEFAULT_RETRY_SECONDS = 120.0
 """How long (``--retry-for``) a request the storage throttles is retried: about as patient
@@ -67,6 +67,18 @@ def with_unit(parse: Callable[[str], Any], example: str) -> Callable[[str], Any]
 
     parse_with_unit.__name__ = parse.__name__
     return parse_with_unit
+
+
+def parse_step(text: str) -> int:
+    """A ``--step``: a training step, an integer >= 0."""
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise ValueError(f"invalid step {text!r}: pass a step number (an integer >= 0; "
+                         f"`ckpt list` shows them)")
+    return step
 
 
 def storage_options(args) -> dict[str, Any]:

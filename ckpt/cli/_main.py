@@ -57,7 +57,7 @@ import traceback
 from typing import Sequence
 
 from ckpt.cli._admin import cmd_gc, cmd_pin, cmd_restore, cmd_rollback
-from ckpt.cli._common import arg_type
+from ckpt.cli._common import arg_type, parse_step
 from ckpt.cli._errors import OneLineArgumentParser, error_line
 from ckpt.cli._plan import add_plan_arguments, run_plan
 from ckpt.cli._read import cmd_diff, cmd_export, cmd_history, cmd_list, cmd_show, cmd_verify
@@ -99,14 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "a TIER column; repeat for several nodes' roots")
     sp.set_defaults(fn=cmd_list)
     sp = add("verify", "full checksum pass over one or all checkpoints")
-    sp.add_argument("--step", type=int, help="verify this step's committed checkpoint "
+    sp.add_argument("--step", type=arg_type(parse_step), help="verify this step's committed checkpoint "
                                              "(default: every committed one)")
     sp.add_argument("--id", help="verify one version by id (e.g. a rolled-back one)")
     sp.add_argument("--size-only", action="store_true", help="check sizes, not checksums")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_verify)
     sp = add("show", "what one checkpoint holds: layout, tensors, sizes, metadata, writer")
-    sp.add_argument("--step", type=int, help="default: the newest committed")
+    sp.add_argument("--step", type=arg_type(parse_step), help="default: the newest committed")
     sp.add_argument("--id", help="one version by id (e.g. a rolled-back one)")
     sp.add_argument("--tensors", action="store_true",
                     help="list every tensor's shape, dtype and size")
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_history)
     sp = add("export", "consolidate a checkpoint into one .pt or .safetensors file, or a "
                        "Hugging Face folder")
-    sp.add_argument("--step", type=int, help="default: the newest committed")
+    sp.add_argument("--step", type=arg_type(parse_step), help="default: the newest committed")
     sp.add_argument("--out", help="a .pt/.pth or .safetensors file, or a folder with --format hf")
     sp.add_argument("--format", choices=("pt", "safetensors", "hf"),
                     help="default: from the --out file name; hf: a folder of sharded "
@@ -147,15 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_export)
     sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")
-    sp.add_argument("--step", type=int, required=True, help="the step to pin")
+    sp.add_argument("--step", type=arg_type(parse_step), required=True, help="the step to pin")
     sp.add_argument("--force", action="store_true",
                     help="pin even if the checkpoint fails verification")
     sp.set_defaults(fn=lambda a: cmd_pin(a, True))
     sp = add("unpin", "remove a pin")
-    sp.add_argument("--step", type=int, required=True, help="the step to unpin")
+    sp.add_argument("--step", type=arg_type(parse_step), required=True, help="the step to unpin")
     sp.set_defaults(fn=lambda a: cmd_pin(a, False))
     sp = add("rollback", "make STEP the latest: un-commit newer checkpoints (reversible)")
-    sp.add_argument("--step", type=int, required=True,
+    sp.add_argument("--step", type=arg_type(parse_step), required=True,
                     help="the step to resume from (verified first); newer ones are "
                          "un-committed")
     sp.add_argument("--force", action="store_true",
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("gc", "remove aborted saves' leftovers (and rolled-back checkpoints if asked)")
     sp.add_argument("--rolled-back", action="store_true",
                     help="also remove rolled-back checkpoints")
-    sp.add_argument("--older-than", metavar="DURATION",
+    sp.add_argument("--older-than", metavar="DURATION", type=arg_type(parse_duration),
                     help="with --rolled-back: only those created longer ago (e.g. 7d, 12h)")
     sp.add_argument("--yes", action="store_true", help="remove (default: dry run)")
     sp.add_argument("--force", action="store_true",

@@ -401,7 +401,7 @@ def cmd_export(args) -> int:
             check_out_dir(args.out, force=args.force)
         elif args.out is not None:
             check_out_file(args.out)
-    except ValueError as exc:
+    except (ValueError, FileExistsError) as exc:
         raise UsageError(str(exc)) from None
     progress = Progress("export", args.progress or sys.stderr.isatty())
     store = open_store(args)

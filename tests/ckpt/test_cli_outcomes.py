@@ -157,6 +157,13 @@ def test_expected_errors_read_as_messages(root, tmp_path, capsys):
     assert "Error" not in err and "--debug" not in err and not (tmp_path / "m.pt").exists()
     rc, _, err = cli(capsys, "export", root, "--dtype", "float7", "--out", tmp_path / "m.pt")
     assert rc == 2 and "Error" not in err and "float7" in err
+    rc, _, err = cli(capsys, "gc", root, "--rolled-back", "--older-than", "7x")
+    assert rc == 2 and "Error" not in err and "invalid duration '7x'" in err
+    rc, _, err = cli(capsys, "pin", root, "--step", "-1")
+    assert rc == 2 and "Error" not in err and "invalid step '-1'" in err
+    (tmp_path / "hf" / "x").mkdir(parents=True)
+    rc, _, err = cli(capsys, "export", root, "--format", "hf", "--out", tmp_path / "hf")
+    assert rc == 2 and "Error" not in err and "is a folder that is not empty" in err
 
 
 def test_show_tensors_escapes_control_characters(tmp_path, capsys):

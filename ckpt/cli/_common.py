@@ -25,7 +25,8 @@ from ckpt.storage import RetryPolicy, Storage
 __all__ = ["UsageError", "storage_options", "open_storage", "open_store", "fmt_bytes",
            "fmt_time", "fmt_seconds", "fmt_loss", "json_safe", "Progress", "info_row",
            "terminal_width", "format_table", "writer", "printable", "arg_type", "retry_policy",
-           "with_unit", "parse_step", "DEFAULT_RETRY_SECONDS", "UNANSWERED_SECONDS", "NOTICE_SECONDS"]
+           "with_unit", "parse_step", "DEFAULT_RETRY_SECONDS", "UNANSWERED_SECONDS",
+           "NOTICE_SECONDS"]
 
 DEFAULT_RETRY_SECONDS = 120.0
 """How long (``--retry-for``) a request the storage throttles is retried: about as patient

@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "a TIER column; repeat for several nodes' roots")
     sp.set_defaults(fn=cmd_list)
     sp = add("verify", "full checksum pass over one or all checkpoints")
-    sp.add_argument("--step", type=arg_type(parse_step), help="verify this step's committed checkpoint "
-                                             "(default: every committed one)")
+    sp.add_argument("--step", type=arg_type(parse_step),
+                    help="verify this step's committed checkpoint (default: every committed one)")
     sp.add_argument("--id", help="verify one version by id (e.g. a rolled-back one)")
     sp.add_argument("--size-only", action="store_true", help="check sizes, not checksums")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")

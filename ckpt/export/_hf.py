@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from typing import Iterable
 
@@ -51,6 +52,17 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]
     return shards
 
 
+def _new_file_mode(folder: str) -> int:
+    """The permissions a new file of ``folder`` gets (0o666 less the umask), found by
+    creating one: ``os.umask`` cannot be read without setting it for every thread."""
+    probe = os.path.join(folder, f".mode-{uuid.uuid4().hex[:8]}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        return stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.unlink(probe)
+
+
 def write_hf_folder(out: str, tensors: dict[str, torch.Tensor], attachments: dict[str, bytes],
                     max_shard_bytes: int, force: bool) -> list[str]:
     """Build the folder beside ``out`` and rename it into place; returns its file names.
@@ -72,10 +84,14 @@ def write_hf_folder(out: str, tensors: dict[str, torch.Tensor], attachments: dic
         names = [HF_WEIGHTS_NAME] if n == 1 else \
             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
+        mode = _new_file_mode(tmp)
         for name, keys in zip(names, shards):
             path = os.path.join(tmp, name)
             save_file({k: tensors[k].contiguous() for k in keys}, path,
                       metadata={"format": "pt"})
+            # safetensors writes a private temporary file (0o600) and renames it: give the
+            # shard the permissions the index and attachments get.
+            os.chmod(path, mode)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             weight_map.update((k, name) for k in keys)

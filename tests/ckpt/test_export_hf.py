@@ -377,3 +377,29 @@ def test_hf_attachment_cannot_shadow_the_weights(tmp_path):
     with pytest.raises(ValueError, match="'model.safetensors' has the name of an exported"):
         export(root, 1, str(tmp_path / "hf"), format="hf", select=["m."])
     assert not os.path.exists(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_exported_files_respect_the_umask(tmp_path, umask):
+    """Every exported file (shards, index, attachments, single files) gets the permissions
+    any new file gets under the process's umask, as the folder does."""
+    root = str(tmp_path / "root")
+    ckpt.save({"m": {"a": torch.ones(3000), "b": torch.ones(3000)}}, root, 1,
+              attachments={"config.json": b"{}", "tokenizer.json": b"{}"})
+    old = os.umask(umask)
+    try:
+        export(root, 1, str(tmp_path / "sharded"), format="hf", select=["m."],
+               max_shard_size="13kB")
+        export(root, 1, str(tmp_path / "single"), format="hf", select=["m."])
+        export(root, 1, str(tmp_path / "m.safetensors"), select=["m."],
+               attachments_dir=str(tmp_path / "files"))
+        export(root, 1, str(tmp_path / "all.pt"))
+    finally:
+        os.umask(old)
+    files = [tmp_path / "m.safetensors", tmp_path / "all.pt"]
+    for folder in ("sharded", "single", "files"):
+        assert (tmp_path / folder).stat().st_mode & 0o777 == 0o777 & ~umask, folder
+        files += list((tmp_path / folder).iterdir())
+    assert len(files) == 2 + 5 + 3 + 2
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {p.name: oct(0o666 & ~umask) for p in files}

@@ -51,6 +51,7 @@ from trainer.distributed import (
     DistEnv,
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
+from trainer.hf import hf_attachments
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
@@ -126,6 +127,13 @@ class Trainer:
             self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
         self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
                         if cfg.checkpoint.enabled else None)
+        # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
+        # `ckpt export --format hf` writes a folder from_pretrained loads.
+        self.hf_files = hf_attachments(self.model_cfg) or None
+        if self.manager is not None and self.hf_files is None and env.rank == 0:
+            log.info("model.activation=%r has no Hugging Face architecture (a SwiGLU model is "
+                     "a LlamaForCausalLM): checkpoints carry no config.json, and `ckpt export "
+                     "--format hf` needs --no-config", self.model_cfg.activation)
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
             if self.manager.cadence is not None:
@@ -312,12 +320,14 @@ class Trainer:
                     if self.manager is not None:
                         watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                         self.manager.save(self.step, self.checkpoint_state(), force=True,
-                                          block=True, user_metadata=self._metadata(loss))
+                                          block=True, user_metadata=self._metadata(loss),
+                                          attachments=self.hf_files)
                     exit_code = EXIT_PREEMPTED
                     break
                 if self.manager is not None and self.step < t.steps:
                     self.manager.maybe_save(self.step, self.checkpoint_state(),
-                                            user_metadata=self._metadata(loss))
+                                            user_metadata=self._metadata(loss),
+                                            attachments=self.hf_files)
                     if self.manager.lease_lost:  # agreed by every rank at the save
                         exit_code = EXIT_LEASE_LOST
                         break
@@ -328,7 +338,8 @@ class Trainer:
                     watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                     self.manager.save(self.step, self.checkpoint_state(), force=True,
                                       block=True, user_metadata=self._metadata(
-                                          self.losses[-1][1] if self.losses else None))
+                                          self.losses[-1][1] if self.losses else None),
+                                      attachments=self.hf_files)
         finally:
             watchdog.stop()
             self.preemption.uninstall()

@@ -263,6 +263,8 @@ def cmd_export(args) -> int:
                          "or both")
     if args.format != "hf" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size applies to --format hf only")
+    if args.format != "hf" and args.no_config:
+        raise UsageError("--no-config applies to --format hf only")
     if args.dtype is not None:
         parse_dtype(args.dtype)
     parse_size(args.max_shard_size or "5GB")
@@ -278,7 +280,7 @@ def cmd_export(args) -> int:
     m = export(open_store(args).storage, args.step, args.out, select=args.select,
                progress=progress if args.out is not None else None,
                dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
-               force=args.force, attachments_dir=args.attachments)
+               force=args.force, attachments_dir=args.attachments, no_config=args.no_config)
     if args.out is not None:
         kept = f"{len(args.select)} prefix(es) selected from " if args.select else ""
         print(f"exported step {m.step} ({kept}{len(m.tensors)} tensors) to {args.out}")

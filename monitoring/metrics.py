@@ -184,18 +184,21 @@ class Metrics:
     def observe_store(self, store: Any) -> None:
         """Set the newest commit from ``store`` (a ``ckpt.root.store.CheckpointStore``), read-only.
 
-        Call once at start-up on every rank: checkpoint age and the last committed step then
-        survive restarts instead of being unknown until this process saves. Errors are
-        logged, never raised (monitoring must not stop a job).
+        Call at start-up on every rank: checkpoint age and the last committed step then
+        survive restarts instead of being unknown until this process saves (the trainer
+        calls it again once a resume has settled the store: every rank after the un-commit
+        of damaged steps). Errors are logged, never raised (monitoring must not stop a job).
         """
         try:
             manifest = store.latest(check="none")
         except Exception as exc:  # noqa: BLE001
             log.warning("metrics: could not read the newest checkpoint: %s", exc)
             return
-        if manifest is not None:
-            self.last_step.labels(self.rank, "durable").set(manifest.step)
-            self.last_time.labels(self.rank, "durable").set(manifest.created_unix)
+        # None: nothing committed (any more: a fresh start un-commits damaged steps).
+        self.last_step.labels(self.rank, "durable").set(
+            manifest.step if manifest is not None else -1)
+        self.last_time.labels(self.rank, "durable").set(
+            manifest.created_unix if manifest is not None else self.start_time)
 
     def allow_grace(self, extra_seconds: float) -> None:
         """Raise the stall threshold by ``extra_seconds`` until the next step (the hang

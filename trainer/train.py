@@ -178,7 +178,7 @@ class Trainer:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
                     "(checkpoint.allow_fresh_start_over_damaged is set)."))
-                self._uncommit_newer(-1)
+            self._uncommit_newer(-1)
             return None
         if manifest is None:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
@@ -195,7 +195,7 @@ class Trainer:
             log.info("resumed from %s step %d%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same else f" (saved on layout {manifest.layout}, resharded)")
-            self._uncommit_newer(manifest.step)
+        self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same)
         return manifest.step
 
@@ -216,8 +216,20 @@ class Trainer:
             self.lr_schedule = schedule
 
     def _uncommit_newer(self, step: int) -> None:
-        """Rank 0, after resuming from ``step``: :func:`trainer.checkpointing.uncommit_newer`."""
-        uncommit_newer(self.manager.store, self.events, step)
+        """Every rank, after resuming from ``step`` (-1: a deliberate fresh start): rank 0
+        un-commits the newer checkpoints (:func:`trainer.checkpointing.uncommit_newer`) and
+        every rank waits until it is done, so that no rank reads the store (the metrics'
+        newest committed step) while it still shows them. A failure fails every rank."""
+        failed: Exception | None = None
+        if self.env.rank == 0:
+            try:
+                uncommit_newer(self.manager.store, self.events, step)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                failed = exc
+        if self._agree_any(failed is not None):
+            raise failed or RuntimeError(
+                f"rank 0 could not un-commit the checkpoints newer than step {step} (its log "
+                f"says why)")
 
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:

@@ -160,6 +160,13 @@ def test_checkpoint_age_comes_from_the_store_at_start_up(tmp_path):
     empty = Metrics()
     empty.observe_store(CheckpointStore(str(tmp_path / "none")))  # no checkpoint: unchanged
     assert _value(empty, "ckpt_last_committed_step") == -1
+    # A fresh start over damaged checkpoints un-commits them: none is committed any more,
+    # and the series says so instead of keeping the step read at start-up.
+    assert sorted(s for s, _, exc in CheckpointStore(root).uncommit_newer(-1) if exc is None) \
+        == [7, 9]
+    m.observe_store(CheckpointStore(root))
+    assert _value(m, "ckpt_last_committed_step") == -1
+    assert _value(m, "ckpt_last_commit_timestamp_seconds") == m.start_time
 
 
 def test_serve_binds_the_config_default_and_local_rank_ports(monkeypatch):

@@ -125,8 +125,15 @@ class Trainer:
             log.info("rank %d metrics on http://%s:%d/metrics", env.rank, m.host, port)
         if cfg.metrics.jsonl_path and env.rank == 0:
             self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
-        self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
-                        if cfg.checkpoint.enabled else None)
+        try:
+            self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
+                            if cfg.checkpoint.enabled else None)
+        except LeaseHeldError:
+            # Another job holds the root: for the alerts, as a lost lease (seen by a scrape
+            # before the exit, and newer than this start: CheckpointLeaseLost keeps firing).
+            self.events.emit("lease_lost", None, reason="held by another job at start")
+            self._end_metrics(EXIT_LEASE_LOST)
+            raise
         # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
         # `ckpt export --format hf` writes a folder from_pretrained loads.
         self.hf_files = hf_attachments(self.model_cfg) or None
@@ -295,6 +302,7 @@ class Trainer:
         watchdog.start()
         tokens_per_step = t.global_batch_size * t.seq_len
         exit_code = EXIT_OK
+        crashed = True
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
@@ -352,14 +360,27 @@ class Trainer:
                                       block=True, user_metadata=self._metadata(
                                           self.losses[-1][1] if self.losses else None),
                                       attachments=self.hf_files)
+            crashed = False
         finally:
             watchdog.stop()
             self.preemption.uninstall()
             if self.manager is not None:
                 self.manager.close(flush=True)
-            if self.metrics is not None:
+            if crashed and self.metrics is not None:
                 self.metrics.shutdown()
-        return self._checked_exit(exit_code)
+        exit_code = self._checked_exit(exit_code)
+        self._end_metrics(exit_code)
+        return exit_code
+
+    def _end_metrics(self, exit_code: int) -> None:
+        """Say how the run ended (``run_ended``) and stop serving metrics. A finished run
+        and a lost lease keep serving ``metrics.linger_seconds`` first, so that a scrape
+        sees them: the alerts tell a finished job from a dead one (TrainingJobDown) and
+        keep a lost lease firing after the exit (CheckpointLeaseLost) by what they saw."""
+        self.events.emit("run_ended", self.step, exit_code=exit_code)
+        if self.metrics is not None:
+            self.metrics.shutdown(linger_seconds=self.cfg.metrics.linger_seconds if exit_code
+                                  in (EXIT_OK, EXIT_LEASE_LOST) else 0.0)
 
     def _checked_exit(self, exit_code: int) -> int:
         """Exit 0 only when the last step is committed; otherwise a code and one line why."""

@@ -66,7 +66,8 @@ def _fallback_job(rank: int, world: int, root: str, metrics_port: int) -> dict:
         newest.append(self.registry.get_sample_value(
             "ckpt_last_committed_step", {"rank": self.rank, "tier": "durable"}))
     Metrics.observe_store = observe_and_record
-    trainer = _trainer(rank, world, root, f"--metrics.port={metrics_port}")
+    trainer = _trainer(rank, world, root, f"--metrics.port={metrics_port}",
+                       "--metrics.linger_seconds=0")
     resumed: list[int] = []
     trainer.events.subscribe(lambda e: resumed.append(e.step) if e.kind == "resumed" else None)
     code = trainer.fit()

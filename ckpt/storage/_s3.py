@@ -12,7 +12,8 @@ Writes (:meth:`S3Backend.write`, and the conditional writes) go through a blocki
 botocore client built from the s3fs filesystem's own settings (:func:`write_client`), on
 the writer's thread: s3fs runs every request of a process on one event-loop thread, which
 then signs (SHA-256 over plain HTTP), checksums and sends every body alone while the other
-cores wait. Reads, listings and deletes stay on s3fs.
+cores wait. So do whole-object reads (one GET, without s3fs's size request first). Ranged
+reads, listings and deletes stay on s3fs.
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def _request_args(fs: Any, client: Any, method: str, params: dict[str, Any]) -> 
 
 
 class S3Backend(FsspecBackend):
-    """Objects under ``s3://bucket/prefix``. Existence, sizes, reads, listings and deletes are
-    s3fs's; writes are blocking botocore requests made here (:func:`write_client`), on the
-    calling thread. There are no folders."""
+    """Objects under ``s3://bucket/prefix``. Existence, sizes, ranged reads, listings and
+    deletes are s3fs's; writes and whole-object reads are blocking botocore requests made
+    here (:func:`write_client`), on the calling thread. There are no folders."""
 
     has_folders = False
 
@@ -185,13 +186,15 @@ class S3Backend(FsspecBackend):
         pass  # a prefix without objects does not exist
 
     def read(self, rel: str, start: int | None, end: int | None) -> bytes:
-        """One GET. A whole-object read does not ask the object's size first (s3fs would,
-        to read a large object in parallel ranges): the whole objects read here are small
-        records (manifests, markers, the lease, pins, fence files), and a missing one is
-        then one request too (s3fs's size check would also list its "folder")."""
-        if start is None and end is None:
-            return self.fs.cat_file(self.path(rel), max_concurrency=1)
-        return super().read(rel, start, end)
+        """A whole object is one GET of the blocking client: s3fs asks the object's size
+        first (to read a large object in parallel ranges), and on a missing object lists
+        its "folder" too, while the whole objects read here are small records (manifests,
+        markers, the lease, pins, fence files). Ranges are s3fs's."""
+        if start is not None or end is not None:
+            return super().read(rel, start, end)
+        resp = self._call("get_object", rel)
+        with contextlib.closing(resp["Body"]) as body:
+            return body.read()
 
     def delete_many(self, rels: Sequence[str]) -> None:
         """S3's bulk delete: one request per 1,000 keys."""

@@ -34,6 +34,11 @@ earlier generations through it (``acquire_lease``). A writer learns that its com
 by renewing the lease *after* the manifest exists: a renewal that succeeds proves that no
 takeover (and so no closing of its generation) came before it.
 
+The writer's requests per save are few on purpose (docs/performance.md, "Storage requests
+and collectives per save"): it knows which steps hold a manifest (``known_committed``:
+listed once, then kept by its own transitions, since only the lease holder makes them), it
+does not read back what it committed and proved, and it deletes in bulk.
+
 Size: the state machine, every file name and every transition are kept in this one module
 on purpose, so that the life-cycle reads top to bottom in one place.
 """

@@ -45,7 +45,14 @@ from ckpt.format import Manifest
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
-from ckpt.job.gate import SaveGate, observe_step, report_busy_skip, report_lease_lost, use_slot
+from ckpt.job.gate import (
+    SaveChecks,
+    SaveGate,
+    observe_step,
+    report_busy_skip,
+    report_lease_lost,
+    use_slot,
+)
 from ckpt.job.persist import Persister
 from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
@@ -96,7 +103,8 @@ class CheckpointManager:
             raise ValueError("max_attempts must be >= 1")
         self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
         self.storage.makedirs("")  # the lease and the first save need the root to exist
-        self.life = Lifecycle(self.storage)
+        # A commit's marker goes with the next retention's deletions (Commits.record).
+        self.life = Lifecycle(self.storage, defer_marker_removal=True)
         self.store = CheckpointStore(self.storage, lifecycle=self.life)
         self.distributed = dist.is_available() and dist.is_initialized()
         # The rank within the checkpointed group: rank 0 of it coordinates (lease, commit).
@@ -124,7 +132,7 @@ class CheckpointManager:
         self._ctl_group, self._bg_group = private_groups(process_group, self.distributed)
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
         self._persister = Persister(
-            self.life, self.events, Agreement(self._bg_group), self._bg_group, rank=self.rank,
+            self.life, self.events, self._bg_group, rank=self.rank,
             max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
             num_threads=num_threads, layout=self.layout, abandon=self._abandon)
         if self.distributed:
@@ -145,7 +153,7 @@ class CheckpointManager:
             retention = [KeepLast(3), KeepPinned(self.store)]
         self._commits = Commits(self.events, self.store, self._claim, retention,
                                 coordinator=self.rank == 0)
-        self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
+        self._gate = SaveGate(self._ctl, self.life, self.rank == 0)
 
     # -- the claim on the root and the commits, as callers see them ---------------------------
     @property
@@ -206,14 +214,22 @@ class CheckpointManager:
         Returns True if a save was started (or completed, when not async). ``attachments``:
         as for :meth:`save`.
         """
-        if not self.due(step, state):
+        # A time-based cadence agrees its due check; the save's checks ride along.
+        due, checks = self._due(step, state, with_checks=True)
+        if not due:
             return False
-        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
+        return self._save(step, state, checks, user_metadata=user_metadata,
+                          attachments=attachments)
 
     def due(self, step: int, state: dict[str, Any]) -> bool:
         """The decision half of :meth:`maybe_save` (collective; same result on every rank):
         observe the step, then ask the cadence. Call once per step, then :meth:`save` when
         True (``maybe_save`` does both; ``ckpt.job.tiers`` decides for two managers first)."""
+        return self._due(step, state, with_checks=False)[0]
+
+    def _due(self, step: int, state: dict[str, Any], *, with_checks: bool
+             ) -> tuple[bool, SaveChecks | None]:
+        """``due``; ``with_checks``: and the save's checks when agreed along with it."""
         observe_step(self.step_times, self.cadence, self.history, time.monotonic(),
                      busy=self.in_flight())
         if self.num_saves == 0 and not self._prepare_started:
@@ -221,11 +237,22 @@ class CheckpointManager:
             # training runs, so that even the first save's stall is only the copy.
             self._prepare_started = True
             self._slot.executor.submit(self.staging.prepare, api.resolve_state(state))
-        want = self._gate.due(self.cadence, step)  # agreed when time-based (ckpt.job.gate)
+        checks = None
+        if with_checks:  # agreed when time-based (ckpt.job.gate)
+            want, checks = self._gate.due_with_checks(self.cadence, step,
+                                                      **self._check_inputs(False))
+        else:
+            want = self._gate.due(self.cadence, step)
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
-        return want
+        return want, checks
+
+    def _check_inputs(self, busy_elsewhere: bool) -> dict[str, Any]:
+        """This rank's side of the checks a save agrees (``SaveGate.agree``)."""
+        return dict(busy=self.in_flight() or busy_elsewhere, lease_lost=self._claim.lost,
+                    pending_failure=self.raise_on_failure and self._slot.failure is not None,
+                    last_committed=self.last_committed)
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
@@ -244,14 +271,22 @@ class CheckpointManager:
         (``ckpt.job.tiers``: another node's save of the same tier is still in flight, and every
         node must save the same steps).
         """
+        return self._save(step, state, None, user_metadata=user_metadata, block=block,
+                          force=force, attachments=attachments, reuse=reuse,
+                          busy_elsewhere=busy_elsewhere)
+
+    def _save(self, step: int, state: dict[str, Any], checks: SaveChecks | None, *,
+              user_metadata: dict[str, Any] | None = None, block: bool = False,
+              force: bool = False, attachments: dict[str, Any] | None = None,
+              reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
+        """``save``; ``checks``: agreed already (with the due check), else agreed here."""
         attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
-        busy, exists, lost, failed = self._gate.agree(
-            step, cadence=self.cadence, busy=self.in_flight() or busy_elsewhere,
-            lease_lost=self._claim.lost,
-            pending_failure=self.raise_on_failure and self._slot.failure is not None,
-            last_committed=self.last_committed)
+        if checks is None:
+            checks = self._gate.agree(step, cadence=self.cadence,
+                                      **self._check_inputs(busy_elsewhere))
+        busy, exists, lost, failed = checks
         if failed:
             self._slot.raise_agreed_failure()
         if lost:
@@ -397,7 +432,10 @@ class CheckpointManager:
         try:
             self._slot.close()
         finally:
-            self._claim.release()
+            try:  # the uptime since the last commit's write (written at most once a minute)
+                self._claim.save_history()
+            finally:
+                self._claim.release()
             self.free_groups()
             # The persist thread is done with the staged copy (and so is another tier
             # that persisted ``last_staged``): free the host memory it took.
@@ -411,7 +449,6 @@ class CheckpointManager:
         destroy them and drop every reference (``ckpt.ranks.groups`` says why both)."""
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
         self._ctl.close()
-        self._persister.agreement.close()
         self._persister.group = None
         freed(self)
         if self.distributed:

@@ -87,6 +87,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # spike, ``slow_rank`` with straggler.
     "failure": ("failure", "loss", "slow_rank"),
     "resumed": ("same_layout",),
+    # The run is over and the process is about to exit with ``exit_code`` (every rank; 0:
+    # trained to the end with the last step committed). Not emitted when it crashed.
+    "run_ended": ("exit_code",),
 }
 
 

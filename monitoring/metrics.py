@@ -144,6 +144,9 @@ class Metrics:
         self.retention_failed = counter("ckpt_retention_failures_total",
                                         "Retention deletes that failed")
         self.lease_lost = counter("ckpt_lease_lost_total", "Times the write lease was lost")
+        self.lease_lost_time = gauge("ckpt_lease_lost_timestamp_seconds",
+                                     "Unix time this process lost the write lease (or found it "
+                                     "held by another job at start); 0 = never")
         self.interval_steps = gauge("ckpt_interval_steps",
                                     "Current checkpoint interval (steps); 0 = unknown")
         self.interval_seconds = gauge("ckpt_interval_seconds",
@@ -165,6 +168,9 @@ class Metrics:
                                      startup_seconds)
         self.process_start = gauge("train_process_start_timestamp_seconds",
                                    "Unix time this process started exporting", self.start_time)
+        self.completed = gauge("train_completed_timestamp_seconds",
+                               "Unix time the run ended with its last step committed (exit 0); "
+                               "0 until then")
         self.failures = counter("train_failures_total", "Detected failures by kind", ["kind"],
                                 [(k,) for k in FAILURE_KINDS])
         self.resumes = counter("train_resumes_total", "Resumes from a checkpoint")
@@ -184,18 +190,21 @@ class Metrics:
     def observe_store(self, store: Any) -> None:
         """Set the newest commit from ``store`` (a ``ckpt.root.store.CheckpointStore``), read-only.
 
-        Call once at start-up on every rank: checkpoint age and the last committed step then
-        survive restarts instead of being unknown until this process saves. Errors are
-        logged, never raised (monitoring must not stop a job).
+        Call at start-up on every rank: checkpoint age and the last committed step then
+        survive restarts instead of being unknown until this process saves (the trainer
+        calls it again once a resume has settled the store: every rank after the un-commit
+        of damaged steps). Errors are logged, never raised (monitoring must not stop a job).
         """
         try:
             manifest = store.latest(check="none")
         except Exception as exc:  # noqa: BLE001
             log.warning("metrics: could not read the newest checkpoint: %s", exc)
             return
-        if manifest is not None:
-            self.last_step.labels(self.rank, "durable").set(manifest.step)
-            self.last_time.labels(self.rank, "durable").set(manifest.created_unix)
+        # None: nothing committed (any more: a fresh start un-commits damaged steps).
+        self.last_step.labels(self.rank, "durable").set(
+            manifest.step if manifest is not None else -1)
+        self.last_time.labels(self.rank, "durable").set(
+            manifest.created_unix if manifest is not None else self.start_time)
 
     def allow_grace(self, extra_seconds: float) -> None:
         """Raise the stall threshold by ``extra_seconds`` until the next step (the hang
@@ -288,6 +297,10 @@ class Metrics:
             self.retention_failed.labels(rk).inc()
         elif k == "lease_lost":
             self.lease_lost.labels(rk).inc()
+            self.lease_lost_time.labels(rk).set(ev.time)
+        elif k == "run_ended":
+            if f.get("exit_code") == 0:
+                self.completed.labels(rk).set(ev.time)
         elif k == "cadence":
             if f.get("interval_steps"):
                 self._cadence_steps = float(f["interval_steps"])
@@ -341,7 +354,12 @@ class Metrics:
         self._server = server
         return server.server_port
 
-    def shutdown(self) -> None:
+    def shutdown(self, linger_seconds: float = 0.0) -> None:
+        """Stop serving, after ``linger_seconds`` more of it: at least one scrape interval
+        when the last state must be seen (the run's end, a lost lease), since Prometheus
+        drops a target's series at the first scrape that finds it gone."""
+        if linger_seconds > 0 and getattr(self, "_server", None) is not None:
+            time.sleep(linger_seconds)
         server = getattr(self, "_server", None)
         if server is not None:
             server.shutdown()

@@ -50,6 +50,7 @@ from trainer.distributed import (
     DistEnv,
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
+from trainer.hf import hf_attachments
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
@@ -123,8 +124,22 @@ class Trainer:
             log.info("rank %d metrics on http://%s:%d/metrics", env.rank, m.host, port)
         if cfg.metrics.jsonl_path and env.rank == 0:
             self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
-        self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
-                        if cfg.checkpoint.enabled else None)
+        try:
+            self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
+                            if cfg.checkpoint.enabled else None)
+        except LeaseHeldError:
+            # Another job holds the root: for the alerts, as a lost lease (seen by a scrape
+            # before the exit, and newer than this start: CheckpointLeaseLost keeps firing).
+            self.events.emit("lease_lost", None, reason="held by another job at start")
+            self._end_metrics(EXIT_LEASE_LOST)
+            raise
+        # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
+        # `ckpt export --format hf` writes a folder from_pretrained loads.
+        self.hf_files = hf_attachments(self.model_cfg) or None
+        if self.manager is not None and self.hf_files is None and env.rank == 0:
+            log.info("model.activation=%r has no Hugging Face architecture (a SwiGLU model is "
+                     "a LlamaForCausalLM): checkpoints carry no config.json, and `ckpt export "
+                     "--format hf` needs --no-config", self.model_cfg.activation)
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
             if self.manager.cadence is not None:
@@ -169,7 +184,7 @@ class Trainer:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
                     "(checkpoint.allow_fresh_start_over_damaged is set)."))
-            self.manager.uncommit_newer(-1)  # rank 0 acts
+            self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
             return None
         if manifest is None:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
@@ -269,6 +284,7 @@ class Trainer:
         watchdog.start()
         tokens_per_step = t.global_batch_size * t.seq_len
         exit_code = EXIT_OK
+        crashed = True
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
@@ -310,7 +326,8 @@ class Trainer:
                     break
                 if self.manager is not None and self.step < t.steps:
                     self.manager.maybe_save(self.step, self.checkpoint_state(),
-                                            user_metadata=self._metadata(loss))
+                                            user_metadata=self._metadata(loss),
+                                            attachments=self.hf_files)
                     if self.manager.lease_lost:  # agreed by every rank at the save
                         exit_code = EXIT_LEASE_LOST
                         break
@@ -320,14 +337,27 @@ class Trainer:
                     # A blocking save is slow, not hung: the watchdog gives it time.
                     watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                     self._forced_save(self.losses[-1][1] if self.losses else None)
+            crashed = False
         finally:
             watchdog.stop()
             self.preemption.uninstall()
             if self.manager is not None:
                 self.manager.close(flush=True)
-            if self.metrics is not None:
+            if crashed and self.metrics is not None:
                 self.metrics.shutdown()
-        return self._checked_exit(exit_code)
+        exit_code = self._checked_exit(exit_code)
+        self._end_metrics(exit_code)
+        return exit_code
+
+    def _end_metrics(self, exit_code: int) -> None:
+        """Say how the run ended (``run_ended``) and stop serving metrics. A finished run
+        and a lost lease keep serving ``metrics.linger_seconds`` first, so that a scrape
+        sees them: the alerts tell a finished job from a dead one (TrainingJobDown) and
+        keep a lost lease firing after the exit (CheckpointLeaseLost) by what they saw."""
+        self.events.emit("run_ended", self.step, exit_code=exit_code)
+        if self.metrics is not None:
+            self.metrics.shutdown(linger_seconds=self.cfg.metrics.linger_seconds if exit_code
+                                  in (EXIT_OK, EXIT_LEASE_LOST) else 0.0)
 
     def _forced_save(self, loss: float | None) -> None:
         """Save this step now, blocking (preemption, the last step). A save that cannot
@@ -335,7 +365,7 @@ class Trainer:
         :meth:`_checked_exit` turns it into the exit code."""
         try:
             self.manager.save(self.step, self.checkpoint_state(), force=True, block=True,
-                              user_metadata=self._metadata(loss))
+                              user_metadata=self._metadata(loss), attachments=self.hf_files)
         except LeaseLostError:
             pass  # logged by the manager; the exit code says it
         except FileExistsError as exc:

@@ -11,9 +11,10 @@
     ckpt export URL [--step N] --out FILE(.pt|.safetensors) [--select PREFIX ...]
                     [--dtype bf16] [--attachments DIR]
     ckpt export URL [--step N] --format hf --out DIR [--select PREFIX] [--dtype bf16]
-                    [--max-shard-size 5GB] [--force]
+                    [--max-shard-size 5GB] [--force] [--no-config]
                                     (a Hugging Face folder: sharded safetensors, index and the
-                                     checkpoint's attachments, e.g. config.json)
+                                     checkpoint's attachments; refused without a config.json
+                                     attachment unless --no-config)
     ckpt pin URL --step N [--force] / ckpt unpin URL --step N
                                     (pin verifies every checksum first; --force pins a
                                      damaged checkpoint anyway)
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="replace a non-empty --out folder / existing attachment files")
     sp.add_argument("--attachments", metavar="DIR",
                     help="also write the checkpoint's attachments into DIR")
+    sp.add_argument("--no-config", action="store_true",
+                    help="with --format hf: export a checkpoint without a config.json "
+                         "attachment (the weights alone; from_pretrained needs a config)")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_export)
     sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")

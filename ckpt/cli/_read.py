@@ -390,6 +390,8 @@ def cmd_export(args) -> int:
                          "or both")
     if args.format != "hf" and args.max_shard_size is not None:
         raise UsageError("--max-shard-size applies to --format hf only")
+    if args.format != "hf" and args.no_config:
+        raise UsageError("--no-config applies to --format hf only")
     try:  # before reading any checkpoint data
         with_unit(parse_size, "GB")(args.max_shard_size or "5GB")
     except ValueError as exc:
@@ -409,7 +411,8 @@ def cmd_export(args) -> int:
         m = export(store.storage, args.step, args.out, select=args.select,
                    progress=progress if args.out is not None else None, dtype=args.dtype,
                    format=args.format, max_shard_size=args.max_shard_size or "5GB",
-                   force=args.force, attachments_dir=args.attachments)
+                   force=args.force, attachments_dir=args.attachments,
+                   no_config=args.no_config)
     except CheckpointError:
         raise
     except (ValueError, FileExistsError) as exc:  # --select, --dtype, names, files in the way

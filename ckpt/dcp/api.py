@@ -138,6 +138,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          num_threads: int | None = None, durable: bool = True, resolved: bool = False,
          use_lease: bool = True, lifecycle: Lifecycle | None = None,
          before_commit: Callable[[], None] | None = None,
+         before_write: Callable[[], None] | None = None,
          save_id: str | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
          cost: SaveCost | None = None) -> Manifest | None:
@@ -151,7 +152,10 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     takes it (``LeaseHeldError`` on every rank when another live job holds it) and
     releases it after the commit. ``lifecycle``: write through one that already holds the
     lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
-    ``save_id``: this attempt's id (default: a fresh random one). ``attachments``: small
+    ``save_id``: this attempt's id (default: a fresh random one). ``before_write``: called
+    on every rank before anything of the save is written (inside DCP's first collective):
+    raising there fails the save on every rank alike, with no collective of its own;
+    ``before_commit``: on the coordinator, right before the commit. ``attachments``: small
     files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.dcp.attachments`);
     the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
     :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created on this thread).
@@ -169,7 +173,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
              "user_metadata": dict(user_metadata or {})}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
                         lifecycle=lifecycle, manifest_extra=extra, durable=durable,
-                        before_commit=before_commit, save_id=save_id, attachments=attached,
+                        before_commit=before_commit, before_write=before_write,
+                        save_id=save_id, attachments=attached,
                         cost=cost)
     try:
         with warnings.catch_warnings(), writer.cost.collective_scope():

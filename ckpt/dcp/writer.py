@@ -64,10 +64,12 @@ class CkptWriter(StorageWriter):
                  num_threads: int | None = None, lifecycle: Lifecycle | None = None,
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  before_commit: Callable[[], None] | None = None,
+                 before_write: Callable[[], None] | None = None,
                  attachments: dict[str, bytes | str] | None = None, cost: Any = None):
         super().__init__()
         self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
         self.before_commit = before_commit
+        self.before_write = before_write
         # Checked by ckpt.dcp.attachments.check_attachments; written by the coordinator only.
         self.attachments = dict(attachments or {})
         self._attached: dict[str, Attachment] = {}
@@ -98,8 +100,12 @@ class CkptWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank, before any byte of the save is written (the attempt's marker
-        included): refuse a tensor whose dtype the format cannot hold. Found later, at the
-        commit, it would cost every rank a whole write for nothing."""
+        included): ``before_write`` (it may refuse the save), then refuse a tensor whose
+        dtype the format cannot hold. Found later, at the commit, it would cost every rank a
+        whole write for nothing. Raising here fails the save on every rank: DCP gathers
+        each rank's outcome of this step."""
+        if self.before_write is not None:
+            self.before_write()
         unsupported = sorted({(item.index.fqn, str(item.tensor_data.properties.dtype))
                               for item in plan.items if item.tensor_data is not None
                               and item.tensor_data.properties.dtype not in _FORMAT_DTYPES})

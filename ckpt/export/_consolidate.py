@@ -49,7 +49,11 @@ from ckpt.export._files import (
     write_attachment_files,
 )
 from ckpt.export._hf import (
+    HF_EXPORT_NAME,
     check_hf_attachment_names,
+    check_hf_config,
+    read_hf_names,
+    rename_keys,
     write_hf_folder,
 )
 from ckpt.export._select import cast_floats, nest, parse_dtype, select_keys
@@ -160,11 +164,15 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
            progress: Callable[[int, int], None] | None = None,
            select: Sequence[str] | None = None, dtype: str | torch.dtype | None = None,
            format: str | None = None, max_shard_size: str | int = "5GB",
-           force: bool = False, attachments_dir: str | None = None) -> Manifest:
+           force: bool = False, attachments_dir: str | None = None,
+           no_config: bool = False) -> Manifest:
     """Write checkpoint ``step`` (None: newest committed) to ``out``, atomically.
 
     ``format``: ``"pt"``, ``"safetensors"`` (default: from ``out``'s suffix) or ``"hf"``
-    (``out`` is a folder; refused when it exists and is not empty unless ``force``).
+    (``out`` is a folder; refused when it exists and is not empty unless ``force``, and
+    when the checkpoint has no ``config.json`` attachment unless ``no_config``; a
+    checkpoint's ``hf_export.json`` attachment gives the default selection and the
+    Hugging Face names of the weights, see :mod:`ckpt.export._hf`).
     ``select``: key prefixes to keep, stripped (:func:`select_keys`); ``dtype``: cast
     floating tensors (``"bf16"``, ``torch.float16`` ...). ``max_shard_size`` (hf only): the
     largest shard, e.g. ``"5GB"`` (powers of 1000) or ``"512MiB"``. ``attachments_dir``:
@@ -184,8 +192,16 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
         check_out_dir(out, force=force)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     manifest = _manifest(storage, step)
+    source = f"step {manifest.step}"
     if fmt == "hf":
         check_hf_attachment_names(manifest.attachments)
+        check_hf_config(manifest.attachments, source, no_config)
+    # Attachments are read (and verified) before any tensor, and written after the weights.
+    attached = _read_attachments(storage, manifest) \
+        if fmt == "hf" or attachments_dir is not None else {}
+    names = None
+    if fmt == "hf":
+        select, names = read_hf_names(attached, select, source)
         keys = select_keys([*manifest.tensors, *manifest.objects], select,
                            f"step {manifest.step}") if select \
             else {k: k for k in [*manifest.tensors, *manifest.objects]}
@@ -194,15 +210,17 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
             raise ValueError(f"--format hf holds tensors only, and {objects[0]!r} (of "
                              f"{len(objects)} such keys) is not a tensor; use --select to keep "
                              f"the model's weights, e.g. --select app.model.")
-    # Attachments are read (and verified) before any tensor, and written after the weights.
-    attached = _read_attachments(storage, manifest) \
-        if fmt == "hf" or attachments_dir is not None else {}
+        if names is not None:
+            rename_keys(keys, names, source)  # every key named, before anything is read
     if attachments_dir is not None:
         check_no_clash(attached, attachments_dir, force)
     if out is not None:
+        # The names file says how to export; it is not part of the Hugging Face folder.
+        folder_files = {k: v for k, v in attached.items() if k != HF_EXPORT_NAME}
         _export_weights(storage, manifest, out, fmt, verify=verify, select=select,
-                        cast_to=cast_to, attached=attached, max_shard_bytes=max_shard_bytes,
-                        force=force, progress=progress)
+                        cast_to=cast_to, attached=folder_files,
+                        max_shard_bytes=max_shard_bytes, force=force, progress=progress,
+                        names=names)
     if attachments_dir is not None:
         write_attachment_files(attached, attachments_dir, force)
     return manifest
@@ -222,10 +240,13 @@ def _check_safetensors_shapes(state: dict[str, Any]) -> None:
 def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *, verify: str,
                     select: Sequence[str] | None, cast_to: torch.dtype | None,
                     attached: dict[str, bytes], max_shard_bytes: int, force: bool,
-                    progress: Callable[[int, int], None] | None = None) -> None:
+                    progress: Callable[[int, int], None] | None = None,
+                    names: dict[str, str] | None = None) -> None:
     state, manifest = consolidate(storage, manifest, verify=verify, select=select,
                                   nested=False, progress=progress)
     state = cast_floats(state, cast_to)
+    if names is not None:
+        state = rename_keys(state, names, f"step {manifest.step}")
     if fmt in ("safetensors", "hf"):
         _check_safetensors_shapes(state)
     if fmt == "hf":

@@ -3,6 +3,12 @@
 ``max_shard_bytes``, plus the checkpoint's attachments (``config.json``, tokenizer files),
 so ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
 
+``from_pretrained`` needs ``config.json``: :func:`check_hf_config` refuses a checkpoint
+without one (unless the caller asks for the weights alone). A checkpoint whose model names
+its weights otherwise than the Hugging Face class does carries ``hf_export.json``
+(:data:`HF_EXPORT_NAME`): ``{"select": PREFIX, "names": {key: Hugging Face key}}``, read by
+:func:`read_hf_names`; it is not copied into the folder.
+
 The folder is built in a fresh temporary folder beside ``out`` and renamed into place, so
 a failure never leaves a folder that looks complete.
 """
@@ -13,18 +19,24 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from ckpt.export._files import check_out_dir
+from ckpt.format import jsonio
 from ckpt.storage import fsync_dir, write_new_file
 
-__all__ = ["HF_WEIGHTS_NAME", "HF_INDEX_NAME", "check_hf_attachment_names", "write_hf_folder"]
+__all__ = ["HF_WEIGHTS_NAME", "HF_INDEX_NAME", "HF_CONFIG_NAME", "HF_EXPORT_NAME",
+           "check_hf_attachment_names", "check_hf_config", "read_hf_names", "rename_keys",
+           "write_hf_folder"]
 
 HF_WEIGHTS_NAME = "model.safetensors"
 HF_INDEX_NAME = "model.safetensors.index.json"
+HF_CONFIG_NAME = "config.json"
+HF_EXPORT_NAME = "hf_export.json"
 _HF_SHARD_RE = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
 
 
@@ -34,6 +46,61 @@ def check_hf_attachment_names(names: Iterable[str]) -> None:
         if name in (HF_WEIGHTS_NAME, HF_INDEX_NAME) or _HF_SHARD_RE.match(name):
             raise ValueError(f"attachment {name!r} has the name of an exported weights file; "
                              f"export it with --attachments DIR to another folder instead")
+
+
+def check_hf_config(names: Iterable[str], source: str, no_config: bool) -> None:
+    """Refuse a folder ``from_pretrained`` cannot load: no ``config.json`` among the
+    attachments ``names`` of checkpoint ``source``, unless ``no_config``."""
+    if no_config or HF_CONFIG_NAME in names:
+        return
+    raise ValueError(f"{source} has no {HF_CONFIG_NAME} attachment, so from_pretrained "
+                     f"could not load the folder (\"Unrecognized model\"); save the model's "
+                     f"config with the checkpoint (attachments={{'{HF_CONFIG_NAME}': ...}}), or "
+                     f"pass --no-config (no_config=True) to export the weights alone")
+
+
+def _normalize(prefixes: Sequence[str]) -> list[str]:
+    return sorted(p if p.endswith(".") else p + "." for p in prefixes)
+
+
+def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, source: str
+                  ) -> tuple[Sequence[str] | None, dict[str, str] | None]:
+    """The selection and the renaming an hf export of checkpoint ``source`` applies.
+
+    Without ``hf_export.json`` among ``attached``: ``(select, None)``. With it, its prefix
+    is the selection when ``select`` is None, and its names apply when the selection is
+    that prefix (another selection keeps the keys as they are). ``ValueError`` naming the
+    attachment and field when it is malformed (it comes from storage: untrusted).
+    """
+    data = attached.get(HF_EXPORT_NAME)
+    if data is None:
+        return select, None
+    where = f"{source} attachment {HF_EXPORT_NAME}"
+    doc = jsonio.loads(data, where)
+    prefix = doc.get("select") if isinstance(doc, dict) else None
+    names = doc.get("names") if isinstance(doc, dict) else None
+    if not isinstance(prefix, str) or not prefix.strip("."):
+        raise ValueError(f"{where}: 'select' must be a key prefix such as 'app.model.'; "
+                         f"export with --select and --no-config, or fix the attachment")
+    if not isinstance(names, dict) or not all(isinstance(v, str) and v for v in names.values()):
+        raise ValueError(f"{where}: 'names' must map each key to a non-empty name; export "
+                         f"with --select and --no-config, or fix the attachment")
+    if len(set(names.values())) != len(names):
+        raise ValueError(f"{where}: 'names' gives two keys one name; fix the attachment")
+    if select is None:
+        return [prefix], names
+    return select, (names if _normalize(select) == _normalize([prefix]) else None)
+
+
+def rename_keys(tensors: dict[str, Any], names: dict[str, str], source: str
+                ) -> dict[str, Any]:
+    """``tensors`` under their Hugging Face names; every key must have one."""
+    unnamed = [k for k in tensors if k not in names]
+    if unnamed:
+        raise ValueError(f"{source} attachment {HF_EXPORT_NAME} names no Hugging Face key "
+                         f"for {unnamed[0]!r} ({len(unnamed)} key(s) unnamed); fix the "
+                         f"attachment, or export another --select")
+    return {names[k]: v for k, v in tensors.items()}
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -49,6 +116,17 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]
         shards[-1].append(key)
         size += nbytes
     return shards
+
+
+def _new_file_mode(folder: str) -> int:
+    """The permissions a new file of ``folder`` gets (0o666 less the umask), found by
+    creating one: ``os.umask`` cannot be read without setting it for every thread."""
+    probe = os.path.join(folder, f".mode-{uuid.uuid4().hex[:8]}")
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        return stat.S_IMODE(os.stat(probe).st_mode)
+    finally:
+        os.unlink(probe)
 
 
 def write_hf_folder(out: str, tensors: dict[str, torch.Tensor], attachments: dict[str, bytes],
@@ -72,10 +150,14 @@ def write_hf_folder(out: str, tensors: dict[str, torch.Tensor], attachments: dic
         names = [HF_WEIGHTS_NAME] if n == 1 else \
             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map: dict[str, str] = {}
+        mode = _new_file_mode(tmp)
         for name, keys in zip(names, shards):
             path = os.path.join(tmp, name)
             save_file({k: tensors[k].contiguous() for k in keys}, path,
                       metadata={"format": "pt"})
+            # safetensors writes a private temporary file (0o600) and renames it: give the
+            # shard the permissions the index and attachments get.
+            os.chmod(path, mode)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             weight_map.update((k, name) for k in keys)

@@ -68,28 +68,49 @@ def _to_json(value: Any, where: str, depth: int = 0) -> Any:
         f"(int, float, str, bool, None, list, tuple, dict, bytes) from state_dict().")
 
 
+def _bad_tag(tag: str, payload: Any, expected: str) -> ValueError:
+    return ValueError(f"{{{tag!r}: {str(payload)[:40]!r}}} is no value the encoder writes "
+                      f"(the tag holds {expected})")
+
+
 def _from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [_from_json(v) for v in value]
     if isinstance(value, dict):
-        if len(value) == 1:
-            (tag, payload), = value.items()
-            if tag == "__tuple__":
-                return tuple(_from_json(v) for v in payload)
-            if tag == "__bytes__":
-                return base64.b64decode(payload, validate=True)
-            if tag == "__float__" and payload in ("nan", "inf", "-inf"):
-                return float(payload)
-            if tag == "__dict__":
-                return {_hashable(_from_json(k)): _from_json(v) for k, v in payload}
-            if tag == "__dtype__":
-                dtype = getattr(torch, str(payload), None)
-                if not isinstance(dtype, torch.dtype):
-                    raise ValueError(f"unknown dtype {payload!r} in checkpoint object")
-                return dtype
-            if tag == "__device__":
-                return torch.device(str(payload))
-        return {k: _from_json(v) for k, v in value.items()}
+        tags = [k for k in value if k in _TAGS]
+        if not tags:
+            return {k: _from_json(v) for k, v in value.items()}
+        # The encoder writes a dict with a tag-named key as "__dict__" pairs, so an object
+        # with a tag key is a tag, alone and with the payload it writes; anything else is
+        # refused rather than decoded into some other value.
+        if len(value) != 1:
+            raise ValueError(f"an object with the tag {tags[0]!r} beside other keys is no "
+                             f"value the encoder writes")
+        (tag, payload), = value.items()
+        if tag == "__tuple__":
+            if not isinstance(payload, list):
+                raise _bad_tag(tag, payload, "a list")
+            return tuple(_from_json(v) for v in payload)
+        if tag == "__bytes__":
+            if not isinstance(payload, str):
+                raise _bad_tag(tag, payload, "base64 text")
+            return base64.b64decode(payload, validate=True)
+        if tag == "__dict__":
+            if not isinstance(payload, list) or not all(
+                    isinstance(kv, list) and len(kv) == 2 for kv in payload):
+                raise _bad_tag(tag, payload, "a list of [key, value] pairs")
+            return {_hashable(_from_json(k)): _from_json(v) for k, v in payload}
+        if tag == "__dtype__":
+            dtype = getattr(torch, payload, None) if isinstance(payload, str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {str(payload)[:40]!r} in checkpoint object")
+            return dtype
+        if tag == "__device__":
+            if not isinstance(payload, str):
+                raise _bad_tag(tag, payload, "a device name")
+            return torch.device(payload)
+        # "__float__": jsonio turns the valid tags into floats, so one left here is not.
+        raise _bad_tag(tag, payload, '"nan", "inf" or "-inf"')
     return value
 
 

@@ -92,11 +92,18 @@ def _parse_constant(name: str) -> Any:
 def _object(pairs: list[tuple[str, Any]]) -> Any:
     if len(pairs) == 1:
         key, value = pairs[0]
-        if key == FLOAT_TAG and isinstance(value, str) and value in _NON_FINITE:
-            return _NON_FINITE[value]
-        if (key == LITERAL_TAG and isinstance(value, list) and len(value) == 2
-                and isinstance(value[0], str)):
-            return {value[0]: value[1]}
+        # dumps escapes every one-member object keyed by a tag, so such an object is always
+        # a tag; one with a payload dumps never writes is refused, not read as a plain dict.
+        if key == FLOAT_TAG:
+            if isinstance(value, str) and value in _NON_FINITE:
+                return _NON_FINITE[value]
+            raise _Refused(f'{{"{FLOAT_TAG}": {str(value)[:40]!r}}} (the tag holds "nan", '
+                           f'"inf" or "-inf")')
+        if key == LITERAL_TAG:
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+                return {value[0]: value[1]}
+            raise _Refused(f'{{"{LITERAL_TAG}": {str(value)[:40]!r}}} (the tag holds '
+                           f'[key, value])')
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()

@@ -8,7 +8,8 @@ Life of a claim (``CheckpointManager`` holds one)::
                      removes the leftovers of every earlier generation's unfinished saves
                      (best effort), reads the failure history (a takeover or leftovers
                      count as a failure: ``ckpt.cadence.history``); every rank gets a copy
-    save_history()   the coordinator writes the history while it holds the lease
+    save_history()   the coordinator writes the history while it holds the lease (after a
+                     commit at most once a minute, and at close)
     release()        the coordinator closes its generation and lets the lease go
 
 Without ``use_lease`` there is no lease and no cleanup; the history is still read.
@@ -17,6 +18,7 @@ Without ``use_lease`` there is no lease and no cleanup; the history is still rea
 from __future__ import annotations
 
 import logging
+import time
 
 from ckpt.cadence import FailureHistory, load_job_history, write_history
 from ckpt.events import EventBus
@@ -42,6 +44,7 @@ class RootClaim:
         self.life, self.storage, self.events = life, life.storage, events
         self.coordinator = coordinator
         self.lease: Lease | None = None
+        self._history_written = float("-inf")  # time.monotonic() of the last write
         found_aborted = False
         if use_lease:
             acquire_for_ranks(self.storage, ctl, coordinator, lifecycle=life,
@@ -68,10 +71,15 @@ class RootClaim:
     def owner(self) -> str | None:
         return self.lease.holder_id if self.lease is not None else None
 
-    def save_history(self) -> None:
-        """Write the failure history (the coordinator, while it holds the lease)."""
-        if self.coordinator and (self.lease is None or self.lease.held):
+    def save_history(self, *, at_most_every: float = 0.0) -> None:
+        """Write the failure history (the coordinator, while it holds the lease), unless it
+        was written less than ``at_most_every`` seconds ago (its uptime is advisory: a job
+        that dies loses at most that much of it)."""
+        now = time.monotonic()
+        if self.coordinator and (self.lease is None or self.lease.held) \
+                and now - self._history_written >= at_most_every:
             write_history(self.storage, self.history)
+            self._history_written = now
 
     def release(self) -> None:
         """Close this writer's generation and release the lease (the coordinator)."""

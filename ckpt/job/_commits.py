@@ -4,8 +4,9 @@ What it knows: ``newest_step``, the newest step this manager committed or found 
 (the same on every rank), and ``last_manifest``, the newest manifest it committed (the
 coordinator's; the save gate answers "is this step committed?" from it). The bookkeeping
 (:meth:`Commits.record`) runs on the manager's persist thread after ``Persister.run``
-committed a step, in order: the ``save_committed`` event, the cadence, the failure history,
-retention (coordinator), then ``save_cost`` with the time each took. Advisory parts never
+committed a step, in order: the ``save_committed`` event, the cadence, the failure history
+(written at most every ``HISTORY_SECONDS``), retention (coordinator: from the committed steps
+its life-cycle knows, no listing), then ``save_cost`` with the time each took. Advisory parts never
 lose the checkpoint: a failing cadence policy is logged, a failing retention is logged and
 reported as ``retention_failed``.
 """
@@ -24,9 +25,13 @@ from ckpt.job.persist import PersistOutcome
 from ckpt.job.retention import RetentionPolicy, apply_retention
 from ckpt.root import CheckpointStore
 
-__all__ = ["Commits"]
+__all__ = ["Commits", "HISTORY_SECONDS"]
 
 log = logging.getLogger(__name__)
+
+HISTORY_SECONDS = 60.0
+"""After a commit the failure history is written only if its last write is older than this
+(one request fewer per save; the manager writes it at close too)."""
 
 
 class Commits:
@@ -59,10 +64,12 @@ class Commits:
         self._report(out, copy, copy_seconds=copy_seconds, t_start=t_start)
         if cadence is not None:
             self._tell_cadence(cadence, out, copy, slowdown)
-        self.claim.save_history()
+        self.claim.save_history(at_most_every=HISTORY_SECONDS)
         cost.lap("bookkeep")
         if self.coordinator and self.retention:
             self._retain(step, out.manifest)
+        if self.coordinator:  # what retention's deletions did not take along
+            self.store.life.remove_committed_markers()
         cost.lap("retention")
         self.events.emit("save_cost", step, **cost.fields())
 
@@ -96,7 +103,7 @@ class Commits:
                 self.store, self.retention, protect={step},
                 on_deleted=lambda s: self.events.emit("retention_deleted", s),
                 on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)),
-                newest_manifest=newest_manifest)
+                newest_manifest=newest_manifest, committed=self.store.life.known_committed())
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention after step %d failed: %s", step, exc)
             self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")

@@ -1,7 +1,8 @@
 """The decisions of a manager's save step, agreed by every rank: is a save due, may it start.
 
 Contract: the manager's training thread calls :class:`SaveGate` on every rank of the
-manager's control group at the same points (``due`` once per step, ``agree`` once per save).
+manager's control group at the same points (``due`` or ``due_with_checks`` once per step,
+``agree`` once per save unless ``due_with_checks`` agreed its checks already).
 A time-based cadence decides differently on each rank, so it is agreed, but only every
 ``check_every`` steps (about 1/20 of the interval: each rank proposes a period at each save
 and the smallest wins): a save is at most 5% of an interval late. That rule is
@@ -9,9 +10,11 @@ and the smallest wins): a save is at most 5% of an interval late. That rule is
 its local tier across nodes with one too). Whether the previous save is in flight, whether
 the step is committed (the coordinator answers without a storage request in the common case:
 :class:`CommittedSteps`), whether the lease is lost and whether a failure is pending are
-agreed in one all-reduce. Also here: what feeds the decision (each step's time,
-:func:`observe_step`; each used save slot, :func:`use_slot`) and the report of a skipped
-save.
+agreed in one all-reduce; when the due check of a time-based cadence runs a collective
+anyway, the same all-reduce carries them (``due_with_checks``): a due save then costs one
+collective on the training thread, not two. Also here: what feeds the decision (each
+step's time, :func:`observe_step`; each used save slot, :func:`use_slot`) and the report of
+a skipped save.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ckpt.errors import CheckpointError
 from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.ranks import Agreement
-from ckpt.root import CheckpointStore, Lifecycle
+from ckpt.root import Lifecycle
 
 __all__ = ["CommittedSteps", "DueAgreement", "SaveChecks", "SaveGate", "observe_step",
            "use_slot", "report_lease_lost", "report_busy_skip"]
@@ -72,6 +75,19 @@ class DueAgreement:
         self.check_every = max(1, period)
         return raised
 
+    def decide_and_agree(self, cadence: Any, step: int, want: bool,
+                         flags: Any) -> tuple[bool, list[bool] | None]:
+        """:meth:`decide`, and when it runs its collective (a time-based ``cadence`` on a
+        check step), :meth:`agree` of ``flags()`` in the same all-reduce. Returns the
+        decision and the agreed flags, or None for them when no collective ran (then
+        ``agree`` before a save, as after ``decide``)."""
+        if cadence is None or cadence.deterministic:
+            return want, None
+        if step % self.check_every:
+            return False, None
+        due, *raised = self.agree(cadence, want, *flags())
+        return due, raised
+
 
 def observe_step(step_times: StepTimes, cadence: Any, history: FailureHistory, now: float,
                  busy: bool) -> None:
@@ -96,44 +112,34 @@ def use_slot(cadence: Any, step: int) -> None:
 class CommittedSteps:
     """The coordinator's view of which steps are committed under one root.
 
-    Only one job writes under the root (the lease), so a step above every step that was
-    committed when the job started and every step it committed since cannot exist: no
-    storage request on the training thread in the common case.
+    Only one job writes under the root (the lease), so the steps its life-cycle knows
+    (:meth:`ckpt.root.Lifecycle.known_committed`: listed once when the lease is taken, then
+    kept by every commit, deletion and un-commit) are all there is: a step it does not know
+    needs no storage request, on the training thread or in the commit's ``begin``.
     """
 
-    def __init__(self, store: CheckpointStore, life: Lifecycle, coordinator: bool):
-        self.store = store
+    def __init__(self, life: Lifecycle, coordinator: bool):
         self.life = life
         self.coordinator = coordinator
-        self.newest_known: int | None = None
         if coordinator:
-            try:  # once, here, so that saves need no listing
-                self.newest_known = max(store.committed_steps(), default=-1)
-            except Exception:  # noqa: BLE001 - contains() retries lazily
-                self.newest_known = None
+            try:  # once, here (free after the claim's cleanup), so that saves need none
+                life.known_committed()
+            except Exception:  # noqa: BLE001 - unknown: contains() asks about each step
+                pass
 
     def contains(self, step: int, last_committed: Manifest | None) -> bool:
         """Coordinator: is ``step`` committed already (``last_committed``: the newest this
         manager committed)? Asks storage only when it could be. False on other ranks."""
         if not self.coordinator:
             return False
+        if not self.life.may_hold_manifest(step):
+            return False  # never committed, or un-committed since (a resume)
         if last_committed is not None and last_committed.step == step:
             return True
-        if self.newest_known is None:
-            try:
-                self.newest_known = max(self.store.committed_steps(), default=-1)
-            except Exception:  # noqa: BLE001 - fall back to asking each time
-                self.newest_known = 1 << 62
-        newest = max(self.newest_known,
-                     last_committed.step if last_committed is not None else -1)
-        if step > newest:
-            return False
-        if not self.life.has_manifest(step):
-            return False
         try:
             self.life.read_committed(step)
             return True
-        except CheckpointError:  # fenced off or damaged: it does not count, save again
+        except CheckpointError:  # gone, fenced off or damaged: it does not count, save again
             return False
 
 
@@ -149,9 +155,8 @@ class SaveChecks(NamedTuple):
 class SaveGate:
     """The agreed save decisions of one manager (see the module docstring)."""
 
-    def __init__(self, ctl: Agreement, store: CheckpointStore, life: Lifecycle,
-                 coordinator: bool):
-        self.committed = CommittedSteps(store, life, coordinator)
+    def __init__(self, ctl: Agreement, life: Lifecycle, coordinator: bool):
+        self.committed = CommittedSteps(life, coordinator)
         self.timing = DueAgreement(ctl)
 
     def due(self, cadence: Any, step: int) -> bool:
@@ -168,6 +173,23 @@ class SaveGate:
         committed = self.committed.contains(step, last_committed)
         return SaveChecks(*self.timing.agree(cadence, busy, committed, lease_lost,
                                              pending_failure))
+
+    def due_with_checks(self, cadence: Any, step: int, *, busy: bool, lease_lost: bool,
+                        pending_failure: bool, last_committed: Manifest | None
+                        ) -> tuple[bool, SaveChecks | None]:
+        """:meth:`due`, and the checks of a save of ``step`` (as :meth:`agree` returns them)
+        when they were agreed in the same all-reduce: a time-based cadence on a check step.
+        None for the checks otherwise (call :meth:`agree` before saving)."""
+        if cadence is None:
+            return False, None
+        want = bool(cadence.should_save(step, time.monotonic()))
+
+        def flags() -> tuple[bool, ...]:
+            return (busy, self.committed.contains(step, last_committed), lease_lost,
+                    pending_failure)
+
+        due, raised = self.timing.decide_and_agree(cadence, step, want, flags)
+        return due, (SaveChecks(*raised) if due and raised is not None else None)
 
 
 def report_lease_lost(events: EventBus, step: int, url: str) -> None:

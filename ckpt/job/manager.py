@@ -47,7 +47,14 @@ from ckpt.format import Manifest, step_dirname
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
-from ckpt.job.gate import SaveGate, observe_step, report_busy_skip, report_lease_lost, use_slot
+from ckpt.job.gate import (
+    SaveChecks,
+    SaveGate,
+    observe_step,
+    report_busy_skip,
+    report_lease_lost,
+    use_slot,
+)
 from ckpt.job.persist import Persister
 from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy, record_retention
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
@@ -102,7 +109,8 @@ class CheckpointManager:
             raise ValueError("max_attempts must be >= 1")
         self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
         self.storage.makedirs("")  # the lease and the first save need the root to exist
-        self.life = Lifecycle(self.storage)
+        # A commit's marker goes with the next retention's deletions (Commits.record).
+        self.life = Lifecycle(self.storage, defer_marker_removal=True)
         self.store = CheckpointStore(self.storage, lifecycle=self.life)
         self.distributed = dist.is_available() and dist.is_initialized()
         # The rank within the checkpointed group: rank 0 of it coordinates (lease, commit).
@@ -136,7 +144,7 @@ class CheckpointManager:
         self._ctl_group, self._bg_group = private_groups(process_group, self.distributed)
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
         self._persister = Persister(
-            self.life, self.events, Agreement(self._bg_group), self._bg_group, rank=self.rank,
+            self.life, self.events, self._bg_group, rank=self.rank,
             max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
             num_threads=num_threads, layout=self.layout, abandon=self._abandon)
         if self.distributed:
@@ -159,7 +167,7 @@ class CheckpointManager:
                                 coordinator=self.rank == 0)
         if self.rank == 0 and (self.lease is None or self.lease.held):
             record_retention(self.store, retention)  # for `ckpt list` (best-k reasons)
-        self._gate = SaveGate(self._ctl, self.store, self.life, self.rank == 0)
+        self._gate = SaveGate(self._ctl, self.life, self.rank == 0)
 
     # -- the claim on the root and the commits, as callers see them ---------------------------
     @property
@@ -225,14 +233,22 @@ class CheckpointManager:
             log.warning("CheckpointManager(%s) has no cadence, so maybe_save() never saves: "
                         "pass cadence= (e.g. '500' steps, '10m', 'auto'), or call save() "
                         "yourself", self.storage.url)
-        if not self.due(step, state):
+        # A time-based cadence agrees its due check; the save's checks ride along.
+        due, checks = self._due(step, state, with_checks=True)
+        if not due:
             return False
-        return self.save(step, state, user_metadata=user_metadata, attachments=attachments)
+        return self._save(step, state, checks, user_metadata=user_metadata,
+                          attachments=attachments)
 
     def due(self, step: int, state: dict[str, Any]) -> bool:
         """The decision half of :meth:`maybe_save` (collective; same result on every rank):
         observe the step, then ask the cadence. Call once per step, then :meth:`save` when
         True (``maybe_save`` does both; ``ckpt.job.tiers`` decides for two managers first)."""
+        return self._due(step, state, with_checks=False)[0]
+
+    def _due(self, step: int, state: dict[str, Any], *, with_checks: bool
+             ) -> tuple[bool, SaveChecks | None]:
+        """``due``; ``with_checks``: and the save's checks when agreed along with it."""
         observe_step(self.step_times, self.cadence, self.history, time.monotonic(),
                      busy=self.in_flight())
         if self.num_saves == 0 and not self._prepare_started:
@@ -240,11 +256,22 @@ class CheckpointManager:
             # training runs, so that even the first save's stall is only the copy.
             self._prepare_started = True
             self._slot.executor.submit(self.staging.prepare, api.resolve_state(state))
-        want = self._gate.due(self.cadence, step)  # agreed when time-based (ckpt.job.gate)
+        checks = None
+        if with_checks:  # agreed when time-based (ckpt.job.gate)
+            want, checks = self._gate.due_with_checks(self.cadence, step,
+                                                      **self._check_inputs(False))
+        else:
+            want = self._gate.due(self.cadence, step)
         if not want:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
-        return want
+        return want, checks
+
+    def _check_inputs(self, busy_elsewhere: bool) -> dict[str, Any]:
+        """This rank's side of the checks a save agrees (``SaveGate.agree``)."""
+        return dict(busy=self.in_flight() or busy_elsewhere, lease_lost=self._claim.lost,
+                    pending_failure=self.raise_on_failure and self._slot.failure is not None,
+                    last_committed=self.last_committed)
 
     def save(self, step: int, state: dict[str, Any], *,
              user_metadata: dict[str, Any] | None = None, block: bool = False,
@@ -270,14 +297,22 @@ class CheckpointManager:
         (``ckpt.job.tiers``: another node's save of the same tier is still in flight, and every
         node must save the same steps).
         """
+        return self._save(step, state, None, user_metadata=user_metadata, block=block,
+                          force=force, attachments=attachments, reuse=reuse,
+                          busy_elsewhere=busy_elsewhere)
+
+    def _save(self, step: int, state: dict[str, Any], checks: SaveChecks | None, *,
+              user_metadata: dict[str, Any] | None = None, block: bool = False,
+              force: bool = False, attachments: dict[str, Any] | None = None,
+              reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
+        """``save``; ``checks``: agreed already (with the due check), else agreed here."""
         attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
-        busy, exists, lost, failed = self._gate.agree(
-            step, cadence=self.cadence, busy=self.in_flight() or busy_elsewhere,
-            lease_lost=self._claim.lost,
-            pending_failure=self.raise_on_failure and self._slot.failure is not None,
-            last_committed=self.last_committed)
+        if checks is None:
+            checks = self._gate.agree(step, cadence=self.cadence,
+                                      **self._check_inputs(busy_elsewhere))
+        busy, exists, lost, failed = checks
         if failed:
             self._slot.raise_agreed_failure()
         if lost:
@@ -434,7 +469,9 @@ class CheckpointManager:
 
     def uncommit_newer(self, step: int) -> list[int]:
         """Un-commit every committed step newer than ``step`` (-1: all of them, a deliberate
-        fresh start); returns those un-committed. The coordinator acts, other ranks return [].
+        fresh start); returns those un-committed (on the coordinator; [] elsewhere).
+        Collective: the coordinator acts and every rank waits for it, so that no rank reads
+        the store while it still shows them; a failure raises on every rank.
 
         Called after a resume (:meth:`load_latest` does it): left committed, a newer step
         would be wrong twice, since this run could not save it again (a committed step is
@@ -445,25 +482,26 @@ class CheckpointManager:
         it is (it does not count anyway).
         """
         self._saved_steps = {s for s in self._saved_steps if s <= step}
-        if self._commits.last_manifest is not None and self._commits.last_manifest.step > step:
-            self._commits.last_manifest = None  # no longer committed: may be saved again
-        if self.rank != 0:
-            return []
         since = f"the step {step} resumed from" if step >= 0 else "a deliberate fresh start"
-        done = []
-        try:
-            uncommitted = self.store.uncommit_newer(step)
-        except CheckpointError as exc:  # storage down: a later save of those steps is refused
-            log.warning("could not un-commit the checkpoints newer than step %d: %s", step, exc)
-            return []
-        for newer, kept, exc in uncommitted:
-            if exc is not None:
-                log.warning("left checkpoint step %d as it is (%s)", newer, exc)
-                continue
-            log.warning("un-committed checkpoint step %d (newer than %s; kept as rolled-back "
-                        "id %s): this run writes that step again", newer, since, kept)
-            self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
-            done.append(newer)
+        done: list[int] = []
+        failed: Exception | None = None
+        if self.rank == 0:
+            try:
+                for newer, kept, exc in self.store.uncommit_newer(step):
+                    if exc is not None:
+                        log.warning("left checkpoint step %d as it is (%s)", newer, exc)
+                        continue
+                    log.warning("un-committed checkpoint step %d (newer than %s; kept as "
+                                "rolled-back id %s): this run writes that step again", newer,
+                                since, kept)
+                    self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
+                    done.append(newer)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                failed = exc
+        if self._ctl.any(failed is not None):
+            raise failed or CheckpointError(
+                f"rank 0 could not un-commit the checkpoints newer than step {step} under "
+                f"{self.storage.url} (its log says why)")
         return done
 
     def all_steps(self) -> list[int]:
@@ -494,7 +532,10 @@ class CheckpointManager:
         try:
             self._slot.close()
         finally:
-            self._claim.release()
+            try:  # the uptime since the last commit's write (written at most once a minute)
+                self._claim.save_history()
+            finally:
+                self._claim.release()
             self.free_groups()
             # The persist thread is done with the staged copy (and so is another tier
             # that persisted ``last_staged``): free the host memory it took.
@@ -508,7 +549,6 @@ class CheckpointManager:
         destroy them and drop every reference (``ckpt.ranks.groups`` says why both)."""
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
         self._ctl.close()
-        self._persister.agreement.close()
         self._persister.group = None
         freed(self)
         if self.distributed:

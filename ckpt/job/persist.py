@@ -1,9 +1,10 @@
 """The background half of a save: write the staged state, commit it, retry on failure.
 
 ``Persister.run`` is called on the manager's persist thread of every rank, in lockstep:
-each decision is either agreed on the background group (abandon at shutdown) or is the
-outcome of a DCP collective, which every rank sees alike (a storage failure on one rank
-fails the attempt on all, so all retry or give up together). Each attempt has its own save
+each decision is the outcome of a DCP collective, which every rank sees alike (a storage
+failure on one rank fails the attempt on all, so all retry or give up together; so does an
+abandon at shutdown, checked by each rank before it writes, inside DCP's first collective:
+no collective of its own). Each attempt has its own save
 id; after a final failure the coordinator removes exactly those attempts' files through the
 life-cycle (:mod:`ckpt.root.lifecycle`). What happens after a commit (cadence, history, retention)
 is the manager's business.
@@ -22,7 +23,6 @@ from ckpt.dcp import SaveCost, api
 from ckpt.errors import LeaseLostError, SaveAbandoned
 from ckpt.events import EventBus
 from ckpt.format import Manifest
-from ckpt.ranks import Agreement
 from ckpt.root import Lifecycle
 from ckpt.storage import backoff_seconds
 
@@ -52,18 +52,25 @@ class PersistOutcome:
 class Persister:
     """Writes staged saves for one job (see the module docstring for the contract)."""
 
-    def __init__(self, life: Lifecycle, events: EventBus, agreement: Agreement, group, *,
+    def __init__(self, life: Lifecycle, events: EventBus, group, *,
                  rank: int, max_attempts: int, retry_backoff_seconds: float,
                  num_threads: int | None, layout: dict[str, Any],
                  abandon: threading.Event):
         self.life, self.storage = life, life.storage
-        self.events, self.agreement, self.group = events, agreement, group
+        self.events, self.group = events, group
         self.rank = rank
         self.max_attempts = max_attempts
         self.retry_backoff_seconds = retry_backoff_seconds
         self.num_threads = num_threads
         self.layout = layout
         self.abandon = abandon
+
+    def _before_write(self) -> None:
+        """Every rank, before it writes anything of an attempt: refuse when abandoned. DCP
+        gathers this step's outcome from every rank, so one rank's ``SaveAbandoned`` fails
+        the attempt on all of them alike (nothing written, no retry)."""
+        if self.abandon.is_set():
+            raise SaveAbandoned("save abandoned at shutdown before it was written")
 
     def _before_commit(self) -> None:
         """Coordinator, right before the commit: refuse when abandoned. Raising sends the
@@ -90,15 +97,12 @@ class Persister:
         for attempt in range(1, self.max_attempts + 1):
             attempt_ids.append(uuid.uuid4().hex[:12])
             try:
-                with cost.collective_scope():
-                    abandoned_now = self.agreement.any(self.abandon.is_set())
-                if abandoned_now:
-                    raise SaveAbandoned(f"save of step {step} abandoned at shutdown")
                 manifest = api.save(
                     staged, self.storage, step, user_metadata=user_metadata,
                     layout=self.layout, process_group=self.group,
                     num_threads=self.num_threads, resolved=True, lifecycle=self.life,
-                    before_commit=self._before_commit, save_id=attempt_ids[-1],
+                    before_commit=self._before_commit, before_write=self._before_write,
+                    save_id=attempt_ids[-1],
                     cost=cost, **save_options)
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
                                       persist_seconds=time.monotonic() - t0, cost=cost)

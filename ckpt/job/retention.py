@@ -2,11 +2,13 @@
 
 A policy is a small object with one method, ``keep(steps) -> set[int]``, given the committed
 steps in ascending order. Several policies combine by union (a step is kept if any policy
-keeps it). Whatever the policies say, :func:`apply_retention` never deletes the newest
-durable checkpoint, a checkpoint newer than it, a pinned step (``pins.json``, as
-docs/format.md requires) or a protected step; it deletes nothing at all when the newest
-checkpoint fails verification; and a failed delete is reported, never raised. A save in
-flight is not committed, so no policy ever sees it.
+keeps it); a policy is asked only while some step is left to delete, so one that reads
+storage (``KeepPinned``) goes last and costs nothing when the others keep everything.
+Whatever the policies say, :func:`apply_retention` never deletes the newest durable
+checkpoint, a checkpoint newer than it, a pinned step (``pins.json``, as docs/format.md
+requires: read last, only when a step is left to delete) or a protected step; it deletes
+nothing at all when the newest checkpoint fails verification; and a failed delete is
+reported, never raised. A save in flight is not committed, so no policy ever sees it.
 
 :class:`KeepBest` keeps the best ``k`` by a metric of ``user_metadata``. A manager records
 its best-k policies at the root (``_retention.json``, :func:`record_retention`) so that
@@ -19,7 +21,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, FencedCheckpointError
 from ckpt.format import Manifest, jsonio
 from ckpt.root import CheckpointStore
 
@@ -66,7 +68,8 @@ class KeepEvery:
 
 
 class KeepPinned:
-    """Keep the steps an operator pinned (``ckpt pin``), read from ``pins.json`` at the root.
+    """Keep the steps an operator pinned (``ckpt pin``), read from ``pins.json`` at the root
+    each time it is asked (a pin may come at any time, from any process): list it last.
 
     If ``pins.json`` exists but cannot be parsed, every checkpoint is kept (with a warning)
     until it is fixed: a damaged pin list must not turn into deletions.
@@ -207,12 +210,17 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
                     protect: Iterable[int] = (),
                     on_deleted: Callable[[int], None] | None = None,
                     on_failed: Callable[[int, BaseException], None] | None = None,
-                    newest_manifest: Manifest | None = None) -> list[int]:
+                    newest_manifest: Manifest | None = None,
+                    committed: Sequence[int] | None = None) -> list[int]:
     """Delete committed checkpoints no policy keeps. Returns the steps deleted.
 
     ``newest_manifest``: the manifest this process just committed, when it is the newest:
     its files are checked against it without reading and parsing it back (a save's
-    retention would otherwise parse the manifest it has just written).
+    retention would otherwise parse the manifest it has just written). ``committed``: the
+    committed steps as the root's writer knows them (``Lifecycle.known_committed``);
+    without it the root is listed. The newest checkpoint is verified (its files' sizes)
+    only when some step is to be deleted; a step found without a manifest is already gone
+    (not a failure).
     """
     if not policies:
         return []
@@ -220,10 +228,23 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
         for policy in policies:
             if isinstance(policy, KeepBest):
                 policy.note(newest_manifest.step, newest_manifest.user_metadata)
-    committed = store.committed_steps()
+    committed = sorted(committed) if committed is not None else store.committed_steps()
     if len(committed) <= 1:
         return []
     newest = committed[-1]
+    keep = {newest} | set(protect)
+
+    def doomed() -> list[int]:
+        return [s for s in committed if s not in keep and s < newest]
+
+    if not any(isinstance(p, KeepPinned) for p in policies):
+        policies = [*policies, KeepPinned(store)]  # pins hold whatever the policies say
+    for policy in policies:
+        if not doomed():
+            return []
+        keep |= policy.keep(committed)
+    if not doomed():
+        return []
     try:
         if newest_manifest is not None and newest_manifest.step == newest:
             store.verify_manifest(newest_manifest, full=False)
@@ -233,20 +254,20 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
         log.warning("retention: newest checkpoint %d does not verify (%s); deleting nothing",
                     newest, exc)
         return []
-    keep = {newest} | set(protect)
-    if not any(isinstance(p, KeepPinned) for p in policies):
-        keep |= KeepPinned(store).keep(committed)  # pins hold whatever the policies say
-    for policy in policies:
-        keep |= policy.keep(committed)
     deleted = []
-    for step in committed:
-        if step in keep or step >= newest:
-            continue
+    for step in doomed():
         try:
             store.delete(step)
             deleted.append(step)
             if on_deleted:
                 on_deleted(step)
+        except CheckpointNotFoundError as exc:
+            if isinstance(exc, FencedCheckpointError):
+                log.warning("retention: could not delete checkpoint %d: %s", step, exc)
+                if on_failed:
+                    on_failed(step, exc)
+            else:
+                log.info("retention: checkpoint %d is gone already", step)
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention: could not delete checkpoint %d: %s", step, exc)
             if on_failed:

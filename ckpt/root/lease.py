@@ -96,6 +96,7 @@ class Lease:
         self.committed_ids: set[str] = set()
         self._acquired = 0.0
         self._current: bytes | None = None
+        self._renewed = float("-inf")  # time.monotonic() of the last swap that succeeded
         self._stop = threading.Event()
         # The heartbeat thread and a commit (which renews the lease around the manifest)
         # may renew at once; unserialised, the loser's compare-and-swap would see the
@@ -153,6 +154,7 @@ class Lease:
                 except FileExistsError:
                     continue
                 self._current = mine
+                self._renewed = time.monotonic()
                 break
             why = self.expired_because(info, force=force)
             if why is None:
@@ -167,6 +169,7 @@ class Lease:
             mine = self._record()
             if self.storage.replace_if_unchanged(LEASE_NAME, mine, raw):
                 self._current = mine
+                self._renewed = time.monotonic()
                 if why != "released":
                     self.took_over = info
                     log.warning("took over the lease on %s from %s (%s)", self.storage.url,
@@ -240,14 +243,37 @@ class Lease:
                 log.warning("lease heartbeat on %s failed: %s", self.storage.url, exc)
                 return True
 
-    def confirm(self) -> bool:
+    def confirm(self, *, within: float = 0.0) -> bool:
         """Renew the lease now and say whether it is still ours, for certain.
 
         Unlike ``heartbeat`` a storage error propagates: the commit protocol needs a
-        renewal that happened, not one that may have.
+        renewal that happened, not one that may have. ``within``: a renewal that succeeded
+        less than ``within`` seconds ago (a heartbeat, the previous commit's) is taken
+        instead, without a request: it proves the lease was ours that recently, which is
+        all a step that no later step can fence needs (never the proof after a commit,
+        which must come after the manifest).
         """
         with self._lock:
+            if within > 0 and self.held and time.monotonic() - self._renewed < within:
+                return True
             return self._renew_locked()
+
+    def check(self) -> bool:
+        """Say whether the lease is still ours, for certain, by reading the record (is it
+        still the one this holder wrote last?) without renewing it: one read, cheaper than
+        a swap on every backend (no write, no sync). A record that changed marks the lease
+        lost. Storage errors propagate, as for ``confirm``."""
+        with self._lock:
+            if self._current is None or self.lost:
+                return False
+            try:
+                stored = self.storage.read_bytes(LEASE_NAME)
+            except FileNotFoundError:
+                stored = None
+            if stored == self._current:
+                return True
+            self._mark_lost("taken over by another job")
+            return False
 
     def _renew_locked(self) -> bool:
         if self._current is None or self.lost:
@@ -255,6 +281,7 @@ class Lease:
         new = self._record()
         if self.storage.replace_if_unchanged(LEASE_NAME, new, self._current):
             self._current = new
+            self._renewed = time.monotonic()
             return True
         self._mark_lost("taken over by another job")
         return False

@@ -34,6 +34,11 @@ earlier generations through it (``acquire_lease``). A writer learns that its com
 by renewing the lease *after* the manifest exists: a renewal that succeeds proves that no
 takeover (and so no closing of its generation) came before it.
 
+The writer's requests per save are few on purpose (docs/performance.md, "Storage requests
+and collectives per save"): it knows which steps hold a manifest (``known_committed``:
+listed once, then kept by its own transitions, since only the lease holder makes them), it
+does not read back what it committed and proved, and it deletes in bulk.
+
 Size: the state machine, every file name and every transition are kept in this one module
 on purpose, so that the life-cycle reads top to bottom in one place.
 """
@@ -44,6 +49,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -160,14 +166,35 @@ class Lifecycle:
     process only, the lease holder (rank 0 of a job, or a CLI command).
     """
 
-    def __init__(self, storage: Storage, lease: Lease | None = None):
+    def __init__(self, storage: Storage, lease: Lease | None = None, *,
+                 defer_marker_removal: bool = False):
         self.storage = storage
         self.lease = lease
         self.fence = Fence(storage)
+        # With ``defer_marker_removal`` a commit leaves its (inert) marker for the next
+        # ``delete`` or ``remove_committed_markers`` to remove along with other files (one
+        # bulk request on S3); these are the markers waiting.
+        self.defer_marker_removal = defer_marker_removal
+        self._committed_markers: list[str] = []
+        # The steps whose folder holds a manifest.json, as this writer knows them (None:
+        # not listed yet); see ``known_committed``. The lock is held across the one listing
+        # so that a transition meanwhile is not lost.
+        self._known: set[int] | None = None
+        self._known_lock = threading.RLock()
+        # step -> save id of the manifest this holder committed there and proved (the
+        # renewal after it succeeded): ``delete`` needs not read it back.
+        self._proven: dict[int, str] = {}
 
     def is_fenced(self, manifest: Manifest) -> bool:
         """True when ``manifest`` was created after its writer lost the lease (see
-        :meth:`ckpt.root.fence.Fence.is_fenced`)."""
+        :meth:`ckpt.root.fence.Fence.is_fenced`). A manifest whose commit this very holder
+        proved (the renewal after it succeeded) counts for good, without a request:
+        acceptance never flips back."""
+        lease = self.lease
+        if (lease is not None and manifest.save_id in lease.committed_ids
+                and manifest.writer.get("owner") == lease.holder_id
+                and manifest.writer.get("lease_generation") == lease.generation):
+            return False
         return self.fence.is_fenced(manifest)
 
     def read_committed(self, step: int) -> Manifest:
@@ -201,6 +228,48 @@ class Lifecycle:
 
     def has_manifest(self, step: int) -> bool:
         return self.storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}")
+
+    def known_committed(self) -> list[int]:
+        """Steps whose folder holds a ``manifest.json`` (counted or not), ascending, as the
+        root's one writer knows them, without a request once known.
+
+        Listed once (here, or by ``cleanup`` when the lease is taken), then kept up to date
+        by this life-cycle's own transitions (commit, uncommit, delete, restore). Only the
+        writer may rely on it: while it holds the write lease nobody else changes which
+        steps are committed (rollback, restore and gc take the lease, which fences this
+        writer off first: its next commit does not count, and its deletions wait for a
+        renewal that fails). A stale answer can only cost a refused create, never an
+        overwrite (``begin``, ``commit``).
+        """
+        with self._known_lock:
+            if self._known is None:
+                self._known = {s for s in self.steps() if self.has_manifest(s)}
+            return sorted(self._known)
+
+    def forget_known(self) -> None:
+        """Drop what ``known_committed`` knows: list again at its next call (a new holding
+        of the lease; the root may have changed while this writer did not hold it)."""
+        with self._known_lock:
+            self._known = None
+            self._proven.clear()
+
+    def _note(self, step: int, committed: bool, proven_id: str | None = None) -> None:
+        """A transition of this life-cycle: ``step`` now has (or no longer has) a
+        ``manifest.json``; ``proven_id``: the save id of the one this holder just
+        committed and proved."""
+        with self._known_lock:
+            if self._known is not None:
+                (self._known.add if committed else self._known.discard)(step)
+            if proven_id is not None:
+                self._proven[step] = proven_id
+            else:
+                self._proven.pop(step, None)
+
+    def may_hold_manifest(self, step: int) -> bool:
+        """False only when ``known_committed`` is known (no request here) and lacks
+        ``step``: a step the writer knows to have no ``manifest.json``."""
+        with self._known_lock:
+            return self._known is None or step in self._known
 
     def _folder(self, step: int) -> _Folder:
         d = step_dirname(step)
@@ -284,14 +353,23 @@ class Lifecycle:
             f"`ckpt list {self.storage.url} --all` shows every id")
 
     # -- write side: the lease holder only ------------------------------------------------
-    def _require_lease(self, *, renew: bool = False) -> None:
+    def _require_lease(self, *, renew: bool = False, within: float = 0.0) -> None:
         """Refuse to change the root without the lease; ``renew`` proves it held right now
-        (a compare-and-swap), for changes that no later step can fence."""
+        (a compare-and-swap), for changes that no later step can fence; with ``within``,
+        a renewal that succeeded less than ``within`` seconds ago is proof enough."""
         if self.lease is not None and (not self.lease.held
-                                       or (renew and not self.lease.confirm())):
+                                       or (renew and not self.lease.confirm(within=within))):
             raise LeaseLostError(
                 f"lease lost: another job took over the write lease on {self.storage.url}; "
                 f"this writer is fenced off and must not change the root")
+
+    def _recent_seconds(self) -> float:
+        """How old a renewal may be and still stand for one now before a retention delete
+        (which follows the renewal that proved the commit before it): half the lease's
+        TTL. No job takes a lease over by expiry within its TTL of a renewal, and the
+        heartbeat renews every quarter of it, so in a healthy job this is always met
+        without a request."""
+        return self.lease.ttl_seconds / 2 if self.lease is not None else 0.0
 
     def _writer_record(self) -> dict[str, Any]:
         if self.lease is None:
@@ -303,11 +381,13 @@ class Lifecycle:
         """Start attempt ``save_id`` at ``step``: refuse a committed step, write the marker.
 
         Raises ``FileExistsError`` when ``step`` already holds a checkpoint that counts
-        (checkpoints are never overwritten); a fenced-off manifest does not count.
+        (checkpoints are never overwritten); a fenced-off manifest does not count. A step
+        that ``known_committed`` knows without a manifest is not asked about (the commit's
+        exclusive create still refuses one that appeared unknown to this writer).
         """
         self._require_lease()
         d = step_dirname(step)
-        if self.has_manifest(step):
+        if self.may_hold_manifest(step) and self.has_manifest(step):
             try:
                 self.read_committed(step)
             except (FencedCheckpointError, CorruptCheckpointError):
@@ -326,13 +406,14 @@ class Lifecycle:
     def commit(self, manifest: Manifest) -> None:
         """Commit ``manifest`` (the coordinator, after every rank wrote its files).
 
-        Renews the lease before (refused when lost), creates ``manifest.json`` exclusively,
-        then renews the lease again: only that second renewal proves the commit counts
-        (see the module docstring). Raises ``LeaseLostError`` when the commit does not
-        count, ``FileExistsError`` when the step is already committed.
+        Checks that the lease record is still this holder's (a read; refused when the
+        lease was taken), creates ``manifest.json`` exclusively, then renews the lease: only
+        that renewal, after the manifest exists, proves the commit counts (see the module
+        docstring). Raises ``LeaseLostError`` when the commit does not count,
+        ``FileExistsError`` when the step is already committed.
         """
         self._require_lease()
-        if self.lease is not None and not self.lease.confirm():
+        if self.lease is not None and not self.lease.check():
             raise LeaseLostError(f"lease lost: another job took over {self.storage.url} before "
                                  f"the commit of step {manifest.step}; not committing")
         manifest.writer = {**manifest.writer, **self._writer_record()}
@@ -358,10 +439,26 @@ class Lifecycle:
                                   f"writer is committing this step")
         if self.lease is not None:
             self._confirm_after_commit(manifest)
+        self._note(manifest.step, True,
+                   manifest.save_id if self.lease is not None else None)
+        marker = f"{d}/{marker_name(manifest.save_id)}"
+        if self.defer_marker_removal:
+            self._committed_markers.append(marker)
+            return
         try:
-            self.storage.delete(f"{d}/{marker_name(manifest.save_id)}")
+            self.storage.delete(marker)
         except Exception:  # noqa: BLE001 - a leftover marker of a committed attempt is inert
             pass
+
+    def remove_committed_markers(self) -> None:
+        """Remove the markers of committed attempts left by ``defer_marker_removal`` (one
+        request on S3). Best effort: a leftover marker of a committed attempt is inert
+        (``entries`` passes over it, ``cleanup`` removes it)."""
+        markers, self._committed_markers = self._committed_markers, []
+        try:
+            self.storage.delete_many(markers)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove attempt markers %s: %s", markers, exc)
 
     def _confirm_after_commit(self, manifest: Manifest) -> None:
         try:
@@ -450,6 +547,7 @@ class Lifecycle:
         self._require_lease(renew=True)
         m = self.read_committed(step)
         self._move(step, MANIFEST_NAME, f"rolled-back-{m.save_id}.json")
+        self._note(step, False)
         return m.save_id
 
     def restore(self, save_id: str, *, replace: bool = False) -> Manifest:
@@ -487,12 +585,39 @@ class Lifecycle:
 
     def delete(self, step: int) -> None:
         """Delete the committed checkpoint of ``step``: the manifest first (un-commit), then
-        its data files and marker. Other versions in the folder (rolled back) stay."""
-        self._require_lease(renew=True)
-        m = self.read_committed(step)
+        its files (those it lists and those named with its attempt id) and its marker, all
+        in one request on S3 (with the markers ``remove_committed_markers`` would remove).
+        Other versions in the folder (rolled back) stay. A manifest this holder committed
+        and proved is not read back: its attempt id names its files.
+
+        The lease must have been renewed within half its TTL (retention runs right after a
+        commit proved it): see docs/format.md, "Fencing", on deletes of a stalled holder.
+        ``CheckpointNotFoundError`` when ``step`` has no manifest (it is then forgotten).
+        """
+        self._require_lease(renew=True, within=self._recent_seconds())
+        with self._known_lock:
+            save_id = self._proven.get(step)
+        listed: Iterable[str] = ()
+        if save_id is None:  # not one this holder committed: read what is committed there
+            try:
+                m = self.read_committed(step)
+            except CheckpointNotFoundError as exc:
+                if not isinstance(exc, FencedCheckpointError):
+                    self._note(step, False)
+                raise
+            save_id, listed = m.save_id, m.files
         self.storage.delete(self._rel(step))
-        self._remove(step, [n for n in self._folder(step).files
-                            if n in m.files or n == marker_name(m.save_id)])
+        self._note(step, False)
+        names = [n for n in self._folder(step).files if n in listed
+                 or data_file_id(n) == save_id or n == marker_name(save_id)]
+        markers, self._committed_markers = self._committed_markers, []
+        try:
+            self.storage.delete_many([self._rel(step, n) for n in sorted(names)] + markers)
+        except BaseException:
+            self._committed_markers[:0] = markers
+            raise
+        if names:
+            self._drop_empty_folder(step)
 
     def delete_entry(self, entry: Entry) -> list[str]:
         """Delete one non-committed version (rolled back, fenced, incomplete) and its files."""
@@ -544,7 +669,7 @@ class Lifecycle:
         A corrupt manifest is never removed silently (`ckpt list` shows it, gc leaves it).
         """
         self._require_lease(renew=True)
-        touched = []
+        touched, known = [], set()
         for step in self.steps():
             folder = self._folder(step)
             entries = self.entries(step, folder)
@@ -553,12 +678,16 @@ class Lifecycle:
                     aside = f"fenced-{e.id}.json"
                     self._move(step, MANIFEST_NAME, aside)
                     folder.files[aside] = folder.files.pop(MANIFEST_NAME)
+            if MANIFEST_NAME in folder.files:
+                known.add(step)
             dead = _dead_files(folder, entries)
             if dead:
                 self._remove(step, dead)
                 touched.append(step)
                 if on_removed is not None:
                     on_removed(step, dead)
+        with self._known_lock:  # every step was seen: what known_committed would list
+            self._known = known
         return touched
 
     def manifests(self) -> Iterator[Manifest]:
@@ -582,6 +711,7 @@ def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str 
     job holds the lease (unless ``force``, which fences that job off).
     """
     life = lifecycle or Lifecycle(storage)
+    life.forget_known()  # a new holding: list again (cleanup does, or the first use)
     opened, closed = life.fence.generations()
     lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
                   fingerprint=fingerprint)

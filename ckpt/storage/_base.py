@@ -43,6 +43,9 @@ class Backend(ABC):
     """Files (and streams) per rank a save or a load uses when not told: on a local disk a
     few files saturate the device (bench/, docs/performance.md)."""
 
+    bulk_delete = False
+    """Whether :meth:`delete_many` deletes many files in one request (S3's bulk delete)."""
+
     preferred_file_bytes: int | None = None
     """The size a save's data files should not exceed for the fastest writes (one request
     each), or None where ``num_threads`` files of any size are as fast."""
@@ -128,6 +131,12 @@ class Backend(ABC):
     @abstractmethod
     def delete(self, rel: str, recursive: bool) -> None:
         """Delete ``rel`` (a folder or prefix with ``recursive``); absent is not an error."""
+
+    def delete_many(self, rels: Sequence[str]) -> None:
+        """Delete each file of ``rels``; absent ones are not an error (called only where
+        :attr:`bulk_delete` is True; Storage deletes one by one elsewhere)."""
+        for rel in rels:
+            self.delete(rel, False)
 
     @abstractmethod
     def rmdir(self, rel: str) -> None:

@@ -12,7 +12,8 @@ Writes (:meth:`S3Backend.write`, and the conditional writes) go through a blocki
 botocore client built from the s3fs filesystem's own settings (:func:`write_client`), on
 the writer's thread: s3fs runs every request of a process on one event-loop thread, which
 then signs (SHA-256 over plain HTTP), checksums and sends every body alone while the other
-cores wait. Reads, listings and deletes stay on s3fs.
+cores wait. So do whole-object reads (one GET, without s3fs's size request first). Ranged
+reads, listings and deletes stay on s3fs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ MAX_PUT_BYTES = 5 << 30  # S3's largest single PUT
 DEFAULT_PART_BYTES = 32 << 20  # a multipart upload's parts (Storage.write_buffers)
 
 DEFAULT_MAX_POOL_CONNECTIONS = 128  # the blocking client's connections: 16 writers x 8 parts
+_REMEMBERED_BYTES = 64 << 10  # records up to this size keep their ETag (the lease: ~0.4 KiB)
 
 _S3_CACHE: dict[tuple, Any] = {}
 _S3_CACHE_LOCK = threading.Lock()
@@ -138,11 +140,13 @@ def _request_args(fs: Any, client: Any, method: str, params: dict[str, Any]) -> 
 
 
 class S3Backend(FsspecBackend):
-    """Objects under ``s3://bucket/prefix``. Existence, sizes, reads, listings and deletes are
-    s3fs's; writes are blocking botocore requests made here (:func:`write_client`), on the
-    calling thread. There are no folders."""
+    """Objects under ``s3://bucket/prefix``. Existence, sizes, ranged reads, listings and
+    deletes are s3fs's; writes and whole-object reads are blocking botocore requests made
+    here (:func:`write_client`), on the calling thread. There are no folders."""
 
     has_folders = False
+
+    bulk_delete = True
 
     default_threads = 16
     """Measured on a loopback S3 endpoint: 16 concurrent uploads per rank match a raw
@@ -160,6 +164,9 @@ class S3Backend(FsspecBackend):
             raise ValueError(f"checkpoint root {url!r} names no bucket: use "
                              f"s3://bucket/prefix")
         self.options = options
+        # key -> (the small record this backend last wrote there by a conditional write,
+        # its ETag): the next swap over that record needs no GET (replace_if_unchanged).
+        self._written: dict[str, tuple[bytes, str]] = {}
 
     @property
     def endpoint(self) -> str:
@@ -177,6 +184,21 @@ class S3Backend(FsspecBackend):
 
     def rmdir(self, rel: str) -> None:
         pass  # a prefix without objects does not exist
+
+    def read(self, rel: str, start: int | None, end: int | None) -> bytes:
+        """A whole object is one GET of the blocking client: s3fs asks the object's size
+        first (to read a large object in parallel ranges), and on a missing object lists
+        its "folder" too, while the whole objects read here are small records (manifests,
+        markers, the lease, pins, fence files). Ranges are s3fs's."""
+        if start is not None or end is not None:
+            return super().read(rel, start, end)
+        resp = self._call("get_object", rel)
+        with contextlib.closing(resp["Body"]) as body:
+            return body.read()
+
+    def delete_many(self, rels: Sequence[str]) -> None:
+        """S3's bulk delete: one request per 1,000 keys."""
+        self.fs.rm([self.path(rel) for rel in rels])
 
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:
@@ -284,15 +306,34 @@ class S3Backend(FsspecBackend):
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """A conditional PUT (``If-None-Match: *``), which is the commit itself."""
         try:
-            self._call("put_object", rel, Body=data, IfNoneMatch="*")
+            resp = self._call("put_object", rel, Body=data, IfNoneMatch="*")
         except Exception as exc:  # noqa: BLE001
             if not is_precondition_failed(exc):
                 raise
             return False
+        self._remember(rel, data, resp)
         return True
 
+    def _remember(self, rel: str, data: bytes, resp: Any) -> None:
+        etag = resp.get("ETag") if isinstance(resp, dict) else None
+        if etag and len(data) <= _REMEMBERED_BYTES:
+            self._written[rel] = (bytes(data), etag)
+
     def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes) -> bool:
-        """Read the object with its ETag, then PUT with ``If-Match`` on that ETag."""
+        """PUT with ``If-Match`` on the ETag of ``expected``: remembered when ``expected``
+        is what this backend last wrote there (a lease renewing its own record: one
+        request), else read with the object first (GET, then PUT)."""
+        known = self._written.pop(rel, None)
+        if known is not None and known[0] == expected:
+            try:
+                resp = self._call("put_object", rel, Body=data, IfMatch=known[1])
+            except Exception as exc:  # noqa: BLE001
+                if not (is_precondition_failed(exc) or isinstance(exc, FileNotFoundError)):
+                    raise  # retried by the caller, which then reads first (nothing known)
+                # Changed since we wrote it: decide by what is there now, below.
+            else:
+                self._remember(rel, data, resp)
+                return True
         try:
             resp = self._call("get_object", rel)
             with contextlib.closing(resp["Body"]) as body:
@@ -305,11 +346,12 @@ class S3Backend(FsspecBackend):
             # A retry after a PUT whose answer was lost finds our own data.
             return current == data
         try:
-            self._call("put_object", rel, Body=data, IfMatch=etag)
+            resp = self._call("put_object", rel, Body=data, IfMatch=etag)
         except Exception as exc:  # noqa: BLE001
             if is_precondition_failed(exc) or isinstance(exc, FileNotFoundError):
                 return self.read_or_none(rel) == data
             raise
+        self._remember(rel, data, resp)
         return True
 
 

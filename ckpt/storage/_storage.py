@@ -287,10 +287,23 @@ class Storage:
         """Delete ``rel`` (a folder/prefix with ``recursive``); absent is not an error."""
         self._wrap("delete", rel, lambda: self.backend.delete(rel, recursive))
 
+    def delete_many(self, rels: Sequence[str]) -> None:
+        """Delete every file of ``rels``; absent ones are not an error. On S3 one request
+        per 1,000 files (a bulk delete); elsewhere one :meth:`delete` per file, in order."""
+        rels = list(rels)
+        if not rels:
+            return
+        if not self.backend.bulk_delete:
+            for rel in rels:
+                self.delete(rel)
+            return
+        self._wrap("delete", rels[0], lambda: self.backend.delete_many(rels))
+
     def remove_empty_folder(self, rel: str) -> None:
         """Remove folder ``rel`` if it is empty. Absent, not empty, or a file appearing
-        meanwhile: left as it is, no error; without folders (S3) there is nothing to do."""
-        if not self.has_folders or self.listdir(rel):
+        meanwhile: left as it is, no error (the removal itself refuses a folder that is not
+        empty: no listing first); without folders (S3) there is nothing to do."""
+        if not self.has_folders:
             return
         try:
             self.backend.rmdir(rel)

@@ -184,9 +184,10 @@ def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = Tru
 
 def _create_file(path: str) -> int:
     """A descriptor to write a new file at ``path``: created exclusively, never through a
-    link (``FileExistsError`` if anything, a link included, is there)."""
+    link (``FileExistsError`` if anything, a link included, is there). Its permissions are
+    0o666 less the umask, as for any file a program creates."""
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
-                   0o644)
+                   0o666)
 
 
 def write_new_file(path: str, data: bytes) -> None:

@@ -92,3 +92,15 @@ def test_non_finite_floats_keep_their_encoding_and_tag_shaped_values_round_trip(
         b'[{"__float__":"nan"},{"__float__":"inf"}]'  # the bytes older versions wrote
     value = {"a": {"__literal__": ["k", 1]}, "b": [{"__float__": "nan"}]}
     assert decode_object(encode_object(value)) == value
+
+
+@pytest.mark.parametrize("data", [
+    b'{"__float__": "abc"}', b'{"__float__": 1.5}', b'{"__tuple__": "abc"}',
+    b'{"__tuple__": {"a": 1}}', b'{"__dict__": ["ab"]}', b'{"__dict__": [[1, 2, 3]]}',
+    b'{"__bytes__": 5}', b'{"__device__": ["cpu"]}', b'{"__tuple__": [1], "x": 2}',
+    b'{"__literal__": "ab"}', b'{"__literal__": [1, 2]}', b'[{"__float__": "abc"}]'])
+def test_tags_with_payloads_no_encoder_writes_are_refused(data):
+    """Every encoder writes a tag alone and with its payload's type; anything else is
+    corrupt, never decoded into another value (a string's characters as a tuple ...)."""
+    with pytest.raises(ValueError):
+        decode_object(data)

@@ -154,7 +154,12 @@ def test_usage_errors_are_one_line(trainer_ckpt, tmp_path, capsys):
          "--max-shard-size applies to --format hf only"),
         (["--format", "hf", "--out", str(tmp_path / "d"), "--max-shard-size", "lots"],
          "invalid size 'lots'"),
-        (["--format", "hf", "--out", str(tmp_path / "d")], "hf holds tensors only"),
+        (["--format", "hf", "--out", str(tmp_path / "d"), "--no-config"],
+         "hf holds tensors only"),
+        (["--format", "hf", "--out", str(tmp_path / "d"), "--select", "app.model."],
+         "step 3 has no config.json attachment"),
+        (["--out", str(tmp_path / "m.safetensors"), "--no-config"],
+         "--no-config applies to --format hf only"),
         (["--out", str(tmp_path / "m.bin")], "use a .pt/.pth or .safetensors"),
     ]:
         code, _, err = _cli(capsys, "export", root, *argv)
@@ -376,4 +381,93 @@ def test_hf_attachment_cannot_shadow_the_weights(tmp_path):
               attachments={"model.safetensors": b"not weights"})
     with pytest.raises(ValueError, match="'model.safetensors' has the name of an exported"):
         export(root, 1, str(tmp_path / "hf"), format="hf", select=["m."])
+    assert not os.path.exists(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_exported_files_respect_the_umask(tmp_path, umask):
+    """Every exported file (shards, index, attachments, single files) gets the permissions
+    any new file gets under the process's umask, as the folder does."""
+    root = str(tmp_path / "root")
+    ckpt.save({"m": {"a": torch.ones(3000), "b": torch.ones(3000)}}, root, 1,
+              attachments={"config.json": b"{}", "tokenizer.json": b"{}"})
+    old = os.umask(umask)
+    try:
+        export(root, 1, str(tmp_path / "sharded"), format="hf", select=["m."],
+               max_shard_size="13kB")
+        export(root, 1, str(tmp_path / "single"), format="hf", select=["m."])
+        export(root, 1, str(tmp_path / "m.safetensors"), select=["m."],
+               attachments_dir=str(tmp_path / "files"))
+        export(root, 1, str(tmp_path / "all.pt"))
+    finally:
+        os.umask(old)
+    files = [tmp_path / "m.safetensors", tmp_path / "all.pt"]
+    for folder in ("sharded", "single", "files"):
+        assert (tmp_path / folder).stat().st_mode & 0o777 == 0o777 & ~umask, folder
+        files += list((tmp_path / folder).iterdir())
+    assert len(files) == 2 + 5 + 3 + 2
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in files}
+    assert modes == {p.name: oct(0o666 & ~umask) for p in files}
+
+
+def test_hf_without_config_is_refused_unless_no_config(trainer_ckpt, tmp_path, capsys):
+    """from_pretrained cannot load a folder without config.json ("Unrecognized model"):
+    the export says so before reading anything, and --no-config writes the weights alone."""
+    root, model, _ = trainer_ckpt
+    out = tmp_path / "hf"
+    code, _, err = _cli(capsys, "export", root, "--format", "hf", "--select", "app.model.",
+                        "--out", str(out))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no config.json attachment" in err and "from_pretrained" in err
+    assert "--no-config" in err and not out.exists()
+    with pytest.raises(ValueError, match="no_config=True"):
+        export(root, 3, str(out), format="hf", select=["app.model."])
+    code, _, err = _cli(capsys, "export", root, "--format", "hf", "--select", "app.model.",
+                        "--no-config", "--out", str(out))
+    assert code == 0, err
+    assert sorted(os.listdir(out)) == ["model.safetensors", "notes.txt"]
+    from safetensors.torch import load_file
+
+    assert set(load_file(out / "model.safetensors")) == set(model.state_dict())
+
+
+def _named_ckpt(root, names_doc):
+    ckpt.save({"m": {"w": torch.ones(2), "b": torch.zeros(3)}, "opt": {"lr": 0.1},
+               "ema": {"w": torch.ones(2), "b": torch.zeros(3)}}, root, 1,
+              attachments={"config.json": b'{"model_type": "x"}',
+                           "hf_export.json": json.dumps(names_doc).encode()})
+
+
+def test_hf_export_names_from_the_checkpoint(tmp_path):
+    """A checkpoint's hf_export.json selects the weights and names them as the Hugging
+    Face class does; it is not copied into the folder."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "root")
+    _named_ckpt(root, {"select": "m.", "names": {"w": "model.w", "b": "model.b"}})
+    for select, out in ((None, "a"), (["m."], "b"), (["m"], "c")):
+        export(root, 1, str(tmp_path / out), format="hf", select=select)
+        assert sorted(os.listdir(tmp_path / out)) == ["config.json", "model.safetensors"]
+        got = load_file(tmp_path / out / "model.safetensors")
+        assert set(got) == {"model.w", "model.b"} and got["model.w"].tolist() == [1.0, 1.0]
+    # Another selection keeps the keys as they are; --attachments writes the file as is.
+    export(root, 1, str(tmp_path / "d"), format="hf", select=["ema."],
+           attachments_dir=str(tmp_path / "files"))
+    assert set(load_file(tmp_path / "d" / "model.safetensors")) == {"w", "b"}
+    assert "hf_export.json" in os.listdir(tmp_path / "files")
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ({"select": "m.", "names": {"w": "model.w"}}, "names no Hugging Face key for 'b'"),
+    ({"select": "m.", "names": {"w": "x", "b": "x"}}, "two keys one name"),
+    ({"select": "", "names": {}}, "'select' must be a key prefix"),
+    ({"select": "m.", "names": ["w"]}, "'names' must map each key"),
+    ({"select": "m.", "names": {"w": 5, "b": "y"}}, "'names' must map each key"),
+    ([1, 2], "'select' must be a key prefix"),
+])
+def test_hf_export_names_that_do_not_fit_are_refused(tmp_path, doc, needle):
+    root = str(tmp_path / "root")
+    _named_ckpt(root, doc)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        export(root, 1, str(tmp_path / "hf"), format="hf")
     assert not os.path.exists(tmp_path / "hf")

@@ -105,3 +105,9 @@ def test_dumps_is_strict():
         jsonio.dumps({"x": object()})
     assert jsonio.dumps({"b": 1, "a": 2}) == b'{"b":1,"a":2}'
     assert jsonio.dumps((1, 2)) == b"[1,2]"
+
+
+@pytest.mark.parametrize("text", ['{"__float__": "abc"}', '{"__float__": 1}',
+                                  '[{"__literal__": "ab"}]', '{"__literal__": [1, 2]}'])
+def test_tag_objects_with_payloads_dumps_never_writes_are_refused(text):
+    _refused(text, "the tag holds")

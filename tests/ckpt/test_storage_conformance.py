@@ -311,6 +311,17 @@ def test_remove_empty_folder(storage):
     assert storage.listdir("") == [] and not storage.exists("d")
 
 
+def test_delete_many(storage):
+    storage.makedirs("d")
+    storage.makedirs("e")
+    for name in ("d/a.bin", "d/b.bin", "d/keep.bin", "e/c.bin"):
+        storage.write_bytes(name, b"x")
+    storage.delete_many(["d/a.bin", "d/absent.bin", "e/c.bin", "d/b.bin"])  # absent: fine
+    assert [e[0] for e in storage.listdir("d")] == ["keep.bin"]
+    assert not storage.exists("e/c.bin")
+    storage.delete_many([])
+
+
 def test_location_compares_roots_without_opening_them(any_root, tmp_path):
     url = any_root.url
     here = Storage.location(url)

@@ -188,3 +188,35 @@ def test_colliding_paths_are_a_named_error(tmp_path):
     _reseal(root, 1, lambda doc: doc.update(planner_data={"w": ["v"]}))
     with pytest.raises(CorruptCheckpointError, match="collides"):
         consolidate(str(root), 1)
+
+
+@pytest.mark.parametrize("payload", [b'{"__float__":"abc"}', b'{"__tuple__":"abcde"}',
+                                     b'{"__literal__":"ab"}', b'{"__dict__":["ab"]}'])
+def test_a_resealed_object_no_encoder_wrote_is_refused(tmp_path, payload):
+    """Object bytes replaced by a tag with a payload no encoder writes, the checksums
+    recomputed: every reader refuses the value instead of loading another one."""
+    from ckpt.format import crc32c_of
+
+    root = tmp_path / "root"
+    original = "x" * (len(payload) - 2)  # its JSON string is as long as the payload
+    ckpt.save({"w": torch.ones(2), "obj": original}, str(root), 1)
+    m = ckpt.CheckpointStore(str(root)).read_manifest(1)
+    loc = m.objects["obj"]
+    path = root / step_dirname(1) / loc.file
+    data = bytearray(path.read_bytes())
+    assert data[loc.offset:loc.offset + loc.length] == json.dumps(original).encode()
+    data[loc.offset:loc.offset + loc.length] = payload
+    path.write_bytes(bytes(data))
+    crc = f"{crc32c_of([payload]):08x}"
+
+    def reseal(doc):
+        doc["objects"]["obj"]["crc32c"] = crc
+        doc["files"][loc.file]["crc32c"] = f"{crc32c_of([bytes(data)]):08x}"
+    _reseal(root, 1, reseal)
+    ckpt.CheckpointStore(str(root)).verify(1, full=True)  # the checksums hold
+    state = {"w": torch.zeros(2), "obj": None}
+    with pytest.raises(CorruptCheckpointError, match="'obj'"):
+        ckpt.load(state, str(root), 1)
+    assert state["obj"] is None
+    with pytest.raises(CorruptCheckpointError, match="'obj'"):
+        consolidate(str(root), 1)

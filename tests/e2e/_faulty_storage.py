@@ -19,8 +19,6 @@ and any of these, which combine with the above and with each other:
   (retention cannot free space);
 * ``E2E_STAGE_DELAY_SECONDS=S``: every staging copy takes S seconds longer (host memory
   under pressure: the training stall per save);
-* ``E2E_LINGER_SECONDS=S``: the metrics endpoint keeps serving S seconds after the run
-  ends, so a scrape sees the counts of its last moments (e.g. the lease loss before exit 4);
 * ``E2E_CRASH_AFTER_SECONDS=S``: S seconds after the metrics endpoint starts, the process
   dies (exit 1): under ``torchrun --max-restarts`` a worker in a restart loop.
 """
@@ -45,7 +43,6 @@ _STEAL_WHEN = os.environ.get("E2E_STEAL_LEASE_WHEN", "")
 _TRANSIENT = int(os.environ.get("E2E_TRANSIENT_FAILS", "0"))
 _DELETE_FAILS = os.environ.get("E2E_DELETE_FAILS", "") == "1"
 _STAGE_DELAY = float(os.environ.get("E2E_STAGE_DELAY_SECONDS", "0"))
-_LINGER = float(os.environ.get("E2E_LINGER_SECONDS", "0"))
 _CRASH_AFTER = float(os.environ.get("E2E_CRASH_AFTER_SECONDS", "0"))
 _attempts: dict[str, int] = {}
 
@@ -105,30 +102,25 @@ if _STAGE_DELAY > 0:
 
     StagingBuffers.stage = _slow_stage
 
-if _LINGER > 0 or _CRASH_AFTER > 0:
+if _CRASH_AFTER > 0:
     import threading
 
     from monitoring.metrics import Metrics
 
-    _serve, _shutdown = Metrics.serve, Metrics.shutdown
+    _serve = Metrics.serve
 
     def _serve_then_crash(self, port, *args, **kwargs):
         out = _serve(self, port, *args, **kwargs)
-        if _CRASH_AFTER > 0:
-            def crash():
-                time.sleep(_CRASH_AFTER)
-                sys.stderr.write("injected: worker crash\n")
-                sys.stderr.flush()
-                os._exit(1)
-            threading.Thread(target=crash, daemon=True).start()
+
+        def crash():
+            time.sleep(_CRASH_AFTER)
+            sys.stderr.write("injected: worker crash\n")
+            sys.stderr.flush()
+            os._exit(1)
+        threading.Thread(target=crash, daemon=True).start()
         return out
 
-    def _linger_shutdown(self):
-        time.sleep(_LINGER)
-        return _shutdown(self)
-
     Metrics.serve = _serve_then_crash
-    Metrics.shutdown = _linger_shutdown
 
 if __name__ == "__main__":
     from trainer.__main__ import main

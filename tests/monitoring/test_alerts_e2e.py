@@ -26,8 +26,8 @@ A second test runs two more jobs under another Prometheus, the trainer wrapped b
   staging copy is 5.5 s slower -> ``CheckpointStallHigh`` (pending); saves due every second
   while the slow, retried one persists -> ``CheckpointSavesSkipped``; checkpoints cannot be
   deleted, ``keep_last=1`` -> ``CheckpointRetentionFailing``; then another job takes the
-  write lease over -> ``CheckpointLeaseLost`` (the trainer exits 4; its metrics are served
-  8 s longer so the count is scraped first).
+  write lease over -> ``CheckpointLeaseLost`` (the trainer exits 4 after serving its
+  metrics ``metrics.linger_seconds``, 8 s here, so the loss is scraped first).
 - ``loop``: every worker dies 3 s after its metrics endpoint is up, under torchrun with 3
   restarts -> ``TrainingRestartLoop`` on each rank.
 
@@ -309,11 +309,11 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
                              "--checkpoint.keep_last=1",
                              f"--checkpoint.root={tmp_path / 'faults-ckpt'}",
                              *_metrics_args(faults_base), f"--metrics.jsonl_path={f_jsonl}",
-                             nproc=2, script=FAULTY),
+                             "--metrics.linger_seconds=8", nproc=2, script=FAULTY),
                 tmp_path, "faults", f_jsonl,
                 env=base_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
                              E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
-                             E2E_LINGER_SECONDS="8", E2E_STEAL_LEASE_WHEN=str(steal)))
+                             E2E_STEAL_LEASE_WHEN=str(steal)))
         jobs.append(f)
         # Every worker dies 3 s after its metrics endpoint is up; torchrun restarts the group
         # 3 times: 4 start times per rank.

@@ -160,6 +160,13 @@ def test_checkpoint_age_comes_from_the_store_at_start_up(tmp_path):
     empty = Metrics()
     empty.observe_store(CheckpointStore(str(tmp_path / "none")))  # no checkpoint: unchanged
     assert _value(empty, "ckpt_last_committed_step") == -1
+    # A fresh start over damaged checkpoints un-commits them: none is committed any more,
+    # and the series says so instead of keeping the step read at start-up.
+    assert sorted(s for s, _, exc in CheckpointStore(root).uncommit_newer(-1) if exc is None) \
+        == [7, 9]
+    m.observe_store(CheckpointStore(root))
+    assert _value(m, "ckpt_last_committed_step") == -1
+    assert _value(m, "ckpt_last_commit_timestamp_seconds") == m.start_time
 
 
 def test_serve_binds_the_config_default_and_local_rank_ports(monkeypatch):
@@ -341,3 +348,43 @@ def test_background_cpu_of_each_save_by_phase(tmp_path):
     assert _value(m, "ckpt_save_background_cpu_seconds_sum") > 0
     for phase in ("plan", "write", "commit"):
         assert _value(m, "ckpt_save_cpu_seconds_total", phase=phase) > 0, phase
+
+
+def test_run_end_and_lease_loss_are_series_with_their_time():
+    """A run that ended normally and a lost lease are exported with when they happened (0
+    before), so the rules can read them after the process left."""
+    bus = EventBus()
+    m = Metrics(bus)
+    assert _value(m, "train_completed_timestamp_seconds") == 0
+    assert _value(m, "ckpt_lease_lost_timestamp_seconds") == 0
+    bus.emit("run_ended", 10, exit_code=4)
+    assert _value(m, "train_completed_timestamp_seconds") == 0  # not a normal end
+    bus.emit("lease_lost", 10, reason="taken over")
+    lost = _value(m, "ckpt_lease_lost_timestamp_seconds")
+    assert abs(lost - time.time()) < 5 and _value(m, "ckpt_lease_lost_total") == 1
+    done = Metrics(bus := EventBus())
+    bus.emit("run_ended", 12, exit_code=0)
+    assert abs(_value(done, "train_completed_timestamp_seconds") - time.time()) < 5
+
+
+def test_shutdown_lingers_serving_the_last_state():
+    bus = EventBus()
+    m = Metrics(bus)
+    port = m.serve(0, "127.0.0.1")
+    bus.emit("run_ended", 3, exit_code=0)
+    import threading
+
+    t0 = time.monotonic()
+    stopper = threading.Thread(target=m.shutdown, kwargs={"linger_seconds": 1.5})
+    stopper.start()
+    served = 0.0
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as f:
+                assert "train_completed_timestamp_seconds" in f.read().decode()
+            served = time.monotonic() - t0
+        except OSError:
+            break
+        time.sleep(0.05)
+    stopper.join()
+    assert 1.3 <= served < 5

@@ -140,7 +140,7 @@ class MetricsConfig(Section):
     stall_min_seconds: float = _f(60.0, "TrainingStalled never before this long without a step.")
     startup_seconds: float = _f(900.0, "TrainingStalled allowance before the first step (build, resume).")
     age_slack_seconds: float = _f(300.0, "CheckpointTooOld after 3 intervals plus this long.")
-    linger_seconds: float = _f(15.0, "On a hang, keep serving this long before exiting (one scrape).")
+    linger_seconds: float = _f(15.0, "After a hang, a lost lease or the run's end, keep serving this long before exiting; at least the scrape interval.")
 
     def _validate(self) -> None:
         if not 0 <= self.port <= 65535:

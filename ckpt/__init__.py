@@ -54,6 +54,7 @@ from ckpt.format import Manifest
 from ckpt.job import (
     CheckpointManager,
     KeepAll,
+    KeepBest,
     KeepEvery,
     KeepLast,
     KeepPinned,
@@ -80,6 +81,7 @@ __all__ = [
     "KeepEvery",
     "KeepPinned",
     "KeepAll",
+    "KeepBest",
     "Event",
     "EventBus",
     "JsonlEventLog",

@@ -78,6 +78,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     # The two-tier manager took that failure back from the durable tier's history: the
     # local tier survived it, so no node was lost.
     "failure_reclassified": ("tier", "reason"),
+    # A resume un-committed a checkpoint newer than the step it loaded (``step``: that one;
+    # ``CheckpointManager.uncommit_newer``), so the run saves that step again.
+    "checkpoint_uncommitted": ("resumed_step",),
     # -- the trainer (trainer/)
     "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr"),
     # ``failure``: "nan", "spike", "hang", "straggler" or "preempted"; ``loss`` with nan and
@@ -87,8 +90,6 @@ KINDS: dict[str, tuple[str, ...]] = {
     # The run is over and the process is about to exit with ``exit_code`` (every rank; 0:
     # trained to the end with the last step committed). Not emitted when it crashed.
     "run_ended": ("exit_code",),
-    # A checkpoint newer than the step resumed from was un-committed (``step``: that one).
-    "checkpoint_uncommitted": ("resumed_step",),
 }
 
 

@@ -39,7 +39,6 @@ __all__ = [
     "config_record",
     "reconcile_config",
     "same_layout",
-    "uncommit_newer",
 ]
 
 log = logging.getLogger("trainer")
@@ -217,29 +216,6 @@ def reconcile_config(manifest, training: TrainingConfig, record: dict[str, Any],
     (log.warning if schedule and not t.override_schedule_on_resume else log.info)(
         "%s", "\n".join(lines))
     return lr_schedule
-
-
-def uncommit_newer(store, events: EventBus, step: int) -> None:
-    """Rank 0, right after resuming from ``step``: un-commit every newer checkpoint.
-
-    There are newer ones only when resume fell back past checkpoints that failed
-    verification, or when ``checkpoint.load_step`` rewinds the run. Left committed, they
-    would be wrong twice: this run could not save those steps again (the manager skips
-    a step that is "already committed", so a finished run would end on a corrupt or
-    stale checkpoint) and the next automatic resume would jump onto them. As with
-    ``ckpt rollback``, nothing is deleted: each becomes a rolled-back version that
-    ``ckpt restore --id`` brings back; saving the step again writes a new version.
-    ``store`` is the manager's :class:`ckpt.root.store.CheckpointStore`; ``step`` -1 means a
-    deliberate fresh start.
-    """
-    for newer, kept, exc in store.uncommit_newer(step):
-        if exc is not None:
-            log.warning("left checkpoint step %d as it is (%s)", newer, exc)
-            continue
-        since = f"the step {step} resumed from" if step >= 0 else "a deliberate fresh start"
-        log.warning("un-committed checkpoint step %d (newer than %s; kept as rolled-back "
-                    "id %s): this run writes that step again", newer, since, kept)
-        events.emit("checkpoint_uncommitted", newer, resumed_step=step)
 
 
 def check_startup(cfg: Config) -> None:

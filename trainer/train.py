@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt.dcp import RNGState, init_optimizer_state
-from ckpt.errors import AllCheckpointsDamagedError, LeaseHeldError
+from ckpt.errors import AllCheckpointsDamagedError, LeaseHeldError, LeaseLostError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.ranks import Agreement
 from monitoring import Metrics
@@ -35,7 +35,6 @@ from trainer.checkpointing import (
     config_record,
     reconcile_config,
     same_layout,
-    uncommit_newer,
 )
 from trainer.config import Config, ConfigError, config_fingerprint
 from trainer.data import build_loader, split_microbatches
@@ -185,7 +184,7 @@ class Trainer:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
                     "(checkpoint.allow_fresh_start_over_damaged is set)."))
-            self._uncommit_newer(-1)
+            self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
             return None
         if manifest is None:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
@@ -202,7 +201,6 @@ class Trainer:
             log.info("resumed from %s step %d%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same else f" (saved on layout {manifest.layout}, resharded)")
-        self._uncommit_newer(manifest.step)
         self.events.emit("resumed", manifest.step, same_layout=same)
         return manifest.step
 
@@ -221,22 +219,6 @@ class Trainer:
                                     self.optimizers, self.schedulers, self.env.rank)
         if schedule is not None:
             self.lr_schedule = schedule
-
-    def _uncommit_newer(self, step: int) -> None:
-        """Every rank, after resuming from ``step`` (-1: a deliberate fresh start): rank 0
-        un-commits the newer checkpoints (:func:`trainer.checkpointing.uncommit_newer`) and
-        every rank waits until it is done, so that no rank reads the store (the metrics'
-        newest committed step) while it still shows them. A failure fails every rank."""
-        failed: Exception | None = None
-        if self.env.rank == 0:
-            try:
-                uncommit_newer(self.manager.store, self.events, step)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                failed = exc
-        if self._agree_any(failed is not None):
-            raise failed or RuntimeError(
-                f"rank 0 could not un-commit the checkpoints newer than step {step} (its log "
-                f"says why)")
 
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:
@@ -339,9 +321,7 @@ class Trainer:
                     self.events.emit("failure", self.step, failure="preempted")
                     if self.manager is not None:
                         watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
-                        self.manager.save(self.step, self.checkpoint_state(), force=True,
-                                          block=True, user_metadata=self._metadata(loss),
-                                          attachments=self.hf_files)
+                        self._forced_save(loss)
                     exit_code = EXIT_PREEMPTED
                     break
                 if self.manager is not None and self.step < t.steps:
@@ -356,10 +336,7 @@ class Trainer:
                     # The last step is always checkpointed, so a finished run can be exported.
                     # A blocking save is slow, not hung: the watchdog gives it time.
                     watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
-                    self.manager.save(self.step, self.checkpoint_state(), force=True,
-                                      block=True, user_metadata=self._metadata(
-                                          self.losses[-1][1] if self.losses else None),
-                                      attachments=self.hf_files)
+                    self._forced_save(self.losses[-1][1] if self.losses else None)
             crashed = False
         finally:
             watchdog.stop()
@@ -381,6 +358,19 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.shutdown(linger_seconds=self.cfg.metrics.linger_seconds if exit_code
                                   in (EXIT_OK, EXIT_LEASE_LOST) else 0.0)
+
+    def _forced_save(self, loss: float | None) -> None:
+        """Save this step now, blocking (preemption, the last step). A save that cannot
+        happen (the write lease lost, the step committed by an earlier run) is logged, and
+        :meth:`_checked_exit` turns it into the exit code."""
+        try:
+            self.manager.save(self.step, self.checkpoint_state(), force=True, block=True,
+                              user_metadata=self._metadata(loss), attachments=self.hf_files)
+        except LeaseLostError:
+            pass  # logged by the manager; the exit code says it
+        except FileExistsError as exc:
+            if self.env.rank == 0:
+                log.error("%s", exc)
 
     def _checked_exit(self, exit_code: int) -> int:
         """Exit 0 only when the last step is committed; otherwise a code and one line why."""

@@ -9,13 +9,19 @@ from __future__ import annotations
 import sys
 import time
 
-from ckpt.cli._common import Progress, fmt_bytes, open_store, storage_options, writer
-from ckpt.errors import CorruptCheckpointError, LeaseHeldError
+from ckpt.cli._common import (
+    Progress,
+    UsageError,
+    fmt_bytes,
+    open_storage,
+    open_store,
+    printable,
+    writer,
+)
+from ckpt.errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
 from ckpt.format import jsonio
 from ckpt.job import read_pins, set_pinned
 from ckpt.root import ROLLED_BACK, CheckpointStore, Lease, Lifecycle
-from ckpt.storage import Storage
-from ckpt.units import parse_duration
 
 __all__ = ["cmd_pin", "cmd_rollback", "cmd_restore", "cmd_gc"]
 
@@ -25,6 +31,10 @@ def cmd_pin(args, pinned: bool) -> int:
     worth keeping), or anyway with ``--force``. Unpin needs no readable checkpoint."""
 
     store = open_store(args)
+    try:
+        pins = read_pins(store, strict=True)  # a damaged pins.json is never overwritten
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if pinned and not args.force:
         progress = Progress(f"verifying step {args.step}", sys.stderr.isatty())
         try:
@@ -33,13 +43,18 @@ def cmd_pin(args, pinned: bool) -> int:
             raise CorruptCheckpointError(
                 f"refusing to pin step {args.step}: {exc} (pass --force to pin it anyway)",
                 path=exc.path) from exc
-    elif pinned or args.step not in read_pins(store, strict=True):
+    elif pinned or args.step not in pins:
         try:
             store.read_manifest(args.step)  # must exist
         except CorruptCheckpointError:
             pass  # --force, or unpin: a damaged manifest is no reason to refuse
     with writer(args, "pin" if pinned else "unpin"):
-        pins = set_pinned(store, args.step, pinned)
+        try:
+            pins = set_pinned(store, args.step, pinned)
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # pins.json damaged meanwhile
+            raise UsageError(str(exc)) from None
     print(f"pinned steps: {sorted(pins) or 'none'}")
     return 0
 
@@ -60,7 +75,10 @@ def cmd_rollback(args) -> int:
 
 def cmd_restore(args) -> int:
     with writer(args, "restore", force=args.force) as life:
-        m = life.restore(args.id, replace=args.replace)
+        try:
+            m = life.restore(args.id, replace=args.replace)
+        except FileExistsError as exc:  # committed already, or its step is taken
+            raise UsageError(str(exc)) from None
     print(f"step {m.step}: restored id {m.save_id}; it is committed again")
     return 0
 
@@ -69,7 +87,7 @@ def cmd_gc(args) -> int:
     """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
     ``--yes``; either way the root's lease is respected."""
 
-    older = parse_duration(args.older_than) if args.older_than else 0.0
+    older = args.older_than or 0.0
 
     def plan(life) -> tuple[list, list]:
         rolled = []
@@ -94,13 +112,13 @@ def cmd_gc(args) -> int:
         for step, names in leftovers:
             print(f"step {step}: {verb} {len(names)} leftover file(s) of aborted saves")
         for e in rolled:
-            print(f"step {e.step}: {verb} rolled-back checkpoint id {e.id} "
+            print(f"step {e.step}: {verb} rolled-back checkpoint id {printable(e.id)} "
                   f"({fmt_bytes(e.manifest.total_bytes)})")
         if not leftovers and not rolled:
             print("nothing to remove")
 
     if not args.yes:
-        storage = Storage(args.url, storage_options(args))
+        storage = open_storage(args)
         info, _ = Lease(storage).read()
         if info is not None and Lease(storage).expired_because(info) is None:
             raise LeaseHeldError(f"{args.url} is being written by job {info.get('job')!r} "

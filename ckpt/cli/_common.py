@@ -6,26 +6,80 @@ Used by :mod:`ckpt.cli._main` (the parser and the read-only commands) and :mod:`
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import shutil
 import sys
 import textwrap
+import threading
 import time
-from typing import Any
+import unicodedata
+from typing import Any, Callable
 
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, LeaseHeldError
+from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.format import step_dirname
 from ckpt.root import CORRUPT, CheckpointInfo, CheckpointStore, acquire_lease, release_lease
-from ckpt.storage import Storage
+from ckpt.storage import RetryPolicy, Storage
 
-__all__ = ["UsageError", "storage_options", "open_store", "fmt_bytes", "fmt_time",
-           "fmt_seconds", "fmt_loss", "json_safe", "Progress", "info_row", "terminal_width",
-           "format_table", "writer"]
+__all__ = ["UsageError", "storage_options", "open_storage", "open_store", "fmt_bytes",
+           "fmt_time", "fmt_seconds", "fmt_loss", "json_safe", "Progress", "info_row",
+           "terminal_width", "format_table", "writer", "printable", "arg_type", "retry_policy",
+           "with_unit", "parse_step", "DEFAULT_RETRY_SECONDS", "UNANSWERED_SECONDS",
+           "NOTICE_SECONDS"]
+
+DEFAULT_RETRY_SECONDS = 120.0
+"""How long (``--retry-for``) a request the storage throttles is retried: about as patient
+as a job's save, whose attempts are retried too."""
+UNANSWERED_SECONDS = 30.0
+"""How long a request that fails without an answer (refused, timed out) is retried, at most."""
+NOTICE_SECONDS = 2.0
+"""How long the first request to a root may take before the command says it is waiting."""
 
 
 class UsageError(ValueError):
     """Bad input found by the command line itself; the message names it and the fix."""
+
+
+def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse ``type``, its ``ValueError`` message kept (argparse would
+    put its own in place of it)."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+def with_unit(parse: Callable[[str], Any], example: str) -> Callable[[str], Any]:
+    """``parse``, refusing a bare number: ``--size 14`` would mean 14 bytes, never what was
+    meant. ``example`` shows the fix."""
+    def parse_with_unit(text: str):
+        body = str(text).strip()
+        body = body[:-2] if body.lower().endswith("/s") else body
+        try:
+            float(body)
+        except ValueError:
+            return parse(text)
+        raise ValueError(f"{text!r} has no unit: write e.g. {body}{example} (B for bytes)")
+
+    parse_with_unit.__name__ = parse.__name__
+    return parse_with_unit
+
+
+def parse_step(text: str) -> int:
+    """A ``--step``: a training step, an integer >= 0."""
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if step < 0:
+        raise ValueError(f"invalid step {text!r}: pass a step number (an integer >= 0; "
+                         f"`ckpt list` shows them)")
+    return step
 
 
 def storage_options(args) -> dict[str, Any]:
@@ -33,6 +87,30 @@ def storage_options(args) -> dict[str, Any]:
     if getattr(args, "endpoint_url", None):
         opts["client_kwargs"] = {"endpoint_url": args.endpoint_url}
     return opts
+
+
+def retry_policy(args) -> RetryPolicy:
+    """The command's storage retries: throttled requests for ``--retry-for`` (a bounded
+    deadline, as patient as a job), unanswered ones for at most ``UNANSWERED_SECONDS``."""
+    patience = getattr(args, "retry_for", None)
+    patience = DEFAULT_RETRY_SECONDS if patience is None else patience
+    return RetryPolicy(attempts=5, base_seconds=0.2, max_seconds=5.0,
+                       deadline_seconds=min(UNANSWERED_SECONDS, patience),
+                       throttled_seconds=patience)
+
+
+def printable(text: Any) -> str:
+    """``text`` safe for a terminal: control and format characters (an ESC, a newline, a
+    bidi override in a key name) escaped as ``\\xNN``/``\\uNNNN``, everything else kept."""
+    out = []
+    for ch in str(text):
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else
+                       f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
 
 
 def fmt_bytes(n: int) -> str:
@@ -64,21 +142,52 @@ def json_safe(row: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def open_store(args) -> CheckpointStore:
-    """The store at ``args.url``, which must exist: a missing root is a typo, not "empty".
+@contextlib.contextmanager
+def _notice_if_slow(args, storage: Storage):
+    """Say on stderr what is being tried when the first request to the root takes longer
+    than ``NOTICE_SECONDS`` (an endpoint that does not answer keeps a request waiting for
+    its timeout before the first retry is reported)."""
+    def say() -> None:
+        policy = storage.retry
+        sys.stderr.write(
+            f"ckpt {args.command}: no answer yet from {storage.backend.endpoint} for "
+            f"{storage.url}; still trying (unanswered requests are retried for up to "
+            f"{policy.deadline_seconds:.0f}s, throttled ones for up to "
+            f"{policy.throttled_seconds:.0f}s; --retry-for changes it, Ctrl-C stops)\n")
+        sys.stderr.flush()
+
+    timer = threading.Timer(NOTICE_SECONDS, say)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def open_storage(args) -> Storage:
+    """The storage at ``args.url``, reached once, which must exist: a missing root is a typo,
+    not "empty" (a ``UsageError``, exit 2, for every command).
 
     On S3 a prefix exists only through its objects, so there only the bucket must exist
-    (listing a missing bucket raises StorageUnavailableError naming it)."""
-    store = CheckpointStore(args.url, storage_options(args))
-    storage = store.storage
-    if storage.has_folders:
-        if not storage.exists(""):
+    (listing a missing bucket raises StorageUnavailableError naming it). Requests retry
+    with :func:`retry_policy`; a first request that takes long is announced on stderr."""
+    storage = Storage(args.url, storage_options(args), retry=retry_policy(args))
+    with _notice_if_slow(args, storage):
+        if not storage.has_folders:
+            storage.listdir("")  # reaches the endpoint and the bucket
+        elif not storage.exists(""):
             raise UsageError(f"checkpoint root {args.url} does not exist; check the path "
                              f"(the folder that holds the step_* folders)")
-        if not storage.fs.isdir(storage.path()):
+        elif not storage.fs.isdir(storage.path()):
             raise UsageError(f"checkpoint root {args.url} is a file, not a folder; pass the "
                              f"folder that holds the step_* folders")
-    return store
+    return storage
+
+
+def open_store(args) -> CheckpointStore:
+    """The store at ``args.url`` (:func:`open_storage`)."""
+    return CheckpointStore(open_storage(args))
 
 
 class Progress:
@@ -131,6 +240,7 @@ def format_table(rows: list[tuple[str, ...]], width: int | None) -> list[str]:
     """Rows as aligned columns. The last column is free text: on a terminal of ``width``
     columns it wraps under itself rather than past the edge, so nothing is cut; piped
     output keeps every row on one line (for grep and scripts)."""
+    rows = [tuple(printable(v) for v in r) for r in rows]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     indent = sum(widths[:-1]) + 2 * (len(widths) - 1)
     room = (width - indent - 1) if width else 0
@@ -169,9 +279,7 @@ def writer(args, command: str, *, force: bool = False):
     after its TTL.
     """
 
-    storage = Storage(args.url, storage_options(args))
-    if storage.has_folders and not storage.exists(""):
-        raise CheckpointNotFoundError(f"checkpoint root {args.url} does not exist")
+    storage = open_storage(args)
     try:
         life = acquire_lease(storage, ttl_seconds=30.0, job_name=f"ckpt {command}",
                              force=force)

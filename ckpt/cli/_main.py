@@ -31,24 +31,39 @@ This module builds the parser and runs one command; the command bodies live in
 :mod:`ckpt.cli._plan`, the one-line error format in :mod:`ckpt.cli._errors`.
 
 S3 endpoints and credentials come from the usual AWS environment variables
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or --endpoint-url.
-Exit status: 0 ok, 1 a checkpoint is corrupt or missing, 2 bad usage or input. Every error
-is one line on stderr naming what is wrong and how to fix it; --debug (anywhere on the
-command line) adds the traceback.
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or --endpoint-url. A request the storage
+throttles (503 SlowDown) is retried for --retry-for (default 2m), one that gets no answer
+for at most 30s; a first request that takes more than 2s is announced on stderr.
+
+Exit status, the same for every command:
+  0   ok (diff: the two checkpoints are identical)
+  1   a checkpoint is corrupt or missing: a step or id that does not exist, a checksum or
+      size that does not match, a manifest that cannot be read (list: one it lists as
+      corrupt; verify: one that fails; diff: the two differ)
+  2   anything else: bad usage or input (a root that does not exist, a missing S3 bucket,
+      an --out that is in the way), the root held by a live job, storage unreachable or
+      throttled past --retry-for (diff: trouble, a missing or corrupt checkpoint included)
+  130 interrupted (Ctrl-C)
+Every error is one line on stderr naming what is wrong and how to fix it; --debug
+(anywhere on the command line) adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 import traceback
 from typing import Sequence
 
 from ckpt.cli._admin import cmd_gc, cmd_pin, cmd_restore, cmd_rollback
+from ckpt.cli._common import arg_type, parse_step
 from ckpt.cli._errors import OneLineArgumentParser, error_line
 from ckpt.cli._plan import add_plan_arguments, run_plan
 from ckpt.cli._read import cmd_diff, cmd_export, cmd_history, cmd_list, cmd_show, cmd_verify
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.units import parse_duration
 
 __all__ = ["main", "build_parser"]
 
@@ -67,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "plan":
             sp.add_argument("url", help="checkpoint root: a path or URL (s3://bucket/prefix)")
             sp.add_argument("--endpoint-url", help="S3 endpoint (else AWS_ENDPOINT_URL)")
+            sp.add_argument("--retry-for", type=arg_type(parse_duration), metavar="DURATION",
+                            help="how long to retry a storage request that is throttled "
+                                 "(503 SlowDown), e.g. 30s, 10m (default: 2m; unanswered "
+                                 "requests: at most 30s)")
         return sp
 
     sp = add("list", "list checkpoints with their status")
@@ -81,13 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "a TIER column; repeat for several nodes' roots")
     sp.set_defaults(fn=cmd_list)
     sp = add("verify", "full checksum pass over one or all checkpoints")
-    sp.add_argument("--step", type=int)
+    sp.add_argument("--step", type=arg_type(parse_step),
+                    help="verify this step's committed checkpoint (default: every committed one)")
     sp.add_argument("--id", help="verify one version by id (e.g. a rolled-back one)")
     sp.add_argument("--size-only", action="store_true", help="check sizes, not checksums")
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_verify)
     sp = add("show", "what one checkpoint holds: layout, tensors, sizes, metadata, writer")
-    sp.add_argument("--step", type=int, help="default: the newest committed")
+    sp.add_argument("--step", type=arg_type(parse_step), help="default: the newest committed")
     sp.add_argument("--id", help="one version by id (e.g. a rolled-back one)")
     sp.add_argument("--tensors", action="store_true",
                     help="list every tensor's shape, dtype and size")
@@ -110,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_history)
     sp = add("export", "consolidate a checkpoint into one .pt or .safetensors file, or a "
                        "Hugging Face folder")
-    sp.add_argument("--step", type=int, help="default: the newest committed")
+    sp.add_argument("--step", type=arg_type(parse_step), help="default: the newest committed")
     sp.add_argument("--out", help="a .pt/.pth or .safetensors file, or a folder with --format hf")
     sp.add_argument("--format", choices=("pt", "safetensors", "hf"),
                     help="default: from the --out file name; hf: a folder of sharded "
@@ -131,15 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.set_defaults(fn=cmd_export)
     sp = add("pin", "protect a checkpoint from retention (after a full checksum pass)")
-    sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--step", type=arg_type(parse_step), required=True, help="the step to pin")
     sp.add_argument("--force", action="store_true",
                     help="pin even if the checkpoint fails verification")
     sp.set_defaults(fn=lambda a: cmd_pin(a, True))
     sp = add("unpin", "remove a pin")
-    sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--step", type=arg_type(parse_step), required=True, help="the step to unpin")
     sp.set_defaults(fn=lambda a: cmd_pin(a, False))
     sp = add("rollback", "make STEP the latest: un-commit newer checkpoints (reversible)")
-    sp.add_argument("--step", type=int, required=True)
+    sp.add_argument("--step", type=arg_type(parse_step), required=True,
+                    help="the step to resume from (verified first); newer ones are "
+                         "un-committed")
     sp.add_argument("--force", action="store_true",
                     help="take the write lease from a live job (its later saves stop counting)")
     sp.set_defaults(fn=cmd_rollback)
@@ -153,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("gc", "remove aborted saves' leftovers (and rolled-back checkpoints if asked)")
     sp.add_argument("--rolled-back", action="store_true",
                     help="also remove rolled-back checkpoints")
-    sp.add_argument("--older-than", metavar="DURATION",
+    sp.add_argument("--older-than", metavar="DURATION", type=arg_type(parse_duration),
                     help="with --rolled-back: only those created longer ago (e.g. 7d, 12h)")
     sp.add_argument("--yes", action="store_true", help="remove (default: dry run)")
     sp.add_argument("--force", action="store_true",
@@ -166,11 +188,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Warnings(logging.Handler):
+    """The store's warnings while a command runs, one line each after the command's name;
+    storage retries at most one line per ``RETRY_LINE_SECONDS`` (a throttled bucket
+    retries often), with the count of those not shown."""
+
+    RETRY_LINE_SECONDS = 5.0
+
+    def __init__(self, prog: str):
+        super().__init__(logging.WARNING)
+        self.prog = prog
+        self.last_retry = -float("inf")
+        self.hidden = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = " ".join(record.getMessage().split())
+        except Exception:  # noqa: BLE001 - a bad log call must not end the command
+            return
+        if record.name == "ckpt.storage":  # RetryPolicy: one record per retry
+            now = time.monotonic()
+            if now - self.last_retry < self.RETRY_LINE_SECONDS:
+                self.hidden += 1
+                return
+            self.last_retry = now
+            if self.hidden:
+                text += f" ({self.hidden} more retries not shown)"
+                self.hidden = 0
+        sys.stderr.write(f"{self.prog}: {text}\n")
+        sys.stderr.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; every failure is one line on stderr and an exit status: 1 for a
-    corrupt or missing checkpoint, 2 for anything else (bad usage, input or storage)."""
+    """Run one command; every failure is one line on stderr and an exit status (see the
+    module docstring): 1 for a corrupt or missing checkpoint, 2 for anything else."""
     args = build_parser().parse_args(argv)
     prog = f"ckpt {args.command}"
+    warnings = _Warnings(prog)
+    logging.getLogger("ckpt").addHandler(warnings)
     try:
         return int(args.fn(args) or 0)
     except KeyboardInterrupt:
@@ -181,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"{prog}: {error_line(exc)}", file=sys.stderr)
         return 1 if isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)) else 2
+    finally:
+        logging.getLogger("ckpt").removeHandler(warnings)
 
 
 if __name__ == "__main__":

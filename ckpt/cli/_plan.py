@@ -14,48 +14,40 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 from ckpt.cadence import Plan, TierPlans, make_plan, make_tier_plans, measure_bandwidth
+from ckpt.cli._common import arg_type, with_unit
 from ckpt.units import parse_bandwidth, parse_duration, parse_fraction, parse_size
 
 __all__ = ["add_plan_arguments", "run_plan", "format_plan", "format_tiers", "main"]
 
 
-def _arg(parse):
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as exc:  # argparse would replace a ValueError's message with its own
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``ckpt plan``'s options to ``parser`` (a subcommand parser)."""
-    parser.add_argument("--size", type=_arg(parse_size), required=True,
+    parser.add_argument("--size", type=arg_type(with_unit(parse_size, "GB")), required=True,
                         help="checkpoint size, all ranks together, e.g. 14GB or 800GiB")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--bandwidth", type=_arg(parse_bandwidth),
+    source.add_argument("--bandwidth", type=arg_type(with_unit(parse_bandwidth, "GB/s")),
                         help="aggregate storage write bandwidth, e.g. 2GB/s")
     source.add_argument("--measure", metavar="URL",
                         help="measure write/read bandwidth at this fsspec URL (local path, s3://...)")
-    parser.add_argument("--measure-bytes", type=_arg(parse_size), default=256 * 2**20,
+    parser.add_argument("--measure-bytes", type=arg_type(with_unit(parse_size, "MiB")),
+                        default=256 * 2**20,
                         help="test object size for --measure (default 256MiB)")
     parser.add_argument("--endpoint-url", help="S3 endpoint for --measure s3://... (e.g. MinIO)")
-    parser.add_argument("--stall", type=_arg(parse_duration), default=None,
+    parser.add_argument("--stall", type=arg_type(parse_duration), default=None,
                         help="training stall per checkpoint; default size / 10GB/s host copy")
-    parser.add_argument("--mtbf", type=_arg(parse_duration), default=86400.0,
+    parser.add_argument("--mtbf", type=arg_type(parse_duration), default=86400.0,
                         help="job mean time between failures (default 24h)")
-    parser.add_argument("--restart", type=_arg(parse_duration), default=60.0,
+    parser.add_argument("--restart", type=arg_type(parse_duration), default=60.0,
                         help="time to restart after a failure (default 60s)")
-    parser.add_argument("--step-time", type=_arg(parse_duration), default=None,
+    parser.add_argument("--step-time", type=arg_type(parse_duration), default=None,
                         help="seconds per training step, to express the interval in steps")
-    parser.add_argument("--overhead-budget", type=_arg(parse_fraction), default=None,
+    parser.add_argument("--overhead-budget", type=arg_type(parse_fraction), default=None,
                         help="cap on stall per interval, e.g. 0.01 or 1%% (default: none)")
-    parser.add_argument("--local-bandwidth", type=_arg(parse_bandwidth), default=None,
+    parser.add_argument("--local-bandwidth", type=arg_type(with_unit(parse_bandwidth, "GB/s")),
+                        default=None,
                         help="with a local tier: its aggregate write bandwidth (per node "
                              "times nodes), e.g. 40GB/s; advises both tiers' intervals")
-    parser.add_argument("--node-mtbf", type=_arg(parse_duration), default=None,
+    parser.add_argument("--node-mtbf", type=arg_type(parse_duration), default=None,
                         help="with --local-bandwidth: mean time between node losses, the "
                              "failures the local tier does not survive (default: --mtbf)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from typing import Any
 
 from ckpt.cli import inspection
 from ckpt.cli._common import (
@@ -22,23 +24,126 @@ from ckpt.cli._common import (
     info_row,
     json_safe,
     open_store,
+    printable,
     terminal_width,
+    with_unit,
 )
 from ckpt.cli._errors import error_line
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    FencedCheckpointError,
 )
-from ckpt.export import check_out_dir, check_out_file, export, parse_dtype
-from ckpt.format import jsonio
-from ckpt.root import CheckpointStore
+from ckpt.export import check_out_dir, check_out_file, export, parse_dtype, select_keys
+from ckpt.format import jsonio, step_dirname
+from ckpt.job import read_pins, read_retention
+from ckpt.root import (
+    COMMITTED,
+    CORRUPT,
+    FENCED,
+    INCOMPLETE,
+    CheckpointInfo,
+    CheckpointStore,
+    Lease,
+    data_file_id,
+)
 from ckpt.units import parse_size
 
 __all__ = ["cmd_list", "cmd_verify", "cmd_show", "cmd_diff", "cmd_history", "cmd_export"]
 
 
+LEFTOVER = "leftover"
+"""``ckpt list --all``'s status of files of aborted saves that no listed version owns."""
+
+
+def _warn(args, message: str) -> None:
+    print(f"ckpt {args.command}: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def _counts(info: CheckpointInfo) -> bool:
+    """Whether ``info`` is a step's committed version (verified or found corrupt by the
+    check): the one retention keeps or deletes, and a pin protects."""
+    return info.status == COMMITTED or (info.status == CORRUPT and info.save_id is not None)
+
+
+def _kept_for(args, store: CheckpointStore, infos: list[CheckpointInfo]) -> dict[int, list[str]]:
+    """Why retention keeps each committed step, beyond the newest: ``pinned`` (``ckpt pin``),
+    and each best-k policy the writing job recorded (``KeepBest``)."""
+    reasons: dict[int, list[str]] = {}
+    counted = [i for i in infos if _counts(i)]
+    try:
+        pins = read_pins(store, strict=True)
+    except ValueError as exc:
+        _warn(args, f"{exc}; pins not shown")
+        pins = set()
+    try:
+        best = read_retention(store)
+    except ValueError as exc:
+        _warn(args, f"{exc}; the best-k reasons are not shown")
+        best = []
+    for i in counted:
+        if i.step in pins:
+            reasons.setdefault(i.step, []).append("pinned")
+    steps = sorted({i.step for i in counted})
+    for policy in best:
+        for i in counted:
+            policy.note(i.step, i.user_metadata)
+        for step in sorted(policy.keep(steps)):
+            reasons.setdefault(step, []).append(policy.reason())
+    return reasons
+
+
+def _live_writer(store: CheckpointStore) -> bool:
+    """Whether a live job holds the root's write lease (its save in flight has no manifest
+    yet either)."""
+    lease = Lease(store.storage)
+    info, _ = lease.read()
+    return info is not None and lease.expired_because(info) is None
+
+
+def _leftovers(store: CheckpointStore, infos: list[CheckpointInfo]
+               ) -> list[tuple[CheckpointInfo, dict[str, Any]]]:
+    """``--all``: what ``ckpt gc`` would remove, shown. An attempt listed by its marker
+    (incomplete) or its fenced manifest says so in its note; files no listed version owns
+    become a ``leftover`` row per step (size, names)."""
+    live = _live_writer(store)
+    rows = []
+    for step, names in store.life.leftovers():
+        covered: set[str] = set()
+        for e in store.life.entries(step):
+            listed = [i for i in infos if i.step == step and i.save_id == e.id
+                      and i.status == e.status and e.status in (INCOMPLETE, FENCED)]
+            if e.id is None or not listed:
+                continue
+            files = {n for n in names if data_file_id(n) == e.id or n == e.name}
+            covered |= files
+            i = listed[0]
+            if i.status == INCOMPLETE:
+                i.problem = ("no manifest: a save in flight, or an aborted one (a live job "
+                             "holds the lease)" if live else
+                             f"no manifest: an aborted save; `ckpt gc` removes its "
+                             f"{len(files)} file(s)")
+            else:
+                i.problem = f"{i.problem}; `ckpt gc` removes it"
+        rest = [n for n in names if n not in covered]
+        if not rest:
+            continue
+        folder = step_dirname(step)
+        sizes = {n: size for n, kind, size in store.storage.listdir(folder) if kind == "file"}
+        shown = ", ".join(rest[:3]) + (", ..." if len(rest) > 3 else "")
+        what = ("of a save in flight or of aborted ones (a live job holds the lease)" if live
+                else "of aborted saves")
+        rows.append((CheckpointInfo(
+            step, LEFTOVER, store.storage.describe(folder), sum(sizes.get(n, 0) for n in rest),
+            problem=f"{len(rest)} file(s) {what} ({shown})" +
+                    ("" if live else "; `ckpt gc` removes them")), {"files": rest}))
+    return rows
+
+
 def cmd_list(args) -> int:
+    """Exit 1 when a listed checkpoint is corrupt (found so by ``--check``, or a manifest
+    that cannot be read), else 0."""
     tiers = [("durable", open_store(args))]
     for local in args.local or ():
         if local.rstrip("/") == args.url.rstrip("/"):
@@ -46,32 +151,40 @@ def cmd_list(args) -> int:
                              f"tier's folder (checkpoint.local_root)")
         tiers.append((f"local:{local}" if len(args.local) > 1 else "local",
                       open_store(argparse.Namespace(**{**vars(args), "url": local}))))
-    rows_of: list[tuple[str, CheckpointStore, object]] = []
+    rows_of: list[tuple[str, CheckpointStore, CheckpointInfo, dict[str, Any]]] = []
     for tier, store in tiers:
         if args.all:
             infos = store.list(check=args.check, all_versions=True)
         else:
             infos = [info_row(store, step, args.check) for step in store.steps()]
-        rows_of += [(tier, store, i) for i in infos]
+        kept = _kept_for(args, store, infos)
+        rows = [(i, {"pinned": _counts(i) and "pinned" in kept.get(i.step, ()),
+                     "kept_for": kept.get(i.step, []) if _counts(i) else []}) for i in infos]
+        if args.all:
+            rows += _leftovers(store, infos)
+        rows_of += [(tier, store, i, extra) for i, extra in rows]
     rows_of.sort(key=lambda r: r[2].step)  # stable: the durable tier first at one step
     show_tier = len(tiers) > 1
+    corrupt = any(i.status == CORRUPT for _, _, i, _ in rows_of)
     if args.json:
-        print(jsonio.dumps([json_safe({**i.to_json(), **({"tier": t} if show_tier else {})})
-                            for t, _, i in rows_of], indent=1).decode())
-        return 0
+        print(jsonio.dumps([json_safe({**i.to_json(), **extra,
+                                       **({"tier": t} if show_tier else {})})
+                            for t, _, i, extra in rows_of], indent=1).decode())
+        return 1 if corrupt else 0
     if not rows_of:
         print(f"no checkpoints under {' or '.join(s.storage.url for _, s in tiers)}")
         return 0
     rows = [(*(("TIER",) if show_tier else ()), "STEP", "ID", "STATUS", "SIZE", "CREATED",
              "LOSS", "NOTE")]
-    for tier, store, i in rows_of:
+    for tier, store, i, extra in rows_of:
+        problem = " ".join((i.problem or "").replace(store.storage.url + "/", "").split())
+        note = "; ".join([*extra.get("kept_for", []), *([problem] if problem else [])])
         rows.append((*((tier,) if show_tier else ()), str(i.step), i.id or "-", i.status,
                      fmt_bytes(i.bytes), fmt_time(i.created),
-                     fmt_loss((i.user_metadata or {}).get("loss")),
-                     " ".join((i.problem or "").replace(store.storage.url + "/", "").split())))
+                     fmt_loss((i.user_metadata or {}).get("loss")), note))
     for line in format_table(rows, terminal_width()):
         print(line)
-    return 0
+    return 1 if corrupt else 0
 
 
 def cmd_verify(args) -> int:
@@ -100,7 +213,15 @@ def cmd_verify(args) -> int:
         try:
             m = store.verify(step, full=not args.size_only, progress=progress)
             print(f"step {step}: ok ({len(m.files)} files, {fmt_bytes(m.total_bytes)})")
-        except CheckpointError as exc:
+        except FencedCheckpointError as exc:
+            bad += 1
+            print(f"step {step}: not a checkpoint: {exc}")
+        except CheckpointNotFoundError:
+            bad += 1
+            print(f"step {step}: no checkpoint at step {step} "
+                  f"({store.storage.describe(step_dirname(step))} holds no committed "
+                  f"manifest); `ckpt list {args.url} --all` shows what exists")
+        except CorruptCheckpointError as exc:
             bad += 1
             print(f"step {step}: CORRUPT: {exc}")
     return 1 if bad else 0
@@ -127,6 +248,12 @@ def cmd_show(args) -> int:
     store = open_store(args)
     info = inspection.show(store, _select(store, step=args.step, save_id=args.id),
                         with_tensors=args.tensors)
+    try:
+        pins = read_pins(store, strict=True)
+    except ValueError as exc:
+        _warn(args, f"{exc}; whether the step is pinned is not known")
+        pins = set()
+    info["pinned"] = info["status"] == COMMITTED and info["step"] in pins
     if args.json:
         print(jsonio.dumps(json_safe(info), indent=1).decode())
         return 0
@@ -142,8 +269,9 @@ def cmd_show(args) -> int:
                     f"{info['num_objects']} other values"),
         ("files", f"{info['num_files']} ({fmt_bytes(info['total_bytes'])})"),
         ("fingerprint", info["config_fingerprint"] or "-"),
-        ("writer", f"owner {w.get('owner', '-')}, lease generation "
-                   f"{w.get('lease_generation', '-')}, job {w.get('job', '-')}"),
+        ("writer", f"job {w.get('job', '-')!r} (owner {w.get('owner', '-')}, lease "
+                   f"generation {w.get('lease_generation', '-')})"),
+        ("pinned", "yes (`ckpt unpin` lets retention delete it)" if info["pinned"] else "no"),
         ("versions", ", ".join(f"{k} {v}" for k, v in (info["versions"] or {}).items()) or "-"),
         ("metadata", ", ".join(f"{k}={jsonio.dumps(v).decode()}" for k, v in meta.items())
          or "-"),
@@ -151,16 +279,15 @@ def cmd_show(args) -> int:
     config = (info["user_metadata"] or {}).get("config")
     if isinstance(config, dict):
         lines.append(("config", f"stored ({len(config)} sections; --json shows it)"))
-    print(f"step {info['step']}  id {info['id']}  {info['status']}")
+    print(printable(f"step {info['step']}  id {info['id']}  {info['status']}"))
     for k, v in lines:
-        print(f"  {k:<12} {v}")
+        print(f"  {k:<12} {printable(v)}")
     if args.tensors:
         rows = [("KEY", "SHAPE", "DTYPE", "BYTES")]
         rows += [(k, "x".join(map(str, t["shape"])) or "scalar", t["dtype"], str(t["bytes"]))
                  for k, t in info["tensors"].items()]
-        widths = [max(len(r[c]) for r in rows) for c in range(4)]
-        for r in rows:
-            print("  " + "  ".join(v.ljust(wd) for v, wd in zip(r, widths)).rstrip())
+        for line in format_table(rows, None):  # key names escaped (format_table)
+            print("  " + line)
     return 0
 
 
@@ -265,27 +392,47 @@ def cmd_export(args) -> int:
         raise UsageError("--max-shard-size applies to --format hf only")
     if args.format != "hf" and args.no_config:
         raise UsageError("--no-config applies to --format hf only")
-    if args.dtype is not None:
-        parse_dtype(args.dtype)
-    parse_size(args.max_shard_size or "5GB")
-    if args.out is not None:
-        try:  # before reading any checkpoint data
-            if args.format == "hf":
-                check_out_dir(args.out, force=args.force)
-            else:
-                check_out_file(args.out)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    try:  # before reading any checkpoint data
+        with_unit(parse_size, "GB")(args.max_shard_size or "5GB")
+    except ValueError as exc:
+        raise UsageError(f"--max-shard-size: {exc}") from None
+    try:
+        if args.dtype is not None:
+            parse_dtype(args.dtype)
+        if args.out is not None and args.format == "hf":
+            check_out_dir(args.out, force=args.force)
+        elif args.out is not None:
+            check_out_file(args.out)
+    except (ValueError, FileExistsError) as exc:
+        raise UsageError(str(exc)) from None
     progress = Progress("export", args.progress or sys.stderr.isatty())
-    m = export(open_store(args).storage, args.step, args.out, select=args.select,
-               progress=progress if args.out is not None else None,
-               dtype=args.dtype, format=args.format, max_shard_size=args.max_shard_size or "5GB",
-               force=args.force, attachments_dir=args.attachments, no_config=args.no_config)
+    store = open_store(args)
+    try:
+        m = export(store.storage, args.step, args.out, select=args.select,
+                   progress=progress if args.out is not None else None, dtype=args.dtype,
+                   format=args.format, max_shard_size=args.max_shard_size or "5GB",
+                   force=args.force, attachments_dir=args.attachments,
+                   no_config=args.no_config)
+    except CheckpointError:
+        raise
+    except (ValueError, FileExistsError) as exc:  # --select, --dtype, names, files in the way
+        raise UsageError(str(exc)) from None
     if args.out is not None:
-        kept = f"{len(args.select)} prefix(es) selected from " if args.select else ""
-        print(f"exported step {m.step} ({kept}{len(m.tensors)} tensors) to {args.out}")
+        kept = select_keys([*m.tensors, *m.objects], args.select).values() if args.select \
+            else m.tensors
+        of = f" of {len(m.tensors)}" if args.select else ""
+        print(f"exported step {m.step}: {sum(k in m.tensors for k in kept)}{of} tensors, "
+              f"{fmt_bytes(_size(args.out))} written to {args.out}")
     if args.attachments is not None:
         names = ", ".join(sorted(m.attachments)) or "none"
         print(f"wrote {len(m.attachments)} attachment(s) of step {m.step} to "
-              f"{args.attachments}: {names}")
+              f"{args.attachments}: {printable(names)}")
     return 0
+
+
+def _size(path: str) -> int:
+    """Bytes of a file, or of the files in a folder (an hf export)."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+               if os.path.isfile(os.path.join(path, n)))

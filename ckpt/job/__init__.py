@@ -15,19 +15,24 @@ history), ``_commits`` (what a manager knows of its commits, the bookkeeping aft
 from ckpt.job.manager import CheckpointManager
 from ckpt.job.retention import (
     PINS_NAME,
+    RETENTION_NAME,
     KeepAll,
+    KeepBest,
     KeepEvery,
     KeepLast,
     KeepPinned,
     RetentionPolicy,
     apply_retention,
     read_pins,
+    read_retention,
+    record_retention,
     set_pinned,
 )
 from ckpt.job.tiers import DEFAULT_LOCAL_KEEP, TieredCheckpointManager, node_local_root
 
 __all__ = [
     "CheckpointManager", "TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP",
-    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "apply_retention",
-    "PINS_NAME", "read_pins", "set_pinned",
+    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "KeepBest",
+    "apply_retention", "PINS_NAME", "read_pins", "set_pinned", "RETENTION_NAME",
+    "record_retention", "read_retention",
 ]

@@ -32,6 +32,7 @@ private groups (:mod:`ckpt.ranks.groups`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -40,8 +41,9 @@ import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interval
 from ckpt.dcp import StagingBuffers, api, check_attachments
+from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
-from ckpt.format import Manifest
+from ckpt.format import Manifest, step_dirname
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
@@ -54,12 +56,14 @@ from ckpt.job.gate import (
     use_slot,
 )
 from ckpt.job.persist import Persister
-from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy
+from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy, record_retention
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
 from ckpt.root import CheckpointStore, Lease, Lifecycle
 from ckpt.storage import Storage
 
 __all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -68,9 +72,11 @@ class CheckpointManager:
     Args:
         root: local path or fsspec URL (``s3://bucket/prefix``), or a ``Storage``.
         cadence: a ``CadencePolicy`` (see ``ckpt.cadence.policies``) or an interval string
-            (``"auto"``, ``"100"`` steps, ``"300s"``); None saves only when asked.
+            (``"auto"``, ``"100"`` steps, ``"300s"``); None (the default): ``maybe_save``
+            never saves (it warns once) and only ``save`` does.
         retention: policies deciding which older checkpoints to delete (default: keep last 3
-            plus pinned); an empty list keeps everything.
+            plus pinned); an empty list keeps everything. Pinned steps are kept whatever
+            the policies (``ckpt.job.retention``).
         async_save: persist in the background (default) or block until committed.
         busy: ``"skip"`` or ``"wait"`` when a save is due while the previous one is in flight.
         verify: checksum mode on load: ``"full"``, ``"size"`` or ``"none"``.
@@ -126,6 +132,12 @@ class CheckpointManager:
         self.num_saves = 0
         self.lease_lost = False  # agreed on every rank at a save
         self.resumed_tier: str | None = None  # a plain manager has one tier ("durable")
+        # The step the state was loaded from (``load_latest``), and the steps this manager
+        # committed: a committed step among these holds this run's state, so a forced save
+        # of it has nothing to do; any other committed step belongs to an earlier run.
+        self.resumed_step: int | None = None
+        self._saved_steps: set[int] = set()
+        self._warned_no_cadence = False
         self._closed = False
         # Two private gloo groups: one for main-thread agreement, one for the background
         # persist (DCP's collectives). Never the training group from a background thread.
@@ -153,6 +165,8 @@ class CheckpointManager:
             retention = [KeepLast(3), KeepPinned(self.store)]
         self._commits = Commits(self.events, self.store, self._claim, retention,
                                 coordinator=self.rank == 0)
+        if self.rank == 0 and (self.lease is None or self.lease.held):
+            record_retention(self.store, retention)  # for `ckpt list` (best-k reasons)
         self._gate = SaveGate(self._ctl, self.life, self.rank == 0)
 
     # -- the claim on the root and the commits, as callers see them ---------------------------
@@ -212,8 +226,13 @@ class CheckpointManager:
         """Call after every training step; saves when the cadence policy says so.
 
         Returns True if a save was started (or completed, when not async). ``attachments``:
-        as for :meth:`save`.
+        as for :meth:`save`. Without a cadence it never saves, and says so once.
         """
+        if self.cadence is None and not self._warned_no_cadence:
+            self._warned_no_cadence = True
+            log.warning("CheckpointManager(%s) has no cadence, so maybe_save() never saves: "
+                        "pass cadence= (e.g. '500' steps, '10m', 'auto'), or call save() "
+                        "yourself", self.storage.url)
         # A time-based cadence agrees its due check; the save's checks ride along.
         due, checks = self._due(step, state, with_checks=True)
         if not due:
@@ -260,9 +279,16 @@ class CheckpointManager:
              reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
-        Returns True when a save was started. Every rank takes the same branch: whether the
-        previous save is in flight, whether ``step`` is committed, whether the lease is lost
-        and whether a failure is pending are agreed in one all-reduce first.
+        Returns True when a save was started, False when it was skipped (reported as a
+        ``save_skipped`` event). With ``force`` a save is never skipped: it returns True when
+        it started, or when ``step`` is already committed by this manager (saved by it, or
+        the step it resumed from: its state is this run's), and otherwise raises
+        ``FileExistsError`` when ``step`` is committed by an earlier run (resume from it with
+        ``load_latest``, which also un-commits newer steps, or save another step) and
+        ``LeaseLostError`` when another job took the write lease. Every rank takes the same
+        branch: whether the previous save is in flight, whether ``step`` is committed,
+        whether the lease is lost and whether a failure is pending are agreed in one
+        all-reduce first.
         ``attachments``: small files kept with the checkpoint (``ckpt.save``'s); bytes are
         taken now, a path is read when the save persists. ``reuse``: persist this copy,
         staged by another manager at this step (its ``last_staged``), instead of staging
@@ -293,11 +319,24 @@ class CheckpointManager:
             self.lease_lost = True
             use_slot(self.cadence, step)  # one skip per due save, not one per step after it
             report_lease_lost(self.events, step, self.storage.url)
+            if force:
+                raise LeaseLostError(f"step {step} not saved: another job took over the "
+                                     f"write lease on {self.storage.url}, so this job's "
+                                     f"saves no longer count")
             return False
+        ours = step in self._saved_steps or step == self.resumed_step  # same on every rank
         if exists:
             self._commits.found(step)
+            if force and ours:  # this run's state is committed at this step: done
+                return True
             self.events.emit("save_skipped", step, reason="already committed",
                              outcome="skipped")
+            if force:
+                raise FileExistsError(
+                    f"step {step} not saved: {self.storage.describe(step_dirname(step))} is "
+                    f"committed by an earlier run, and checkpoints are never overwritten. "
+                    f"Resume from it (load_latest, which also un-commits newer steps), save "
+                    f"under another step, or roll it back first (`ckpt rollback`)")
             return False
         if busy:
             if self.busy == "skip" and not force:
@@ -311,6 +350,11 @@ class CheckpointManager:
                              in_flight_step=self._slot.step)
             # The save waited for may have failed; its outcome is the same on every rank.
             self._raise_pending_failure()
+            if step in self._saved_steps:  # the save waited for was this step's: committed
+                if not force:
+                    self.events.emit("save_skipped", step, reason="already committed",
+                                     outcome="skipped")
+                return force
         t0 = time.monotonic()
         first = self.num_saves == 0
         if reuse is not None and reuse.step != step:
@@ -352,6 +396,7 @@ class CheckpointManager:
             if out.error is not None:
                 self._slot.failure = out.error
             return None
+        self._saved_steps.add(copy.step)  # every rank learns the commit alike
         self._commits.record(out, copy, cadence=self.cadence, copy_seconds=copy_seconds,
                              t_start=t_start, slowdown=self.step_times.slowdown())
         return out.manifest
@@ -372,12 +417,16 @@ class CheckpointManager:
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
                     strict: bool = True, ignore_keys: tuple[str, ...] = (),
                     raise_if_all_damaged: bool = False,
-                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None
-                    ) -> Manifest | None:
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None,
+                    uncommit_newer: bool = True) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies.
 
         Returns the manifest loaded, or None when there is nothing to resume from
         (``raise_if_all_damaged``, ``extra_state``: see :func:`ckpt.dcp.api.load_latest`).
+        Then, unless ``uncommit_newer`` is False, the run continues from the step loaded:
+        committed steps newer than it (damaged ones the walk fell back past, or all newer
+        ones when ``step`` rewinds) are un-committed (:meth:`uncommit_newer`), so that this
+        run saves those steps again and the next resume does not jump onto them.
         """
         if self._closed:
             raise RuntimeError("CheckpointManager.load_latest() called after close()")
@@ -405,6 +454,9 @@ class CheckpointManager:
         self.resumed_tier = "durable" if manifest is not None else None
         if manifest is None:
             return None
+        self.resumed_step = manifest.step
+        if uncommit_newer:
+            self.uncommit_newer(manifest.step)
         # Resumed at a step, the cadence counts the next interval from there (a resumed run
         # saves at 40 and 50 after resuming at 30 with a cadence of 10).
         use_slot(self.cadence, manifest.step)
@@ -414,6 +466,54 @@ class CheckpointManager:
                          bytes_per_second=manifest.total_bytes / seconds if seconds > 0
                          else 0.0, num_fallbacks=len(fallbacks))
         return manifest
+
+    def uncommit_newer(self, step: int) -> list[int]:
+        """Un-commit every committed step newer than ``step`` (-1: all of them, a deliberate
+        fresh start); returns those un-committed (on the coordinator; [] elsewhere).
+        Collective: the coordinator acts and every rank waits for it, so that no rank reads
+        the store while it still shows them; a failure raises on every rank.
+
+        Called after a resume (:meth:`load_latest` does it): left committed, a newer step
+        would be wrong twice, since this run could not save it again (a committed step is
+        never overwritten, so a finished run would end on a damaged or stale checkpoint) and
+        the next resume would jump onto it. As with ``ckpt rollback`` nothing is deleted:
+        each becomes a rolled-back version that ``ckpt restore --id`` brings back (a warning
+        and a ``checkpoint_uncommitted`` event each); one damaged beyond reading is left as
+        it is (it does not count anyway).
+        """
+        self._saved_steps = {s for s in self._saved_steps if s <= step}
+        since = f"the step {step} resumed from" if step >= 0 else "a deliberate fresh start"
+        done: list[int] = []
+        failed: Exception | None = None
+        if self.rank == 0:
+            try:
+                for newer, kept, exc in self.store.uncommit_newer(step):
+                    if exc is not None:
+                        log.warning("left checkpoint step %d as it is (%s)", newer, exc)
+                        continue
+                    log.warning("un-committed checkpoint step %d (newer than %s; kept as "
+                                "rolled-back id %s): this run writes that step again", newer,
+                                since, kept)
+                    self.events.emit("checkpoint_uncommitted", newer, resumed_step=step)
+                    done.append(newer)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                failed = exc
+        if self._ctl.any(failed is not None):
+            raise failed or CheckpointError(
+                f"rank 0 could not un-commit the checkpoints newer than step {step} under "
+                f"{self.storage.url} (its log says why)")
+        return done
+
+    def all_steps(self) -> list[int]:
+        """The committed steps under the root, ascending (any rank; reads storage, no
+        collective). As ``ckpt list`` lists them: nothing is verified."""
+        return self.store.committed_steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None (any rank; reads storage, no collective). The
+        step :meth:`load_latest` resumes from unless it fails verification."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

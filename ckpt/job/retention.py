@@ -5,24 +5,33 @@ steps in ascending order. Several policies combine by union (a step is kept if a
 keeps it); a policy is asked only while some step is left to delete, so one that reads
 storage (``KeepPinned``) goes last and costs nothing when the others keep everything.
 Whatever the policies say, :func:`apply_retention` never deletes the newest durable
-checkpoint, a checkpoint newer than it, or a protected step; it deletes nothing at all when
-the newest checkpoint fails verification; and a failed delete is reported, never raised.
+checkpoint, a checkpoint newer than it, a pinned step (``pins.json``, as docs/format.md
+requires: read last, only when a step is left to delete) or a protected step; it deletes
+nothing at all when the newest checkpoint fails verification; and a failed delete is
+reported, never raised. A save in flight is not committed, so no policy ever sees it.
+
+:class:`KeepBest` keeps the best ``k`` by a metric of ``user_metadata``. A manager records
+its best-k policies at the root (``_retention.json``, :func:`record_retention`) so that
+``ckpt list`` can say which checkpoints are kept for that reason (:func:`read_retention`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Protocol, Sequence
+import math
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, FencedCheckpointError
 from ckpt.format import Manifest, jsonio
 from ckpt.root import CheckpointStore
 
-__all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll",
-           "apply_retention", "PINS_NAME", "read_pins", "set_pinned"]
+__all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "KeepBest",
+           "apply_retention", "PINS_NAME", "read_pins", "set_pinned", "RETENTION_NAME",
+           "record_retention", "read_retention"]
 
 log = logging.getLogger(__name__)
 PINS_NAME = "pins.json"
+RETENTION_NAME = "_retention.json"
 
 
 class RetentionPolicy(Protocol):
@@ -79,6 +88,92 @@ class KeepPinned:
         return (pins | self.extra) & set(steps)
 
 
+class KeepBest:
+    """Keep the ``k`` committed checkpoints with the best ``user_metadata[key]``: the lowest
+    with ``mode="min"`` (a loss), the highest with ``mode="max"`` (an accuracy), as
+    Lightning's ``save_top_k``/``monitor`` and Orbax's ``best_fn`` do.
+
+    A checkpoint without a finite number under ``key`` (none saved, a NaN loss) is never
+    among the best; other policies may keep it. Of equal values the newer wins. Combine it
+    with ``KeepLast`` to keep recent ones too: the newest is kept anyway, and pinned and
+    in-flight ones are never deleted (:func:`apply_retention`).
+
+    Each manifest is read once (the first time its step is seen) and its value remembered;
+    the manifest a save has just committed is handed over without a read (:meth:`note`).
+    """
+
+    def __init__(self, store: CheckpointStore, key: str, k: int = 1, mode: str = "min"):
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"KeepBest(key={key!r}): name a user_metadata key, e.g. 'loss'")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"KeepBest(k={k!r}): k must be an integer >= 1")
+        if mode not in ("min", "max"):
+            raise ValueError(f"KeepBest(mode={mode!r}): expected 'min' (lower is better, a "
+                             f"loss) or 'max' (higher is better, an accuracy)")
+        self.store, self.key, self.k, self.mode = store, key, k, mode
+        self._values: dict[int, float | None] = {}
+
+    def describe(self) -> dict[str, Any]:
+        """The policy as ``_retention.json`` records it."""
+        return {"key": self.key, "k": self.k, "mode": self.mode}
+
+    def reason(self) -> str:
+        """Why a step it keeps is kept, in words (``ckpt list``)."""
+        return f"best {self.k} by {self.key} ({self.mode})"
+
+    def note(self, step: int, user_metadata: dict[str, Any] | None) -> None:
+        """The committed checkpoint of ``step`` holds ``user_metadata`` (no read needed)."""
+        value = (user_metadata or {}).get(self.key) if isinstance(user_metadata, dict) else None
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value)
+        self._values[step] = float(value) if ok else None
+
+    def keep(self, steps: Sequence[int]) -> set[int]:
+        steps = list(steps)
+        for step in steps:
+            if step not in self._values:
+                try:
+                    self.note(step, self.store.read_manifest(step).user_metadata)
+                except CheckpointError as exc:  # damaged or gone: not among the best
+                    log.warning("retention: cannot read %s of step %d (%s)", self.key, step,
+                                exc)
+        present = set(steps)
+        self._values = {s: v for s, v in self._values.items() if s in present}
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked = sorted((sign * v, -s) for s, v in self._values.items() if v is not None)
+        return {-neg_step for _, neg_step in ranked[:self.k]}
+
+
+def record_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy]) -> None:
+    """Record the :class:`KeepBest` policies among ``policies`` at the root
+    (``_retention.json``), or remove a record no longer true; the lease holder calls it
+    at start. Advisory: a failure is logged, never raised."""
+    best = [p.describe() for p in policies if isinstance(p, KeepBest)]
+    try:
+        if best:
+            store.storage.write_bytes(RETENTION_NAME, jsonio.dumps({"best": best}))
+        elif store.storage.exists(RETENTION_NAME):
+            store.storage.delete(RETENTION_NAME)
+    except Exception as exc:  # noqa: BLE001 - only `ckpt list` reads it
+        log.warning("could not record the retention policies in %s: %s",
+                    store.storage.describe(RETENTION_NAME), exc)
+
+
+def read_retention(store: CheckpointStore) -> list[KeepBest]:
+    """The best-k policies recorded at the root ([] when none). Raises ``ValueError`` naming
+    the file when it is damaged."""
+    where = store.storage.describe(RETENTION_NAME)
+    try:
+        doc = jsonio.loads(store.storage.read_bytes(RETENTION_NAME), where, max_bytes=1 << 20)
+    except FileNotFoundError:
+        return []
+    try:
+        return [KeepBest(store, **p) for p in doc["best"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where} is damaged ({exc}); the next job with a KeepBest policy "
+                         f"rewrites it, or delete it") from None
+
+
 def read_pins(store: CheckpointStore, *, strict: bool = False) -> set[int]:
     """The pinned steps. An unreadable ``pins.json`` raises ``ValueError`` when ``strict``,
     else it is logged and reads as no pins."""
@@ -129,6 +224,10 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
     """
     if not policies:
         return []
+    if newest_manifest is not None:
+        for policy in policies:
+            if isinstance(policy, KeepBest):
+                policy.note(newest_manifest.step, newest_manifest.user_metadata)
     committed = sorted(committed) if committed is not None else store.committed_steps()
     if len(committed) <= 1:
         return []
@@ -138,6 +237,8 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
     def doomed() -> list[int]:
         return [s for s in committed if s not in keep and s < newest]
 
+    if not any(isinstance(p, KeepPinned) for p in policies):
+        policies = [*policies, KeepPinned(store)]  # pins hold whatever the policies say
     for policy in policies:
         if not doomed():
             return []

@@ -286,12 +286,13 @@ class TieredCheckpointManager:
         A local step counts only when it is committed on every node and loads on every rank;
         at the same step the local tier is tried first. ``step``: load that durable step
         (as ``CheckpointManager.load_latest``). Afterwards, local steps newer than the one
-        loaded are deleted on every node (they could not be saved again, and would be
-        resumed from next time), and each tier's cadence counts from its newest step not
-        after it. ``self.resumed_tier`` says which tier was loaded. Other arguments: as for
+        loaded are deleted on every node and durable ones un-committed (they could not be
+        saved again, and would be resumed from next time), and each tier's cadence counts
+        from its newest step not after it. ``self.resumed_tier`` says which tier was loaded. Other arguments: as for
         ``CheckpointManager.load_latest``.
         """
-        options = dict(strict=strict, ignore_keys=ignore_keys, extra_state=extra_state)
+        options = dict(strict=strict, ignore_keys=ignore_keys, extra_state=extra_state,
+                       uncommit_newer=False)  # the durable tier's, once, in _after_load
         self.wait(raise_errors=False)  # no save may persist from buffers a load borrows
         if step is not None:
             manifest = self.durable.load_latest(state, step=step, **options)
@@ -349,6 +350,9 @@ class TieredCheckpointManager:
             self.events.emit("failure_reclassified", step, tier="durable",
                              reason="local tier intact: not a node loss")
         if manifest is not None:
+            # Both tiers hold this run's state at ``step`` now (a forced save of it is done).
+            self.durable.resumed_step = self.local.resumed_step = step
+            self.durable.uncommit_newer(step)
             now = time.monotonic()
             for mgr, steps in ((self.durable, durable_steps), (self.local, local_steps)):
                 if mgr.cadence is not None:
@@ -357,6 +361,11 @@ class TieredCheckpointManager:
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
         self._drop_newer_local(step)
+
+    def uncommit_newer(self, step: int) -> list[int]:
+        """The durable tier's :meth:`CheckpointManager.uncommit_newer` (``load_latest``
+        does it; local steps newer than the one loaded are deleted instead)."""
+        return self.durable.uncommit_newer(step)
 
     def _drop_newer_local(self, step: int) -> None:
         """Each node's coordinator deletes its local steps newer than ``step``: they could

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +42,16 @@ _NO_RUN_ID = ("", "none", None)
 def _run_id() -> str | None:
     value = os.environ.get("TORCHELASTIC_RUN_ID")
     return None if value in _NO_RUN_ID else value
+
+
+def _program() -> str:
+    """This process's program, the name of a job that gave none: its script (``train.py``),
+    ``python -m pkg`` for a module run with ``-m``, else ``python``."""
+    argv0 = sys.argv[0] if sys.argv and isinstance(sys.argv[0], str) else ""
+    name = os.path.basename(argv0)
+    if name == "__main__.py":
+        return f"python -m {os.path.basename(os.path.dirname(argv0))}"
+    return name if name not in ("", "-c", "-") else "python"
 
 
 def _attempt() -> int:
@@ -77,7 +88,7 @@ class Lease:
         self.ttl_seconds = ttl_seconds
         self.heartbeat_seconds = heartbeat_seconds or ttl_seconds / 4
         self.holder_id = uuid.uuid4().hex[:16]
-        self.job_name = job_name or _run_id() or "job"
+        self.job_name = job_name or _run_id() or _program()
         self.fingerprint = fingerprint
         self.on_lost = on_lost
         self.took_over: dict[str, Any] | None = None  # the dead holder's record, if any

@@ -21,13 +21,18 @@ the :class:`Storage` what the root can do (``local_path``, ``has_folders``,
 """
 
 from ckpt.storage._base import Backend, FsspecBackend
-from ckpt.storage._retry import RetryPolicy, backoff_seconds, is_transient_error
+from ckpt.storage._retry import (
+    RetryPolicy,
+    backoff_seconds,
+    is_throttling_error,
+    is_transient_error,
+)
 from ckpt.storage._s3 import S3Backend, SegmentsReader
 from ckpt.storage._storage import Storage, open_backend
 from ckpt.storage.local import LocalBackend, fsync_dir, replace_file, write_new_file
 
 __all__ = [
-    "Storage", "RetryPolicy", "backoff_seconds", "is_transient_error",
+    "Storage", "RetryPolicy", "backoff_seconds", "is_transient_error", "is_throttling_error",
     "Backend", "FsspecBackend", "LocalBackend", "S3Backend", "open_backend", "SegmentsReader",
     "replace_file", "write_new_file", "fsync_dir",
 ]

@@ -33,7 +33,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.errors import StorageUnavailableError
 from ckpt.storage._base import Backend, FsspecBackend
-from ckpt.storage._retry import RetryPolicy, error_code, is_credentials_error, is_transient_error
+from ckpt.storage._retry import (
+    RetryPolicy,
+    error_code,
+    is_credentials_error,
+    is_throttling_error,
+    is_transient_error,
+)
 from ckpt.storage._s3 import DEFAULT_PART_BYTES, PROTOCOLS as S3_PROTOCOLS, S3Backend, open_s3
 from ckpt.storage.local import LocalBackend
 
@@ -161,11 +167,22 @@ class Storage:
                 f"{type(exc).__name__}: {exc}. Check the credentials (AWS_ACCESS_KEY_ID/"
                 f"AWS_SECRET_ACCESS_KEY, a profile, or key/secret in storage_options) and "
                 f"that they may access this bucket.")
+        attempts = getattr(exc, "retry_attempts", self.retry.attempts)
+        seconds = getattr(exc, "retry_seconds", None)
+        over = f" over {seconds:.0f}s" if seconds is not None else ""
+        if is_throttling_error(exc):
+            code, status = error_code(exc)
+            answer = " ".join(str(x) for x in (status, code) if x)
+            return StorageUnavailableError(
+                f"storage throttled: gave up after {attempts} attempt(s){over} to {what} "
+                f"{where}: {endpoint} kept answering {answer} (the service is up but asks "
+                f"for fewer requests). Try again later, or lower the request rate on this "
+                f"bucket (fewer jobs or threads at once).")
         if is_transient_error(exc):
             return StorageUnavailableError(
-                f"storage unreachable: could not {what} {where} after {self.retry.attempts} "
-                f"attempt(s): {type(exc).__name__}: {exc}. Check the endpoint ({endpoint}), "
-                f"the network, and that the service is up.")
+                f"storage unreachable: could not {what} {where} after {attempts} "
+                f"attempt(s){over}: {type(exc).__name__}: {exc}. Check the endpoint "
+                f"({endpoint}), the network, and that the service is up.")
         return None
 
     def _guard(self, what: str, rel: str, fn: Callable[[], T]) -> T:

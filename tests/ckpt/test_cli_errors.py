@@ -178,8 +178,8 @@ def test_list_survives_damaged_timestamps(tmp_path, capsys):
         _save(root, step)
         if number:
             _set_created(root, step, number)
-    table = ckpt_cli(["list", root])
-    assert table.returncode == 0 and table.stderr == "", table.stderr
+    table = ckpt_cli(["list", root])  # exit 1: it lists corrupt checkpoints
+    assert table.returncode == 1 and table.stderr == "", table.stderr
     rows = {int(ln.split()[0]): ln for ln in table.stdout.splitlines()[1:]}
     assert sorted(rows) == [10, 20, 30, 40, 50, 60]
     for step in (30, 40):  # finite but absurd: listed, the time shown as invalid
@@ -194,7 +194,7 @@ def test_list_survives_damaged_timestamps(tmp_path, capsys):
         raise AssertionError(f"--json printed {name}, which is not JSON")
 
     rc, listing, err = _in_process(capsys, "list", root, "--json")
-    assert rc == 0 and err == "", err
+    assert rc == 1 and err == "", err
     items = {i["step"]: i for i in json.loads(listing, parse_constant=no_constants)}
     assert items[10]["status"] == items[20]["status"] == items[50]["status"] == "corrupt"
     assert items[30]["created"] == 1e300 and items[60]["status"] == "committed"

@@ -1,7 +1,8 @@
 """docs/format.md names every file the store writes and every field of its JSON records.
 
 A root is built by the real code paths (saves with an attachment, a rollback, an attempt
-left incomplete, pins, the failure history, the lease and its fence files); then every file
+left incomplete, pins, the failure history, the retention record, the lease and its fence
+files); then every file
 under it must match a name the spec lists, and every member of the lease, the fence files,
 the attempt marker and the manifest must be named in the spec's section for that record.
 A new file or field that the spec does not describe fails here.
@@ -17,7 +18,7 @@ import torch
 
 import ckpt
 from ckpt.cadence import FailureHistory, write_history
-from ckpt.job import set_pinned
+from ckpt.job import KeepBest, record_retention, set_pinned
 from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
 
@@ -33,6 +34,7 @@ NAMES = [
     ("`_fence/gen_GGGGGGGGG.open`, `.closing`, `.json`", r"_fence/gen_\d{9,}\.(open|closing|json)"),
     ("`pins.json`", r"pins\.json"),
     ("`_history.json`", r"_history\.json"),
+    ("`_retention.json`", r"_retention\.json"),
     ("`r{RANK:05d}_{ID}_{K}.bin`", rf"step_\d{{9,}}/r\d{{5}}_{_ID}_\d+\.bin"),
     ("`a_{ID}_{NAME}`", rf"step_\d{{9,}}/a_{_ID}_[A-Za-z0-9][A-Za-z0-9._-]*"),
     ("`pending-{ID}.json`", rf"step_\d{{9,}}/pending-{_ID}\.json"),
@@ -67,6 +69,7 @@ def _root(tmp_path) -> str:
     store = CheckpointStore(storage)
     set_pinned(store, 1)
     write_history(storage, FailureHistory())
+    record_retention(store, [KeepBest(store, "loss", k=2)])
     return root
 
 
@@ -120,6 +123,9 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
     _documented(manifest["writer"], writer_row, "the manifest's writer")
     pins = doc("pins.json")
     _documented(pins, SPEC, "pins.json")
+    retention = doc("_retention.json")
+    _documented(retention, SPEC, "_retention.json")
+    _documented(retention["best"][0], SPEC, "_retention.json's policies")
 
 
 def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():

@@ -38,9 +38,9 @@ _HEX8 = re.compile(r"[0-9a-f]{8}")
 _ITEMSIZE: dict[str, int] = {}
 
 
-def fail(source: str, what: str) -> None:
+def fail(source: str, what: str, document: str = "manifest") -> None:
     raise CorruptCheckpointError(
-        f"{source}: invalid manifest: {what}; the checkpoint is damaged or was not written "
+        f"{source}: invalid {document}: {what}; the checkpoint is damaged or was not written "
         f"by ckpt. Load an earlier step.", path=source)
 
 

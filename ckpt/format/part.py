@@ -44,6 +44,10 @@ PART_DIGEST_KEY = "part_sha256"
 _MAX_CRC = (1 << 32) - 1
 
 
+def _refuse(source: str, what: str) -> None:
+    fail(source, what, "part")
+
+
 def part_sha256(data: bytes) -> str:
     """The SHA-256 the root manifest records for a part's bytes."""
     return hashlib.sha256(data).hexdigest()
@@ -109,13 +113,13 @@ class Part:
 def _parse(doc: Any, source: str, root: Manifest, name: str, rank: int) -> Part:
     def need(cond: bool, what: str) -> None:
         if not cond:
-            fail(source, what)
+            _refuse(source, what)
 
     need(type(doc) is dict and doc.get("format") == PART_FORMAT_NAME,
          f"not a ckpt part (format {str(doc.get('format') if type(doc) is dict else doc)[:80]!r})")
     need(is_int(doc.get("format_version"), 2) and doc["format_version"] <= FORMAT_VERSION,
-         f"part format_version {str(doc.get('format_version'))[:40]!r} is not one this ckpt "
-         f"reads (2 to {FORMAT_VERSION})")
+         f"format_version {str(doc.get('format_version'))[:40]} is not one this ckpt reads "
+         f"(2 to {FORMAT_VERSION})")
     need(doc.get("step") == root.step and doc.get("save_id") == root.save_id
          and doc.get("rank") == rank,
          f"part of step {str(doc.get('step'))[:40]}, save id {str(doc.get('save_id'))[:40]!r}, "
@@ -141,11 +145,11 @@ def _parse(doc: Any, source: str, root: Manifest, name: str, rank: int) -> Part:
         out = []
         for i, row in enumerate(rows):
             if type(row) is not list or len(row) != 6:
-                fail(source, f"{where}[{i}] must be [offsets, sizes, file, offset, length, "
+                _refuse(source, f"{where}[{i}] must be [offsets, sizes, file, offset, length, "
                              f"crc32c]")
             offs, sizes, fi, off, length, crc = row
             if type(fi) is not int or not 0 <= fi < len(names):
-                fail(source, f"{where}[{i}]: file index {str(fi)[:40]} is not in 'files'")
+                _refuse(source, f"{where}[{i}]: file index {str(fi)[:40]} is not in 'files'")
             problem = box_problem(offs, sizes, shape) or \
                 location_problem(names[fi], off, length, files)
             if problem is None:
@@ -157,7 +161,7 @@ def _parse(doc: Any, source: str, root: Manifest, name: str, rank: int) -> Part:
                 elif type(crc) is not int or not 0 <= crc <= _MAX_CRC:
                     problem = " crc32c must be an int in [0, 2**32)"
             if problem is not None:
-                fail(source, f"{where}[{i}]{problem}")
+                _refuse(source, f"{where}[{i}]{problem}")
             loc = ItemLocation(names[fi], off, length, crc)
             out.append({"offsets": offs, "sizes": sizes, "location": loc, "part": name})
             items.append((loc.file, off, length, (key, i)))
@@ -207,7 +211,7 @@ def merge_chunks(root: Manifest, parts: Iterable[tuple[str, Part]], source: str
                 where = c.get("part", "the manifest")
                 offs = tuple(c["offsets"])
                 if offs in seen:
-                    fail(source, f"chunk {list(offs)} of {key[:200]!r} is listed twice (in "
+                    _refuse(source, f"chunk {list(offs)} of {key[:200]!r} is listed twice (in "
                                  f"{seen[offs]} and {where})")
                 seen[offs] = where
         items += [(c["location"].file, c["location"].offset, c["location"].length,
@@ -234,7 +238,7 @@ def complete_manifest(root: Manifest, parts: dict[str, Part], source: str) -> Ma
                 where=f"tensors[{fqn[:200]!r}]",
                 name=lambda i: f"chunks[{i}] (from {listed[i].get('part', 'the manifest')})")
             if problem is not None:
-                fail(source, problem)
+                _refuse(source, problem)
         tensors[fqn] = {**t, "chunks": listed}
     held = {(part.rank, key, tuple(c["offsets"])) for part in parts.values()
             for key, listed in part.chunks.items() for c in listed}
@@ -242,7 +246,7 @@ def complete_manifest(root: Manifest, parts: dict[str, Part], source: str) -> Ma
         for key, refs in part.refs.items():
             for offs, writer in refs:
                 if (writer, key, tuple(offs)) not in held:
-                    fail(source, f"part {name!r} refers to chunk {offs} of {key[:200]!r} in "
+                    _refuse(source, f"part {name!r} refers to chunk {offs} of {key[:200]!r} in "
                                  f"the part of rank {writer}, which does not hold it")
     return dataclasses.replace(root, tensors=tensors, complete=True)
 

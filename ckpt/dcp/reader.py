@@ -18,18 +18,16 @@ Call order (DCP's contract, then ours): every rank ``set_up_storage_reader`` ->
 from __future__ import annotations
 
 import io
-import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckpt.dcp._shards import covers
 from ckpt.dcp.layout import tensor_from_bytes
 from ckpt.errors import (
     CorruptCheckpointError,
@@ -40,7 +38,6 @@ from ckpt.errors import (
 from ckpt.format import (
     ItemLocation,
     Manifest,
-    coverage_problem,
     crc32c_of,
     decode_object,
     merge_chunks,
@@ -130,14 +127,16 @@ class CkptReader(StorageReader):
         if m.complete:
             return m.to_dcp_metadata()
         where = self.storage.describe(self.step_dir)
+        parts = {}
         if self.state is not None and m.world_size == self.world_size:
             parts = parts_for_rank(self.storage, m, self.rank, num_threads=self.num_threads)
             chunks = merge_chunks(m, parts.items(), where)
-            if _covers(self.state, m, chunks):
+            if covers(self.state, m, chunks):
                 self.parts_read = sorted(parts)
                 return m.to_dcp_metadata(chunks)
         self.parts_read = sorted(m.parts)
-        return complete_parts(self.storage, m, num_threads=self.num_threads).to_dcp_metadata()
+        return complete_parts(self.storage, m, num_threads=self.num_threads,
+                              known=parts).to_dcp_metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         pass
@@ -291,55 +290,6 @@ class CkptReader(StorageReader):
                 for loc in group:
                     take(loc, data[loc.offset - start: loc.offset - start + loc.length])
         return out
-
-
-def _covers(state: dict[str, Any], manifest: Manifest,
-            chunks: dict[str, list[dict[str, Any]]]) -> bool:
-    """Do ``chunks`` cover every local shard of ``state``'s sharded tensors? Linear in the
-    chunks: a local shard that equals a chunk (an unchanged layout) is found by its
-    offsets; any other is tiled exactly by its intersections with the key's chunks (only
-    the few read from this rank's parts), or not covered."""
-    flat, _ = flatten_state_dict(_flatten_sharded_tensors(state))
-    for fqn, value in flat.items():
-        t = manifest.tensors.get(fqn)
-        if t is None or not t["sharded"] or not isinstance(value, torch.Tensor) \
-                or list(value.shape) != t["shape"]:
-            continue  # whole in the root, or a mismatch the planner reports
-        found = chunks[fqn]
-        by_offsets = None
-        for local in _local_chunks(value):
-            offs, sizes = list(local.offsets), list(local.sizes)
-            if not math.prod(sizes):
-                continue
-            if sizes == t["shape"]:  # the whole tensor: the chunks themselves must tile it
-                boxes = [(c["offsets"], c["sizes"]) for c in found]
-                if coverage_problem(sizes, boxes) is not None:
-                    return False
-                continue
-            if by_offsets is None:
-                by_offsets = {tuple(c["offsets"]): c for c in found}
-            c = by_offsets.get(tuple(offs))
-            if c is not None and list(c["sizes"]) == sizes:
-                continue
-            boxes = []
-            for c in found:
-                lo = [max(a, b) for a, b in zip(offs, c["offsets"])]
-                hi = [min(a + s, b + t) for a, s, b, t in zip(offs, sizes, c["offsets"],
-                                                               c["sizes"])]
-                if all(h > low for low, h in zip(lo, hi)):
-                    boxes.append(([low - o for low, o in zip(lo, offs)],
-                                  [h - low for low, h in zip(lo, hi)]))
-            if coverage_problem(sizes, boxes) is not None:
-                return False
-    return True
-
-
-def _local_chunks(value: torch.Tensor) -> list:
-    """This rank's chunks of ``value`` (a DTensor's or ShardedTensor's local shards, or
-    a plain tensor whole), as DCP's planner sees them."""
-    if hasattr(value, "__create_chunk_list__"):
-        return value.__create_chunk_list__()
-    return [ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.size())]
 
 
 def _truncated(where: str, start: int, end: int) -> CorruptCheckpointError:

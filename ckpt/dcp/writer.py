@@ -36,10 +36,11 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckpt.dcp._shards import LocalShards, in_part, refs_by_rank
 from ckpt.dcp.attachments import attachment_bytes
 from ckpt.dcp.layout import buffer_nbytes, tensor_view_bytes
 from ckpt.dcp.savecost import SaveCost
@@ -76,17 +77,6 @@ class _RankPrefix:
 
     prefix: str
     refs: dict[tuple[str, tuple[int, ...]], int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _LocalShards:
-    """A local plan's ``storage_data``: the indices of its chunks of sharded tensors, so the
-    coordinator can tell each rank which of them another rank writes after DCP's dedup.
-    They are the very ``MetadataIndex`` objects of the plan's items, so pickling the plan
-    for the gather stores each once (a reference here costs a few bytes)."""
-
-    indices: tuple[MetadataIndex, ...]
-    num_items: int  # of the whole local plan: fewer in the global plan = some were deduped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +142,10 @@ class CkptWriter(StorageWriter):
                 f"Supported: {', '.join(DTYPE_NAMES)} (docs/format.md, 'Manifest'). Convert "
                 f"such a tensor to one of them before saving (e.g. t.view(torch.uint8) for "
                 f"bit-packed data, t.dequantize() for a quantized tensor).")
-        shards = tuple(item.index for item in plan.items if _in_part(item))
+        shards = tuple(item.index for item in plan.items if in_part(item))
         if not shards:
             return plan
-        return dataclasses.replace(plan, storage_data=_LocalShards(shards, len(plan.items)))
+        return dataclasses.replace(plan, storage_data=LocalShards(shards, len(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self.cost.phase("commit"):
@@ -168,7 +158,7 @@ class CkptWriter(StorageWriter):
                 self.storage.write_bytes(f"{self.step_dir}/{file}", data,
                                          durable=self.durable)
                 self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
-        refs = _refs_by_rank(plans)
+        refs = refs_by_rank(plans)
         return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}",
                                                                 refs[i]))
                 for i, p in enumerate(plans)]
@@ -282,7 +272,7 @@ class CkptWriter(StorageWriter):
         Returns what goes back to the coordinator (everything else: files, tensors saved
         whole, objects, the part's record) and whether a part was written."""
         sizes = {item.index: item.tensor_data.chunk.sizes for item in plan.items
-                 if _in_part(item)}
+                 if in_part(item)}
         part = Part(rank)
         back: list[WriteResult] = []
         for wr in results:
@@ -360,40 +350,6 @@ class CkptWriter(StorageWriter):
         # are left alone: they are the life-cycle's to judge, never the writer's.
         self.life.commit(manifest)
         self.manifest = manifest
-
-
-def _in_part(item: WriteItem) -> bool:
-    """A chunk of a sharded tensor that is not the whole tensor: its writer's part lists it
-    (the root lists tensors saved whole)."""
-    td = item.tensor_data
-    if item.type != WriteItemType.SHARD or td is None:
-        return False
-    return any(td.chunk.offsets) or td.chunk.sizes != td.size
-
-
-def _refs_by_rank(plans: list[SavePlan]) -> list[dict[tuple[str, tuple[int, ...]], int]]:
-    """For each rank, the chunks of sharded tensors its local plan held that DCP's dedup
-    gave another rank to write: ``(key, offsets) -> writer rank``. Costs O(ranks) when
-    nothing was deduplicated, and one pass over the plans' items when something was."""
-    refs: list[dict[tuple[str, tuple[int, ...]], int]] = [{} for _ in plans]
-    removed: dict[MetadataIndex, list[int]] = {}
-    for rank, plan in enumerate(plans):
-        local = plan.storage_data
-        if not isinstance(local, _LocalShards) or len(plan.items) == local.num_items:
-            continue
-        kept = {item.index for item in plan.items}
-        for index in local.indices:
-            if index not in kept:
-                removed.setdefault(index, []).append(rank)
-    if not removed:
-        return refs
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            holders = removed.get(item.index)
-            if holders:
-                for holder in holders:
-                    refs[holder][(item.index.fqn, tuple(item.index.offset))] = rank
-    return refs
 
 
 def _balance(items: list, num_buckets: int) -> list[list]:

@@ -73,12 +73,15 @@ def parts_for_rank(storage: Storage, manifest: Manifest, rank: int, *,
     return parts
 
 
-def complete_parts(storage: Storage, manifest: Manifest, *,
-             num_threads: int | None = None) -> Manifest:
+def complete_parts(storage: Storage, manifest: Manifest, *, num_threads: int | None = None,
+                   known: dict[str, Part] | None = None) -> Manifest:
     """``manifest`` with every chunk of its parts merged in and checked as a whole
-    (:func:`ckpt.format.complete_manifest`); ``manifest`` itself when it is complete."""
+    (:func:`ckpt.format.complete_manifest`); ``manifest`` itself when it is complete.
+    ``known``: parts already read (by :func:`parts_for_rank`), not read again."""
     if manifest.complete:
         return manifest
-    parts = read_parts(storage, manifest, manifest.parts, num_threads=num_threads)
-    return complete_manifest(manifest, parts,
+    known = dict(known or {})
+    known.update(read_parts(storage, manifest, set(manifest.parts) - set(known),
+                            num_threads=num_threads))
+    return complete_manifest(manifest, known,
                              storage.describe(step_dirname(manifest.step)))

@@ -37,13 +37,20 @@ from ckpt.format.checksums import crc32c_combine, crc32c_of
 from ckpt.format.codec import UnsupportedValueError, decode_object, encode_object
 from ckpt.format.coverage import MAX_GRID_CELLS, coverage_problem
 from ckpt.format.manifest import Manifest
-from ckpt.format.part import PART_DIGEST_KEY, Part, complete_manifest, merge_chunks, part_sha256
+from ckpt.format.part import (
+    MAX_PART_BYTES,
+    PART_DIGEST_KEY,
+    Part,
+    complete_manifest,
+    merge_chunks,
+    part_sha256,
+)
 
 __all__ = [
     "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord",
     "Part", "part_name", "part_sha256", "merge_chunks", "complete_manifest",
     "FORMAT_NAME", "FORMAT_VERSION", "PART_FORMAT_NAME", "MANIFEST_NAME", "DIGEST_KEY",
-    "PART_DIGEST_KEY", "MAX_GRID_CELLS", "coverage_problem",
+    "PART_DIGEST_KEY", "MAX_PART_BYTES", "MAX_GRID_CELLS", "coverage_problem",
     "MAX_ATTACHMENT_BYTES", "DTYPE_NAMES", "FORMAT_DTYPE_NAMES",
     "manifest_bytes", "sealed_bytes", "step_dirname", "parse_step_dirname",
     "check_attachment_name",

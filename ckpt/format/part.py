@@ -39,9 +39,12 @@ from ckpt.format._schema import FORMAT_VERSION, PART_FORMAT_NAME, ItemLocation
 from ckpt.format.coverage import coverage_problem
 from ckpt.format.manifest import Manifest
 
-__all__ = ["Part", "PART_DIGEST_KEY", "part_sha256", "merge_chunks", "complete_manifest"]
+__all__ = ["Part", "PART_DIGEST_KEY", "MAX_PART_BYTES", "part_sha256", "merge_chunks",
+           "complete_manifest"]
 
 PART_DIGEST_KEY = "part_sha256"
+MAX_PART_BYTES = 64 << 20
+"""The largest part readers read (the JSON rules' limit); writers refuse to write more."""
 _MAX_CRC = (1 << 32) - 1
 
 
@@ -80,7 +83,13 @@ class Part:
                "save_id": save_id, "rank": self.rank, "files": list(files), "chunks": rows,
                "refs": {key: [[list(offs), writer] for offs, writer in refs]
                         for key, refs in self.refs.items()}}
-        return sealed_bytes(doc, PART_DIGEST_KEY, compact=True)
+        data = sealed_bytes(doc, PART_DIGEST_KEY, compact=True)
+        if len(data) > MAX_PART_BYTES:  # never commit what readers refuse
+            raise ValueError(
+                f"cannot write the part of rank {self.rank} of step {step}: {len(data)} bytes, "
+                f"more than the {MAX_PART_BYTES} readers accept ({sum(map(len, rows.values()))} "
+                f"chunks); save fewer, larger chunks per rank")
+        return data
 
     @classmethod
     def from_json_bytes(cls, data: bytes, source: str, root: Manifest, name: str) -> "Part":

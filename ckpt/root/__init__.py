@@ -28,7 +28,6 @@ from ckpt.root.lifecycle import (
     release_lease,
 )
 from ckpt.root.parts import (
-    MAX_PART_BYTES,
     complete_parts,
     parts_for_rank,
     read_part,
@@ -42,5 +41,5 @@ __all__ = [
     "acquire_lease", "acquire_for_ranks", "release_lease",
     "attachment_file", "data_file_id", "marker_name", "parse_marker",
     "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
-    "MAX_PART_BYTES", "read_part", "read_parts", "parts_for_rank", "complete_parts",
+    "read_part", "read_parts", "parts_for_rank", "complete_parts",
 ]

@@ -14,13 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from ckpt.errors import CorruptCheckpointError, missing_file_error, size_mismatch_error
-from ckpt.format import Manifest, Part, complete_manifest, step_dirname
+from ckpt.format import MAX_PART_BYTES, Manifest, Part, complete_manifest, step_dirname
 from ckpt.storage import Storage
 
-__all__ = ["MAX_PART_BYTES", "read_part", "read_parts", "parts_for_rank", "complete_parts"]
-
-MAX_PART_BYTES = 64 << 20
-"""The largest part a reader reads (the JSON rules' limit)."""
+__all__ = ["read_part", "read_parts", "parts_for_rank", "complete_parts"]
 
 
 def read_part(storage: Storage, manifest: Manifest, name: str) -> Part:

@@ -12,9 +12,13 @@ then runs what the coordinator runs at a save, timed:
   (``merge`` is DCP's own ``dict(ChainMap(...))`` of the mappings, which our planner no longer
   calls: it merges them in one pass);
 * ``finish``: ``CkptWriter.prepare_global_plan`` and ``CkptWriter.finish`` on per-rank
-  ``WriteResult``s as ``write_data`` returns them (4 files per rank): the manifest built,
-  serialised (``Manifest.to_json_bytes``) and committed on a local temp root;
-* ``read``: ``Manifest.from_json_bytes`` (digest, parse, validation), which every load pays.
+  ``WriteResult``s as ``write_data`` returns them (4 files per rank; the chunks of sharded
+  tensors stay in each rank's part, format version 2): the root manifest built, serialised
+  (``Manifest.to_json_bytes``) and committed on a local temp root;
+* ``read``: ``Manifest.from_json_bytes`` of the root (digest, parse, validation), and
+  ``Part.from_json_bytes`` of rank 0's part (what ``write_data`` writes), which a loading
+  rank of an unchanged layout pays: ``load bytes`` is what it reads and parses (the root and
+  its own part).
 
 It fits the log-log slope of each against the number of ranks (1 = linear). Layers are
 identical, so both grow linearly in the layer count: ``--layers`` (default 1) keeps the sweep
@@ -71,7 +75,15 @@ from ckpt.dcp import (
     CkptWriter,  # noqa: E402
     SafeSavePlanner,  # noqa: E402
 )
-from ckpt.format import FileRecord, ItemLocation, Manifest  # noqa: E402
+from ckpt.format import (  # noqa: E402
+    FileRecord,
+    ItemLocation,
+    Manifest,
+    Part,
+    crc32c_of,
+    part_name,
+    part_sha256,
+)
 from ckpt.root import Lifecycle  # noqa: E402
 from ckpt.storage import Storage  # noqa: E402
 
@@ -203,14 +215,28 @@ def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]
     return plans
 
 
-def write_results(final_plans: list[SavePlan]) -> list[list[WriteResult]]:
-    """What each rank's ``CkptWriter.write_data`` returns for its final plan."""
+@dataclass(frozen=True)
+class _PartRecord:
+    """What ``write_data`` reports of a rank's part: its file record and SHA-256."""
+
+    record: FileRecord
+    sha256: str
+
+
+def write_results(final_plans: list[SavePlan], step: int, save_id: str
+                  ) -> tuple[list[list[WriteResult]], bytes]:
+    """What each rank's ``CkptWriter.write_data`` returns for its final plan, and rank 0's
+    part. Every rank keeps the chunks of its shards in its part and reports the part's
+    record; only rank 0's part is built here (the coordinator only copies the others'
+    records, which reuse its size)."""
     out = []
+    part0 = b""
     for plan in final_plans:
         prefix = plan.storage_data.prefix
         rank = int(prefix[1:6])
         offsets = [0] * _FILES_PER_RANK
         results = []
+        part = Part(rank)
         for k, item in enumerate(plan.items):
             f = k % _FILES_PER_RANK
             if item.type == WriteItemType.BYTE_IO:
@@ -219,15 +245,30 @@ def write_results(final_plans: list[SavePlan]) -> list[list[WriteResult]]:
                 length = math.prod(item.tensor_data.chunk.sizes) * (
                     1 if item.tensor_data.properties.dtype == torch.uint8 else 4)
             name = f"{prefix}_{f}.bin"
-            results.append(WriteResult(item.index, length,
-                                       ItemLocation(name, offsets[f], length, _crc(rank, k))))
+            loc = ItemLocation(name, offsets[f], length, _crc(rank, k))
             offsets[f] += length
+            td = item.tensor_data
+            if item.type == WriteItemType.SHARD and (any(td.chunk.offsets)
+                                                     or td.chunk.sizes != td.size):
+                if rank == 0:
+                    part.chunks.setdefault(item.index.fqn, []).append(
+                        {"offsets": list(td.chunk.offsets), "sizes": list(td.chunk.sizes),
+                         "location": loc})
+                continue
+            results.append(WriteResult(item.index, length, loc))
         for f, size in enumerate(offsets):
             name = f"{prefix}_{f}.bin"
             results.append(WriteResult(MetadataIndex("__file__:" + name), size,
                                        FileRecord(size, _crc(name), rank)))
+        if rank == 0:
+            part0 = part.to_json_bytes(step, save_id)
+        name = part_name(rank, save_id)
+        record = FileRecord(len(part0), crc32c_of([part0]) if rank == 0 else 0, rank)
+        sha = part_sha256(part0) if rank == 0 else "0" * 64
+        results.append(WriteResult(MetadataIndex("__part__:" + name), len(part0),
+                                   _PartRecord(record, sha)))
         out.append(results)
-    return out
+    return out, part0
 
 
 def _timed(fn, *args):
@@ -264,11 +305,14 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         row["t_plan"], (global_plans, metadata) = _timed(planner.create_global_plan, plans)
         storage = Storage(root)
         step = int(time.time() * 1e6) % 10**9  # a new step folder every time
-        writer = CkptWriter(storage, step, f"step_{step:09d}", lifecycle=Lifecycle(storage))
+        writer = CkptWriter(storage, step, f"step_{step:09d}", lifecycle=Lifecycle(storage),
+                            manifest_extra={"world_size": world})
         marks = {}
         writer.before_commit = lambda: marks.setdefault("built", time.process_time())
         row["t_prepare"], final = _timed(writer.prepare_global_plan, global_plans)
-        results = write_results(final)
+        row["num_chunks"] = sum(len(md.chunks) for md in metadata.state_dict_metadata.values()
+                                if hasattr(md, "chunks"))
+        results, part0 = write_results(final, step, writer.save_id)
         gc.collect()
         t0 = time.process_time()
         writer.finish(metadata, results)
@@ -277,9 +321,13 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         row["t_commit"] = t1 - marks["built"]
         row["t_serialize"], data = _timed(writer.manifest.to_json_bytes)
         row["manifest_bytes"] = len(data)
-        row["num_chunks"] = sum(len(t["chunks"]) for t in writer.manifest.tensors.values())
+        row["part_bytes"] = len(part0)
+        row["manifest_bytes_per_loading_rank"] = len(data) + len(part0)
+        save_id = writer.save_id
         del results, final, global_plans, metadata, plans, writer
-        row["t_read"], _ = _timed(Manifest.from_json_bytes, data, "bench")
+        row["t_read"], root = _timed(Manifest.from_json_bytes, data, "bench")
+        row["t_read_part"], _ = _timed(Part.from_json_bytes, part0, "bench", root,
+                                       part_name(0, save_id))
     finally:
         gc.enable()
     row["t_coord"] = row["t_plan"] + row["t_prepare"] + row["t_build"] + row["t_commit"]
@@ -313,7 +361,9 @@ def run_scale(args) -> None:
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
           f"CPU seconds; {args.layers} layer(s) simulated (plus embeddings, output and every "
           f"rank's own state); the last column scales to the whole model (x n_layers/"
-          f"{args.layers}, an upper estimate); tp={args.tp} where ranks >= tp\n")
+          f"{args.layers}, an upper estimate; load bytes "
+          f"{'fitted on 2 layer counts' if args.fit_layers else 'likewise'}); tp={args.tp} "
+          f"where ranks >= tp\n")
     fits = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as root:
         for name in args.models.split(","):
@@ -324,12 +374,23 @@ def run_scale(args) -> None:
                   f"layers\n")
             print("| ranks | layout | write items | chunks | plan | of it, DCP alone: dedup / "
                   "global / ChainMap merge / validate | manifest build | serialize + commit | "
-                  "coordinator | manifest | read + validate | whole model (est.): "
-                  "coordinator, manifest |")
-            print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+                  "coordinator | root manifest | read + validate | rank 0's part | read + "
+                  "validate | whole model (est.): coordinator, load bytes |")
+            print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
             for world in ranks:
                 tp = args.tp if world >= args.tp else 1
                 r = measure(model, args.layers, world, tp, root)
+                # The bytes a loading rank reads grow with the layers (keys) and, apart, with
+                # the ranks (files, per-rank state): fitted on a second run with twice the
+                # layers, not scaled whole.
+                load_bytes = r["manifest_bytes_per_loading_rank"] * scale
+                if args.fit_layers:
+                    r2 = measure(model, 2 * args.layers, world, tp, root)
+                    per_layer = (r2["manifest_bytes_per_loading_rank"]
+                                 - r["manifest_bytes_per_loading_rank"]) / args.layers
+                    load_bytes = r["manifest_bytes_per_loading_rank"] + per_layer * (
+                        model.n_layers - args.layers)
+                r["load_bytes_whole_model"] = load_bytes
                 rows.append(r)
                 print(f"| {world} | dp{r['dp']}xtp{tp} | {r['items']:,} | {r['num_chunks']:,} | "
                       f"{_fmt_s(r['t_plan'])} | {_fmt_s(r['t_dedup'])} / "
@@ -337,7 +398,9 @@ def run_scale(args) -> None:
                       f"{_fmt_s(r['t_validate'])} | {_fmt_s(r['t_build'])} | "
                       f"{_fmt_s(r['t_commit'])} | {_fmt_s(r['t_coord'])} | "
                       f"{_fmt_b(r['manifest_bytes'])} | {_fmt_s(r['t_read'])} | "
-                      f"{_fmt_s(r['t_coord'] * scale)}, {_fmt_b(r['manifest_bytes'] * scale)} |",
+                      f"{_fmt_b(r['part_bytes'])} | {_fmt_s(r['t_read_part'])} | "
+                      f"{_fmt_s(r['t_coord'] * scale)}, "
+                      f"{_fmt_b(load_bytes)} |",
                       flush=True)
             xs = [r["ranks"] for r in rows]
             top = rows[-3:]  # the largest world sizes: where a super-linear term shows
@@ -426,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel degree (dp = ranks/tp)")
     ap.add_argument("--layers", type=int, default=1,
                     help="transformer layers simulated (results are scaled to the model's)")
+    ap.add_argument("--fit-layers", action="store_true",
+                    help="fit the whole model's load bytes on a second run with twice the "
+                         "layers (the root's per-rank entries do not grow with the layers)")
     ap.add_argument("--check-layers", action="store_true",
                     help="also measure how cost grows with the layer count")
     ap.add_argument("--sizing", action="store_true", help="print the sizing table instead")

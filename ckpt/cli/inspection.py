@@ -57,19 +57,20 @@ class Selected:
 def select(store: CheckpointStore, step: int | None = None, save_id: str | None = None
            ) -> Selected:
     """The committed checkpoint of ``step``, or the version ``save_id`` whatever its status
-    (a rolled-back one too). Raises ``CheckpointNotFoundError`` / ``CorruptCheckpointError``."""
+    (a rolled-back one too), with every part read (its manifest is complete). Raises
+    ``CheckpointNotFoundError`` / ``CorruptCheckpointError``."""
     if save_id is not None:
         entry = store.life.find(save_id)
         if entry.manifest is None:
             raise CheckpointNotFoundError(
                 f"id {save_id} (step {entry.step}) is {entry.status}: {entry.problem}")
-        return Selected(entry.manifest, entry.status)
+        return Selected(store.complete(entry.manifest), entry.status)
     if step is None:
         committed = store.committed_steps()
         if not committed:
             raise CheckpointNotFoundError(f"no committed checkpoint under {store.storage.url}")
         step = committed[-1]
-    return Selected(store.read_manifest(step), COMMITTED)
+    return Selected(store.read_manifest(step, complete=True), COMMITTED)
 
 
 def _numel_bytes(t: dict[str, Any], fqn: str) -> int:

@@ -4,7 +4,8 @@ DCP's planners understand DTensor, FSDP2 and tensor-parallel shards (which is wh
 resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
 :func:`load_latest`): the collective save and the transactional load. ``planners``: what
 each rank saves and loads, pickle-free. ``writer`` and ``reader``: where the bytes go and
-how they come back verified (``layout``: a data file's bytes). ``staging``: the host copy
+how they come back verified (``layout``: a data file's bytes; ``_shards``: which chunks go
+in a rank's part, which it refers to, and whether the parts a loading rank read cover it). ``staging``: the host copy
 that is a save's only stall (``_host_arena``: one pinned allocation). ``stateful``: models,
 optimizers, RNG and per-rank state as state dicts. ``attachments``: small files kept with a
 checkpoint. ``savecost``: what one save costs in the background, by phase.

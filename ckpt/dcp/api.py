@@ -14,11 +14,13 @@ it. A subgroup without one (NCCL) is refused with ``ValueError``: pass a gloo gr
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
 import warnings
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -225,15 +227,18 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     manifest = step if isinstance(step, Manifest) else store.read_manifest(step)
     sd = resolve_state(state)
     where = storage.describe(step_dirname(manifest.step))
+    distributed = _is_dist()
     reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
-                        num_threads=num_threads, scratch=scratch, on_bytes_read=on_bytes_read)
+                        num_threads=num_threads, scratch=scratch, on_bytes_read=on_bytes_read,
+                        state=sd, rank=_rank(group),
+                        world_size=dist.get_world_size(group) if distributed else 1)
     planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
     error: BaseException | None = None
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _gc_paused():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
             dcp.load(sd, storage_reader=reader, planner=planner,
-                     process_group=group, no_dist=not _is_dist())
+                     process_group=group, no_dist=not distributed)
     except CheckpointException as exc:
         error = unwrap_dcp_error(exc)
         if error is not exc:
@@ -245,12 +250,33 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
         raise error or CorruptCheckpointError(
             f"loading {where} failed on another rank (see that rank's error); nothing was "
             f"loaded here either", path=where)
-    reader.apply()
+    with _gc_paused():
+        reader.apply()
     # dcp.load plans over a shallow copy of ``sd`` and hands top-level values back before it
     # returns, i.e. before ``apply`` set the non-tensor ones: take them from that copy.
     sd.update(planner.original_state_dict)
     apply_state(state, sd)
     return manifest
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (when it runs) for the duration.
+
+    A load builds a few objects per chunk (DCP's metadata and read items, our staged
+    views), none in cycles; at 100k chunks their allocations still set off the collector's
+    full passes over every object of the process (torch alone holds hundreds of
+    thousands), which doubled a load's CPU time (bench/bench_chunks.py). Collection resumes
+    when the load returns; other threads' garbage waits at most that long.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def load_with_extra(state: dict[str, Any], root: str | Storage, manifest: Manifest,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from ckpt.errors import CorruptCheckpointError
@@ -43,9 +44,7 @@ def tensor_from_bytes(piece: memoryview, dtype: torch.dtype, where: str, loc: It
     ``piece`` holds the item ``loc`` of the file ``where`` (named in the error when its
     length is not a whole number of elements).
     """
-    import numpy as np
-
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     if len(piece) % size:
         raise CorruptCheckpointError(
             f"{where} bytes [{loc.offset}, {loc.offset + loc.length}): {len(piece)} bytes is "
@@ -58,6 +57,8 @@ def tensor_from_bytes(piece: memoryview, dtype: torch.dtype, where: str, loc: It
         aligned = torch.empty(len(piece), dtype=torch.uint8)
         aligned.numpy()[:] = array
         return aligned.view(dtype)
+    if not piece.readonly:
+        return torch.frombuffer(piece, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only ever copied from
         return torch.frombuffer(piece, dtype=dtype)

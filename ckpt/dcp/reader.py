@@ -4,6 +4,11 @@ DCP's planners (:mod:`ckpt.dcp.planners`) decide *what* each rank loads; this re
 bytes through our JSON manifest (:mod:`ckpt.format.manifest`), never DCP's pickled ``.metadata``,
 checks them, and turns them back into tensors as :mod:`ckpt.dcp.layout` says.
 
+Which parts a rank reads (format version 2, :mod:`ckpt.format.part`): given the state it
+loads into, a rank first reads only its own part and the parts its refs name; when the
+chunks found there cover every local shard of its state (an unchanged layout), that is
+all. Otherwise (another layout or world size: resharding; export) it reads every part.
+
 Call order (DCP's contract, then ours): every rank ``set_up_storage_reader`` ->
 ``prepare_local_plan``; the coordinator ``prepare_global_plan``; every rank ``read_data``
 (stages and verifies only); then, once every rank's ``read_data`` succeeded, every rank
@@ -22,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckpt.dcp._shards import covers
 from ckpt.dcp.layout import tensor_from_bytes
 from ckpt.errors import (
     CorruptCheckpointError,
@@ -29,7 +35,14 @@ from ckpt.errors import (
     missing_file_error,
     size_mismatch_error,
 )
-from ckpt.format import ItemLocation, Manifest, crc32c_of, decode_object
+from ckpt.format import (
+    ItemLocation,
+    Manifest,
+    crc32c_of,
+    decode_object,
+    merge_chunks,
+)
+from ckpt.root import complete_parts, parts_for_rank
 from ckpt.storage import Storage
 
 __all__ = ["CkptReader", "VERIFY_MODES"]
@@ -59,12 +72,19 @@ class CkptReader(StorageReader):
     Scratch tensors are aligned for their dtype: items are packed without padding, so a view
     of the file's bytes can start at any address, and some copy kernels (complex128)
     crash on a misaligned source.
+
+    Parts: ``state`` is the state this rank loads into (as given to ``dcp.load``), ``rank``
+    and ``world_size`` its place in the load's group. With them, a root manifest of format
+    version 2 costs this rank its own part and those its refs name when they cover every
+    local shard of ``state``; without them, or when they do not, every part is read.
+    ``parts_read`` lists the parts read.
     """
 
     def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, *,
                  verify: str = "full", num_threads: int | None = None,
                  on_bytes_read: Callable[[int], None] | None = None,
-                 scratch: Any = None):
+                 scratch: Any = None, state: dict[str, Any] | None = None, rank: int = 0,
+                 world_size: int = 1):
         super().__init__()
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify={verify!r}: expected one of {VERIFY_MODES}")
@@ -75,7 +95,10 @@ class CkptReader(StorageReader):
         self.scratch = scratch  # a StagingBuffers to borrow read buffers from, or None
         self.num_threads = max(1, num_threads or storage.default_threads)
         self.on_bytes_read = on_bytes_read
-        self._metadata = manifest.to_dcp_metadata()
+        self.state, self.rank, self.world_size = state, rank, world_size
+        self.parts_read: list[str] = []
+        self._metadata: Metadata | None = None
+        self._error: BaseException | None = None
         # (planner, [(request, target slice or None, staged tensor or object bytes)])
         self._staged: tuple[LoadPlanner, list[tuple[ReadItem, Any, Any]]] | None = None
 
@@ -87,12 +110,40 @@ class CkptReader(StorageReader):
         return True
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The chunks this rank may read (see the class docstring). Never raises: DCP
+        would take an error here for a missing file and retry per rank, outside its
+        collectives. A problem (a damaged part) is raised by ``prepare_local_plan``
+        instead, which every rank reaches, so the load fails everywhere."""
+        if self._metadata is None:
+            try:
+                self._metadata = self._read_metadata()
+            except Exception as exc:  # noqa: BLE001 - raised again in prepare_local_plan
+                self._error = exc
+                self._metadata = self.manifest.to_dcp_metadata()  # the root's chunks only
         return self._metadata
+
+    def _read_metadata(self) -> Metadata:
+        m = self.manifest
+        if m.complete:
+            return m.to_dcp_metadata()
+        where = self.storage.describe(self.step_dir)
+        parts = {}
+        if self.state is not None and m.world_size == self.world_size:
+            parts = parts_for_rank(self.storage, m, self.rank, num_threads=self.num_threads)
+            chunks = merge_chunks(m, parts.items(), where)
+            if covers(self.state, m, chunks):
+                self.parts_read = sorted(parts)
+                return m.to_dcp_metadata(chunks)
+        self.parts_read = sorted(m.parts)
+        return complete_parts(self.storage, m, num_threads=self.num_threads,
+                              known=parts).to_dcp_metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._error is not None:
+            raise self._error
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -127,6 +178,7 @@ class CkptReader(StorageReader):
             blobs.update(part)
         # Planner callbacks run on this thread: DCP planners are not thread-safe.
         staged: list[tuple[ReadItem, Any, Any]] = []
+        sizes: dict[str, dict[torch.Size, torch.Size]] = {}  # key -> chunk offsets -> sizes
         for req in plan.items:
             blob = blobs[storage_data[req.storage_index]]
             fqn = req.storage_index.fqn
@@ -134,10 +186,14 @@ class CkptReader(StorageReader):
                 _check_object(self.storage.describe(self.step_dir), fqn, blob)
                 staged.append((req, None, blob))
                 continue
-            chunk = next(c for c in md[fqn].chunks if c.offsets == req.storage_index.offset)
-            src = blob.reshape(chunk.sizes)
+            by_offsets = sizes.get(fqn)
+            if by_offsets is None:  # one pass over a tensor's chunks, at its first request
+                by_offsets = sizes[fqn] = {c.offsets: c.sizes for c in md[fqn].chunks}
+            chunk_sizes = by_offsets[req.storage_index.offset]
+            src = blob.reshape(chunk_sizes)
             for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-                src = src.narrow(dim, off, length)
+                if off or length != chunk_sizes[dim]:  # the whole chunk needs no view
+                    src = src.narrow(dim, off, length)
             target = planner.resolve_tensor(req).detach()
             if target.size() != src.size():
                 raise CorruptCheckpointError(

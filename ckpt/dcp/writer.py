@@ -5,12 +5,18 @@ DCP's planners (:mod:`ckpt.dcp.planners`) decide *what* each rank saves; this wr
 item, and commits our JSON manifest (:mod:`ckpt.format.manifest`) instead of DCP's pickled
 ``.metadata``.
 
+Format version 2: each rank writes its own *part* (:mod:`ckpt.format.part`) beside its data
+files, naming the chunks of sharded tensors it wrote and those it holds that another rank
+wrote (DCP writes a shard that several ranks hold, e.g. an HSDP replica, from one of them);
+only what the root manifest needs (files, tensors saved whole, objects, the part's checksum)
+travels back to the coordinator, which commits a root of O(keys + ranks) entries.
+
 Call order (DCP's contract): every rank ``set_up_storage_writer`` -> ``prepare_local_plan``;
 the coordinator ``prepare_global_plan`` (here it also begins the attempt through
 :mod:`ckpt.root.lifecycle`: refuses a committed step, writes the attempt's marker before any data
-exists, then the attachments); every rank ``write_data``; the coordinator ``finish``
-(commits the manifest through :mod:`ckpt.root.lifecycle`, which fences off a writer that lost the
-lease).
+exists, then the attachments); every rank ``write_data`` (data files, then its part); the
+coordinator ``finish`` (commits the root manifest through :mod:`ckpt.root.lifecycle`, which
+fences off a writer that lost the lease).
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckpt.dcp._shards import LocalShards, in_part, refs_by_rank
 from ckpt.dcp.attachments import attachment_bytes
 from ckpt.dcp.layout import buffer_nbytes, tensor_view_bytes
 from ckpt.dcp.savecost import SaveCost
@@ -38,10 +50,14 @@ from ckpt.format import (
     FileRecord,
     ItemLocation,
     Manifest,
+    Part,
+    PartRecord,
     crc32c_combine,
     crc32c_of,
     dtype_from_name,
     dtype_name,
+    part_name,
+    part_sha256,
 )
 from ckpt.root import Lifecycle, attachment_file
 from ckpt.storage import Storage
@@ -49,12 +65,26 @@ from ckpt.storage import Storage
 __all__ = ["CkptWriter"]
 
 _FILE_KEY = "__file__:"
+_PART_KEY = "__part__:"
 _MAX_NAMED = 10  # keys named in one error
 _FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES)
 
+
 @dataclasses.dataclass
 class _RankPrefix:
+    """A rank's final plan's ``storage_data``: its data files' prefix, and ``refs``: the
+    chunks it holds that another rank writes, ``(key, offsets) -> writer rank``."""
+
     prefix: str
+    refs: dict[tuple[str, tuple[int, ...]], int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartWritten:
+    """What a rank reports of its part: its file record and its SHA-256."""
+
+    record: FileRecord
+    sha256: str
 
 
 class CkptWriter(StorageWriter):
@@ -118,7 +148,10 @@ class CkptWriter(StorageWriter):
                 f"Supported: {', '.join(DTYPE_NAMES)} (docs/format.md, 'Manifest'). Convert "
                 f"such a tensor to one of them before saving (e.g. t.view(torch.uint8) for "
                 f"bit-packed data, t.dequantize() for a quantized tensor).")
-        return plan
+        shards = tuple(item.index for item in plan.items if in_part(item))
+        if not shards:
+            return plan
+        return dataclasses.replace(plan, storage_data=LocalShards(shards, len(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         with self.cost.phase("commit"):
@@ -131,7 +164,9 @@ class CkptWriter(StorageWriter):
                 self.storage.write_bytes(f"{self.step_dir}/{file}", data,
                                          durable=self.durable)
                 self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
-        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
+        refs = refs_by_rank(plans)
+        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}",
+                                                                refs[i]))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -143,7 +178,7 @@ class CkptWriter(StorageWriter):
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         prefix = plan.storage_data.prefix
-        rank = int(prefix[1:6])
+        rank, save_id = int(prefix[1:6]), prefix[7:]
         items = list(plan.items)
         # The planner already checksummed this rank's plain tensors (the replica check), over
         # the very bytes written here: those checksums are reused, not computed again.
@@ -229,36 +264,81 @@ class CkptWriter(StorageWriter):
                                     thread_name_prefix="ckpt-write") as pool:
                 for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
                     results.extend(out)
-        if sync_here and non_empty:
+        results, wrote_part = self._write_part(plan, rank, save_id, results, sync_here)
+        if sync_here and (non_empty or wrote_part):
             with cost.phase("fsync"):
                 _fsync_path(self.storage.local_path(self.step_dir))
         return results
+
+    def _write_part(self, plan: SavePlan, rank: int, save_id: str,
+                    results: list[WriteResult], sync_here: bool
+                    ) -> tuple[list[WriteResult], bool]:
+        """Write this rank's part (when it has chunks or refs): the locations of the chunks
+        of sharded tensors it wrote, and the chunks it holds that another rank writes.
+        Returns what goes back to the coordinator (everything else: files, tensors saved
+        whole, objects, the part's record) and whether a part was written."""
+        sizes = {item.index: item.tensor_data.chunk.sizes for item in plan.items
+                 if in_part(item)}
+        part = Part(rank)
+        back: list[WriteResult] = []
+        for wr in results:
+            chunk_sizes = sizes.get(wr.index)
+            if chunk_sizes is None:
+                back.append(wr)
+            else:
+                part.chunks.setdefault(wr.index.fqn, []).append(
+                    {"offsets": list(wr.index.offset), "sizes": list(chunk_sizes),
+                     "location": wr.storage_data})
+        for (fqn, offsets), writer in sorted(getattr(plan.storage_data, "refs", {}).items()):
+            part.refs.setdefault(fqn, []).append((list(offsets), writer))
+        if not part:
+            return back, False
+        with self.cost.phase("commit"):
+            name = part_name(rank, save_id)
+            data = part.to_json_bytes(self.step, save_id)
+            rel = f"{self.step_dir}/{name}"
+            self.storage.write_bytes(rel, data, durable=self.durable and not sync_here)
+        if sync_here:
+            with self.cost.phase("fsync"):
+                _fsync_path(self.storage.local_path(rel))
+        record = FileRecord(len(data), crc32c_of([data]), rank)
+        back.append(WriteResult(index=MetadataIndex(_PART_KEY + name), size_in_bytes=len(data),
+                                storage_data=_PartWritten(record, part_sha256(data))))
+        return back, True
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self.cost.phase("commit"):
             self._finish(metadata, results)
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+        """Build and commit the root manifest: every file (data files, parts, attachments),
+        every key with its dtype and shape, the chunks of tensors saved whole and every
+        object's location; sharded tensors' chunks are in the parts the ranks wrote."""
         files: dict[str, FileRecord] = {}
+        parts: dict[str, PartRecord] = {}
         where: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:
             for wr in rank_results:
-                if wr.index.fqn.startswith(_FILE_KEY):
-                    files[wr.index.fqn[len(_FILE_KEY):]] = wr.storage_data
+                fqn = wr.index.fqn
+                if fqn.startswith(_FILE_KEY):
+                    files[fqn[len(_FILE_KEY):]] = wr.storage_data
+                elif fqn.startswith(_PART_KEY):
+                    name, written = fqn[len(_PART_KEY):], wr.storage_data
+                    files[name] = written.record
+                    parts[name] = PartRecord(written.record.rank, written.sha256)
                 else:
                     where[wr.index] = wr.storage_data
         tensors, objects = {}, {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                chunks = []
-                for chunk in md.chunks:
-                    loc = where[MetadataIndex(fqn, chunk.offsets)]
-                    chunks.append({"offsets": list(chunk.offsets), "sizes": list(chunk.sizes),
-                                   "location": loc})
+                # A tensor saved whole has one chunk, at the origin, reported by its writer;
+                # every other chunk is in the part of the rank that wrote it.
+                loc = where.get(MetadataIndex(fqn, torch.Size([0] * len(md.size))))
+                chunks = [] if loc is None else [
+                    {"offsets": [0] * len(md.size), "sizes": list(md.size), "location": loc}]
                 tensors[fqn] = {"dtype": dtype_name(md.properties.dtype),
-                                "shape": list(md.size), "chunks": chunks}
+                                "shape": list(md.size), "chunks": chunks,
+                                "sharded": len(md.chunks) > len(chunks)}
             else:
                 objects[fqn] = where[MetadataIndex(fqn)]
         planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
@@ -267,6 +347,8 @@ class CkptWriter(StorageWriter):
         manifest = Manifest(step=self.step, save_id=self.save_id, created_unix=time.time(),
                             tensors=tensors, objects=objects, files=files,
                             planner_data=planner_data, attachments=dict(self._attached),
+                            parts=parts,
+                            complete=not any(t["sharded"] for t in tensors.values()),
                             **self.extra)
         if self.before_commit is not None:
             self.before_commit()  # raises to abandon; the attempt stays uncommitted

@@ -1,14 +1,18 @@
-"""What lies on storage: the manifest, its records and names, strict JSON, values, checksums.
+"""What lies on storage: the manifest, its parts, records and names, strict JSON, values,
+checksums.
 
-Nothing here reads or writes storage. ``manifest`` holds :class:`Manifest` (the document
-whose existence commits a checkpoint; untrusted bytes are checked by ``_check`` against
-every MUST of docs/format.md before anything trusts them), ``_schema`` the records, dtype
-names and file names it is made of, ``jsonio`` the strict, bounded JSON of every file the
-store writes, ``codec`` the pickle-free encoding of non-tensor values, ``checksums`` CRC32C.
+Nothing here reads or writes storage. ``manifest`` holds :class:`Manifest` (the root
+document whose existence commits a checkpoint; untrusted bytes are checked by ``_check``
+against every MUST of docs/format.md before anything trusts them), ``part`` the per-rank
+:class:`Part` that holds the chunks of sharded tensors (format version 2), ``_schema`` the
+records, dtype names and file names they are made of, ``_items`` the per-item checks they
+share, ``coverage`` the linear check that chunks tile a tensor, ``jsonio`` the strict,
+bounded JSON of every file the store writes, ``codec`` the pickle-free encoding of
+non-tensor values, ``checksums`` CRC32C.
 """
 
 from ckpt.format import codec, jsonio
-from ckpt.format._check import DIGEST_KEY, MAX_GRID_CELLS, manifest_bytes
+from ckpt.format._check import DIGEST_KEY, manifest_bytes, sealed_bytes
 from ckpt.format._schema import (
     DTYPE_NAMES,
     FORMAT_DTYPE_NAMES,
@@ -16,25 +20,40 @@ from ckpt.format._schema import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     MAX_ATTACHMENT_BYTES,
+    PART_FORMAT_NAME,
     Attachment,
     FileRecord,
     ItemLocation,
+    PartRecord,
     check_attachment_name,
     dtype_from_name,
     dtype_name,
     is_packed,
     parse_step_dirname,
+    part_name,
     step_dirname,
 )
 from ckpt.format.checksums import crc32c_combine, crc32c_of
 from ckpt.format.codec import UnsupportedValueError, decode_object, encode_object
+from ckpt.format.coverage import MAX_GRID_CELLS, coverage_problem
 from ckpt.format.manifest import Manifest
+from ckpt.format.part import (
+    MAX_PART_BYTES,
+    PART_DIGEST_KEY,
+    Part,
+    complete_manifest,
+    merge_chunks,
+    part_sha256,
+)
 
 __all__ = [
-    "Manifest", "FileRecord", "ItemLocation", "Attachment",
-    "FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "DIGEST_KEY", "MAX_GRID_CELLS",
+    "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord",
+    "Part", "part_name", "part_sha256", "merge_chunks", "complete_manifest",
+    "FORMAT_NAME", "FORMAT_VERSION", "PART_FORMAT_NAME", "MANIFEST_NAME", "DIGEST_KEY",
+    "PART_DIGEST_KEY", "MAX_PART_BYTES", "MAX_GRID_CELLS", "coverage_problem",
     "MAX_ATTACHMENT_BYTES", "DTYPE_NAMES", "FORMAT_DTYPE_NAMES",
-    "manifest_bytes", "step_dirname", "parse_step_dirname", "check_attachment_name",
+    "manifest_bytes", "sealed_bytes", "step_dirname", "parse_step_dirname",
+    "check_attachment_name",
     "dtype_name", "dtype_from_name", "is_packed",
     "crc32c_of", "crc32c_combine",
     "encode_object", "decode_object", "UnsupportedValueError",

@@ -20,10 +20,13 @@ from ckpt.errors import CorruptCheckpointError
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "PART_FORMAT_NAME",
     "MANIFEST_NAME",
     "ItemLocation",
     "FileRecord",
     "Attachment",
+    "PartRecord",
+    "part_name",
     "MAX_ATTACHMENT_BYTES",
     "check_attachment_name",
     "step_dirname",
@@ -37,7 +40,8 @@ __all__ = [
 ]
 
 FORMAT_NAME = "ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: one manifest names every chunk; 2: a root manifest and per-rank parts
+PART_FORMAT_NAME = "ckpt-part"
 MANIFEST_NAME = "manifest.json"
 
 _STEP_RE = re.compile(r"^step_(\d{9,})$")
@@ -96,6 +100,9 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def part_name(rank: int, save_id: str) -> str:
+    """The file name of rank ``rank``'s part of attempt ``save_id`` (format version 2)."""
+    return f"part-r{rank:05d}_{save_id}.json"
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,18 @@ class Attachment:
 
     def to_json(self) -> dict:
         return {"file": self.file, "size": self.size, "crc32c": f"{self.crc32c:08x}"}
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """A part as the root manifest lists it: the rank that wrote it and the SHA-256 of its
+    bytes (its size and CRC32C are in the root's ``files``, like every file's)."""
+
+    rank: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "sha256": self.sha256}
 
 
 def check_attachment_name(name: Any) -> str:

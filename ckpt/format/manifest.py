@@ -5,10 +5,15 @@ validated document: it writes itself (:meth:`Manifest.to_json_bytes`, digest fir
 untrusted bytes through :mod:`ckpt.format._check` (digest, then every MUST of the format,
 before any caller allocates or reads a byte on its word), and converts itself to the
 metadata that ``torch.distributed.checkpoint``'s planners work with. The records it is made
-of, the dtype names and the file and folder names live in :mod:`ckpt.format._schema`;
-this module re-exports them, so ``from ckpt.format.manifest import ...`` reaches the whole format.
+of, the dtype names and the file and folder names live in :mod:`ckpt.format._schema`.
 
-Imports go one way: ``manifest_schema`` <- ``manifest_check`` <- ``manifest``.
+Since format version 2 the manifest is the *root*: it lists every file, every key (dtype,
+shape) and the chunks of tensors saved whole, while the chunks of sharded tensors are in
+per-rank parts (:mod:`ckpt.format.part`). A root read alone is not ``complete``; merged
+with its parts (:func:`ckpt.format.part.complete_manifest`) it is, and reads like a
+version 1 manifest. Version 1 manifests are always complete.
+
+Imports go one way: ``_schema`` <- ``_items`` <- ``_check`` <- ``manifest`` <- ``part``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ckpt.format._schema import (
     Attachment,
     FileRecord,
     ItemLocation,
+    PartRecord,
     dtype_from_name,
     step_dirname,
 )
@@ -48,7 +54,14 @@ __all__ = ["Manifest"]
 
 @dataclass
 class Manifest:
-    """A parsed, validated manifest. ``tensors`` maps FQN -> {dtype, shape, chunks}."""
+    """A parsed, validated manifest. ``tensors`` maps FQN -> {dtype, shape, chunks, sharded}.
+
+    ``sharded``: the tensor's chunks are (also) listed in parts; ``parts``: name -> record
+    of each part (format version 2). ``complete``: ``tensors`` lists every chunk (a
+    version 1 manifest, a root without sharded tensors, or a root merged with its parts;
+    chunks merged from a part carry ``"part": name`` and are not written back by
+    :meth:`to_json_bytes`, which always writes the root).
+    """
 
     step: int
     save_id: str
@@ -64,10 +77,17 @@ class Manifest:
     planner_data: dict[str, list] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     attachments: dict[str, Attachment] = field(default_factory=dict)
+    parts: dict[str, PartRecord] = field(default_factory=dict)
+    complete: bool = True
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    @property
+    def sharded_keys(self) -> list[str]:
+        """Keys of the tensors whose chunks are (also) in parts."""
+        return [fqn for fqn, t in self.tensors.items() if t.get("sharded")]
 
     # -- serialisation ---------------------------------------------------------------------
     def to_json_bytes(self) -> bytes:
@@ -85,14 +105,12 @@ class Manifest:
             "user_metadata": self.user_metadata,
             "files": {name: {"size": r.size, "crc32c": f"{r.crc32c:08x}", "rank": r.rank}
                       for name, r in sorted(self.files.items())},
-            "tensors": {fqn: {"dtype": t["dtype"], "shape": list(t["shape"]),
-                              "chunks": [{"offsets": list(c["offsets"]),
-                                          "sizes": list(c["sizes"]),
-                                          **c["location"].to_json()} for c in t["chunks"]]}
-                        for fqn, t in self.tensors.items()},
+            "tensors": {fqn: _tensor_json(t) for fqn, t in self.tensors.items()},
             "objects": {fqn: loc.to_json() for fqn, loc in self.objects.items()},
             "planner_data": self.planner_data,
         }
+        if self.format_version >= 2:
+            doc["parts"] = {name: rec.to_json() for name, rec in sorted(self.parts.items())}
         if self.attachments:  # optional: manifests without attachments stay as they were
             doc["attachments"] = {name: a.to_json()
                                   for name, a in sorted(self.attachments.items())}
@@ -117,7 +135,9 @@ class Manifest:
         format) naming ``source``. ``expected_step`` is the step of the folder the manifest
         was read from: a manifest of another step (copied there) is refused.
         """
-        manifest = cls(**read_manifest_fields(data, source))
+        fields = read_manifest_fields(data, source)
+        fields["complete"] = not any(t["sharded"] for t in fields["tensors"].values())
+        manifest = cls(**fields)
         if expected_step is not None and manifest.step != expected_step:
             raise CorruptCheckpointError(
                 f"{source}: manifest is of step {manifest.step}, but it lies in the folder of "
@@ -126,12 +146,17 @@ class Manifest:
         return manifest
 
     # -- conversion for torch.distributed.checkpoint ----------------------------------------
-    def to_dcp_metadata(self) -> Metadata:
+    def to_dcp_metadata(self, chunks_by_key: dict[str, list[dict[str, Any]]] | None = None
+                        ) -> Metadata:
+        """DCP's metadata: every key, with the chunks ``tensors`` lists, or (for a root
+        read with some of its parts) those of ``chunks_by_key`` (see
+        :func:`ckpt.format.part.merge_chunks`)."""
         sd_md: dict[str, Any] = {}
         storage: dict[MetadataIndex, ItemLocation] = {}
         for fqn, t in self.tensors.items():
             chunks = []
-            for c in t["chunks"]:
+            listed = t["chunks"] if chunks_by_key is None else chunks_by_key[fqn]
+            for c in listed:
                 chunk = ChunkStorageMetadata(offsets=torch.Size(c["offsets"]),
                                              sizes=torch.Size(c["sizes"]))
                 chunks.append(chunk)
@@ -145,6 +170,16 @@ class Manifest:
         planner_data = {k: tuple(v) for k, v in self.planner_data.items()}
         return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
                         storage_data=storage)
+
+
+def _tensor_json(t: dict[str, Any]) -> dict[str, Any]:
+    """A tensor's record in the root: the chunks it lists itself (not those of parts)."""
+    out = {"dtype": t["dtype"], "shape": list(t["shape"]),
+           "chunks": [{"offsets": list(c["offsets"]), "sizes": list(c["sizes"]),
+                       **c["location"].to_json()} for c in t["chunks"] if "part" not in c]}
+    if t.get("sharded"):
+        out["sharded"] = True
+    return out
 
 
 def _iso_time(unix: float) -> str:

@@ -6,7 +6,7 @@
 cleanup, uncommit, restore, delete) and every file name in it, made by the lease holder.
 ``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and
 (:func:`walk_newest`) the one walk to the newest checkpoint that verifies, which every
-resume uses.
+resume uses. ``parts``: reading a version's parts (a loading rank's few, or all of them).
 """
 
 from ckpt.root.fence import Fence
@@ -27,6 +27,12 @@ from ckpt.root.lifecycle import (
     parse_marker,
     release_lease,
 )
+from ckpt.root.parts import (
+    complete_parts,
+    parts_for_rank,
+    read_part,
+    read_parts,
+)
 from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, Walked, walk_newest
 
 __all__ = [
@@ -35,4 +41,5 @@ __all__ = [
     "acquire_lease", "acquire_for_ranks", "release_lease",
     "attachment_file", "data_file_id", "marker_name", "parse_marker",
     "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
+    "read_part", "read_parts", "parts_for_rank", "complete_parts",
 ]

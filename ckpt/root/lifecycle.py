@@ -20,6 +20,8 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
 
     pending-<id>.json       attempt marker, written before any data: writer, lease generation
     r<rank>_<id>_<k>.bin    data files of attempt <id> (names chosen by the writer in dcp_io)
+    part-r<rank>_<id>.json  rank <rank>'s part of attempt <id> (format version 2: the chunks
+                            of sharded tensors it wrote); listed in its manifest's ``files``
     a_<id>_<name>           attachment <name> of attempt <id> (``attachment_file``), written
                             by the coordinator; a version's manifest lists it in ``files``
                             too, so it is referenced, verified and deleted with its version
@@ -83,6 +85,7 @@ _MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
 _ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
 _FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
 _DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
+_PART_RE = re.compile(rf"^part-r\d{{5}}_({_ID})\.json$")
 _ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")
 _LEGACY_MARKER = "pending.json"
@@ -99,12 +102,12 @@ def attachment_file(save_id: str, name: str) -> str:
 
 
 def data_file_id(name: str) -> str | None:
-    """The attempt id in a data or attachment file's name, or None for a name not ours.
+    """The attempt id in a data, part or attachment file's name, or None for a name not ours.
 
     Every rule that decides which files belong to an attempt (abandon, cleanup's leftovers,
     the size of an incomplete attempt) goes through this one function.
     """
-    m = _DATA_RE.match(name) or _ATTACHMENT_RE.match(name)
+    m = _DATA_RE.match(name) or _PART_RE.match(name) or _ATTACHMENT_RE.match(name)
     return m.group(1) if m else None
 
 

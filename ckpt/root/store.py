@@ -41,6 +41,7 @@ from ckpt.root.lifecycle import (
     Entry,
     Lifecycle,
 )
+from ckpt.root.parts import complete_parts
 from ckpt.root.verify import verify_files
 from ckpt.storage import Storage
 
@@ -101,10 +102,22 @@ class CheckpointStore:
         """Every step that has a folder, committed or not, ascending."""
         return self.life.steps()
 
-    def read_manifest(self, step: int) -> Manifest:
+    def read_manifest(self, step: int, *, complete: bool = False) -> Manifest:
         """The committed manifest of ``step`` (``CheckpointNotFoundError`` when there is
-        none or it was fenced off, ``CorruptCheckpointError`` when it is damaged)."""
-        return self.life.read_committed(step)
+        none or it was fenced off, ``CorruptCheckpointError`` when it is damaged).
+
+        Format version 2: the root alone (it names every key, file and part; the chunks of
+        sharded tensors are in the parts), unless ``complete``: then every part is read,
+        checked and merged in (see :meth:`complete`).
+        """
+        manifest = self.life.read_committed(step)
+        return self.complete(manifest) if complete else manifest
+
+    def complete(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with every chunk of every part: each part read, checked against its
+        SHA-256 and validated, and the whole checked as one (every tensor tiled exactly).
+        A version 1 manifest, or a root without sharded tensors, is complete already."""
+        return complete_parts(self.storage, manifest)
 
     def entries(self, step: int) -> list[CheckpointInfo]:
         """Every version of ``step`` (committed, rolled back, incomplete, fenced, corrupt)."""
@@ -146,7 +159,11 @@ class CheckpointStore:
     # -- verification ----------------------------------------------------------------------
     def verify_manifest(self, manifest: Manifest, *, full: bool = True,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        """Check every file's size (and crc32c when ``full``); raise on the first bad one."""
+        """Check every file's size (parts included: the root lists them); when ``full``,
+        read and check every part (:meth:`complete`), then every file's crc32c. Raise on
+        the first problem."""
+        if full:
+            self.complete(manifest)
         verify_files(self.storage, manifest, full=full, progress=progress)
 
     def verify(self, step: int, *, full: bool = True,

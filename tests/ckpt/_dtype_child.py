@@ -105,8 +105,8 @@ def _check(root: str, options, state: dict, expected: dict) -> str:
     import ckpt
     from ckpt.root import CheckpointStore
 
-    manifest = CheckpointStore(root, storage_options=options).read_manifest(1) \
-        if options is not None else CheckpointStore(root).read_manifest(1)
+    manifest = CheckpointStore(root, storage_options=options).read_manifest(1, complete=True) \
+        if options is not None else CheckpointStore(root).read_manifest(1, complete=True)
     misaligned = 0
     for key, dtype, _ in cases():
         for chunk in manifest.tensors[f"{key}_t"]["chunks"]:

@@ -1,10 +1,10 @@
 """docs/format.md names every file the store writes and every field of its JSON records.
 
 A root is built by the real code paths (saves with an attachment, a rollback, an attempt
-left incomplete, pins, the failure history, the retention record, the lease and its fence
-files); then every file
-under it must match a name the spec lists, and every member of the lease, the fence files,
-the attempt marker and the manifest must be named in the spec's section for that record.
+left incomplete, a save with sharded chunks (its part), pins, the failure history, the
+retention record, the lease and its fence files); then every file under it must match a
+name the spec lists, and every member of the lease, the fence files, the attempt marker,
+the manifest and a part must be named in the spec's section for that record.
 A new file or field that the spec does not describe fails here.
 """
 
@@ -21,6 +21,7 @@ from ckpt.cadence import FailureHistory, write_history
 from ckpt.job import KeepBest, record_retention, set_pinned
 from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
+from tests.ckpt._parts import save_chunked
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 with open(os.path.join(REPO, "docs", "format.md"), encoding="utf-8") as _f:
@@ -36,6 +37,7 @@ NAMES = [
     ("`_history.json`", r"_history\.json"),
     ("`_retention.json`", r"_retention\.json"),
     ("`r{RANK:05d}_{ID}_{K}.bin`", rf"step_\d{{9,}}/r\d{{5}}_{_ID}_\d+\.bin"),
+    ("`part-r{RANK:05d}_{ID}.json`", rf"step_\d{{9,}}/part-r\d{{5}}_{_ID}\.json"),
     ("`a_{ID}_{NAME}`", rf"step_\d{{9,}}/a_{_ID}_[A-Za-z0-9][A-Za-z0-9._-]*"),
     ("`pending-{ID}.json`", rf"step_\d{{9,}}/pending-{_ID}\.json"),
     ("`manifest.json`", r"step_\d{9,}/manifest\.json"),
@@ -66,6 +68,7 @@ def _root(tmp_path) -> str:
         life.begin(3, "abcdef123456")  # an attempt that never commits
     finally:
         release_lease(life)
+    save_chunked(storage, 4, {"w": torch.arange(6.0)}, {"w": [([0], [2]), ([2], [4])]})
     store = CheckpointStore(storage)
     set_pinned(store, 1)
     write_history(storage, FailureHistory())
@@ -88,6 +91,7 @@ def test_every_file_of_a_root_is_a_name_the_spec_lists(tmp_path):
     patterns = [re.compile(p) for _, p in NAMES] + [re.compile(r"_fence/")]
     files = _files(_root(tmp_path))
     assert any(f.endswith(".bin") for f in files) and any("/a_" in f for f in files)
+    assert any("/part-" in f for f in files)
     for f in files:
         assert any(p.fullmatch(f) for p in patterns), \
             f"{f} is written by ckpt but docs/format.md does not list its name"
@@ -126,6 +130,11 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
     retention = doc("_retention.json")
     _documented(retention, SPEC, "_retention.json")
     _documented(retention["best"][0], SPEC, "_retention.json's policies")
+    (part,) = [n for n in os.listdir(os.path.join(root, "step_000000004"))
+               if n.startswith("part-")]
+    _documented(doc(f"step_000000004/{part}"), _section("Parts"), "a part")
+    _documented(doc("step_000000004/manifest.json")["tensors"]["w"], table,
+                "the manifest's tensors")
 
 
 def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():

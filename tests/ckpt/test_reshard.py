@@ -114,7 +114,7 @@ def test_reshard_dp2xtp2_to_tp4_dp2_and_single_process(tmp_path):
 
     root = str(tmp_path / "root")
     original = unpack(run_ranks(_save_dp2_tp2_then_load_tp4, 4, root, timeout=240)[0])
-    manifest = CheckpointStore(root).read_manifest(STEP)
+    manifest = CheckpointStore(root).read_manifest(STEP, complete=True)
     assert manifest.world_size == 4 and manifest.layout == {"dp": 2, "tp": 2}
     # Really sharded both ways: the first layer's weight is stored as 4 chunks.
     assert len(manifest.tensors["train.model.0.weight"]["chunks"]) == 4

@@ -210,25 +210,33 @@ def _check_files(url: str, world: int, results: list[dict]) -> list[int]:
     assert results[0]["committed"] == [STEP]
     assert results[0]["returned_manifest"] and not any(r["returned_manifest"]
                                                       for r in results[1:])
-    # Exactly the data files the manifest lists are on storage, plus the manifest itself.
+    # Exactly the data files and parts the manifest lists are on storage, plus the manifest.
     assert results[0]["on_storage"] == sorted(list(files) + ["manifest.json"]), url
+    files_id = next(iter(files)).split("_")[1].split(".")[0]
     for rank, res in enumerate(results):
         prefix = f"r{rank:05d}_"
         data_writes = [(rel.rsplit("/", 1)[-1], thread) for rel, thread in res["writes"]
                        if rel.endswith(".bin")]
         other = [rel for rel, _ in res["writes"] if not rel.endswith(".bin")]
-        # Only the coordinator writes anything besides its data files: in the step's folder
-        # its attempt marker and the manifest; at the root the lease's control files.
+        # Besides its data files a rank writes its own part (it holds FSDP shards when the
+        # world has several ranks); only the coordinator writes anything else: in the step's
+        # folder its attempt marker and the manifest; at the root the lease's control files.
         in_step = [rel for rel in other if rel.startswith(f"step_{STEP:09d}/")]
+        parts = [rel.split("/")[1] for rel in in_step if rel.split("/")[1].startswith("part-")]
+        assert parts == ([f"part-r{rank:05d}_{files_id}.json"] if world > 1 else []), \
+            (url, rank, parts)
+        assert all(files[name][0] == rank for name in parts), (url, rank, parts)
+        assert all(rel in ("_lease.json",) or rel.startswith("_fence/")
+                   for rel in other if rel not in in_step), (url, other)
+        in_step = [rel for rel in in_step if rel.split("/")[1] not in parts]
         assert len(in_step) == (0 if rank else 2), (url, other)
         if rank == 0:
             assert in_step[0].split("/")[1].startswith("pending-") and \
                 in_step[1].endswith("/manifest.json"), (url, other)
-        assert all(rel in ("_lease.json",) or rel.startswith("_fence/")
-                   for rel in other if rel not in in_step), (url, other)
         names = sorted(n for n, _ in data_writes)
         assert all(n.startswith(prefix) for n in names), (url, rank, names)
-        assert names == sorted(n for n, (r, _) in files.items() if r == rank), (url, rank, names)
+        assert names == sorted(n for n, (r, _) in files.items() if r == rank
+                               and n.endswith(".bin")), (url, rank, names)
         # Data is spread over several files written by a thread pool.
         assert 2 <= len(names) <= NUM_THREADS, (url, rank, names)
         threads = {t for _, t in data_writes}

@@ -30,7 +30,7 @@ def _run(tmp_path, name: str, root, *extra: str) -> Job:
 
 
 def _model_item(root, step: int):
-    manifest = CheckpointStore(str(root)).read_manifest(step)
+    manifest = CheckpointStore(str(root)).read_manifest(step, complete=True)
     name = sorted(k for k in manifest.tensors if k.startswith("app."))[0]
     loc = manifest.tensors[name]["chunks"][0]["location"]
     return os.path.join(root, f"step_{step:09d}", loc.file), loc
@@ -79,7 +79,7 @@ def test_damaged_rng_state_falls_back_with_the_rest(tmp_path):
     was already loaded), and the run continues from there bit for bit."""
     root = tmp_path / "ckpt"
     _run(tmp_path, "first", root).wait_ok()
-    manifest = CheckpointStore(str(root)).read_manifest(6)
+    manifest = CheckpointStore(str(root)).read_manifest(6, complete=True)
     rng = sorted([*(k for k in manifest.tensors if k.startswith("rng.")),
                   *(k for k in manifest.objects if k.startswith("rng."))])
     assert rng, "the trainer saves its RNG streams"

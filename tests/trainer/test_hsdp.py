@@ -233,7 +233,7 @@ def test_checkpoint_hsdp_to_fsdp_and_one_process_and_back(tmp_path):
 
     root = str(tmp_path / "ckpt")
     hsdp_state = run_ranks(_hsdp_job, 4, root, timeout=240)[0]
-    manifest = CheckpointStore(root).read_manifest(2)
+    manifest = CheckpointStore(root).read_manifest(2, complete=True)
     assert manifest.world_size == 4
     assert {k: manifest.layout[k] for k in ("pp", "dp", "dp_replicate", "dp_shard", "tp",
                                              "dp_mode")} == dict(

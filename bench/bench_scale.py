@@ -206,9 +206,8 @@ def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]
 def write_results(final_plans: list[SavePlan]) -> list[list[WriteResult]]:
     """What each rank's ``CkptWriter.write_data`` returns for its final plan."""
     out = []
-    for plan in final_plans:
-        prefix = plan.storage_data.prefix
-        rank = int(prefix[1:6])
+    for rank, plan in enumerate(final_plans):
+        prefix = f"r{rank:05d}_{plan.storage_data}"  # the save id (prepare_global_plan)
         offsets = [0] * _FILES_PER_RANK
         results = []
         for k, item in enumerate(plan.items):

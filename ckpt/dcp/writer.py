@@ -52,11 +52,6 @@ _FILE_KEY = "__file__:"
 _MAX_NAMED = 10  # keys named in one error
 _FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES)
 
-@dataclasses.dataclass
-class _RankPrefix:
-    prefix: str
-
-
 class CkptWriter(StorageWriter):
     """Writes one checkpoint folder. Construct one per save (it holds that save's state)."""
 
@@ -82,6 +77,7 @@ class CkptWriter(StorageWriter):
         self.extra = dict(manifest_extra or {})
         self.durable = durable
         self.is_coordinator = True
+        self.rank = 0  # in the save's group (set_up_storage_writer)
         self.manifest: Manifest | None = None
 
     # -- StorageWriter interface -----------------------------------------------------------
@@ -97,6 +93,7 @@ class CkptWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank, before any byte of the save is written (the attempt's marker
@@ -131,10 +128,14 @@ class CkptWriter(StorageWriter):
                 self.storage.write_bytes(f"{self.step_dir}/{file}", data,
                                          durable=self.durable)
                 self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
-        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}"))
-                for i, p in enumerate(plans)]
+        # The coordinator's save id, this save's, for every rank's file names (write_data).
+        # The planner caches no storage_data: a cached plan (ckpt.dcp.plancache) gets the
+        # id of each save that reuses it.
+        return [dataclasses.replace(p, storage_data=self.save_id) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if isinstance(plan.storage_data, str):
+            self.save_id = plan.storage_data  # the coordinator's (prepare_global_plan)
         with self.cost.span():  # its time is in the write/fsync/crc phases
             results = self._write_data(plan, planner)
         fut: Future[list[WriteResult]] = Future()
@@ -142,8 +143,8 @@ class CkptWriter(StorageWriter):
         return fut
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        prefix = plan.storage_data.prefix
-        rank = int(prefix[1:6])
+        rank = self.rank
+        prefix = f"r{rank:05d}_{self.save_id}"
         items = list(plan.items)
         # The planner already checksummed this rank's plain tensors (the replica check), over
         # the very bytes written here: those checksums are reused, not computed again.

@@ -3,7 +3,8 @@
 DCP's planners understand DTensor, FSDP2 and tensor-parallel shards (which is what makes
 resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
 :func:`load_latest`): the collective save and the transactional load. ``planners``: what
-each rank saves and loads, pickle-free. ``writer`` and ``reader``: where the bytes go and
+each rank saves and loads, pickle-free (``plancache``: a save's plan, reused while the layout
+stays). ``writer`` and ``reader``: where the bytes go and
 how they come back verified (``layout``: a data file's bytes). ``staging``: the host copy
 that is a save's only stall (``_host_arena``: one pinned allocation). ``stateful``: models,
 optimizers, RNG and per-rank state as state dicts. ``attachments``: small files kept with a
@@ -25,6 +26,7 @@ from ckpt.dcp.attachments import (
     read_attachment,
     read_from,
 )
+from ckpt.dcp.plancache import PlanCache
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import VERIFY_MODES, CkptReader
 from ckpt.dcp.savecost import PHASES, SaveCost
@@ -36,7 +38,7 @@ __all__ = [
     "save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state",
     "unwrap_dcp_error",
     "CkptWriter", "CkptReader", "VERIFY_MODES",
-    "SafeSavePlanner", "SafeLoadPlanner",
+    "SafeSavePlanner", "SafeLoadPlanner", "PlanCache",
     "StagingBuffers", "CopyReady",
     "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
     "check_attachments", "read_attachment", "list_attachments", "read_from",

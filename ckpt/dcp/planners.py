@@ -109,20 +109,10 @@ class SafeSavePlanner(DefaultSavePlanner):
         return _HASH_KEY + fqn
 
     def create_local_plan(self) -> SavePlan:
-        cache = self.cache
         with self.cost.phase("plan"):
-            if cache is not None:
-                self._signature = layout_signature(self.state_dict)
-                cached = cache.rank_plan
-                if cached is not None and not self.replan and cached.signature == self._signature:
-                    cache.num_cached_plans += 1
-                    plan = None
-                else:
-                    cache.num_full_plans += 1
-                    plan = self._full_local_plan()
-            else:
-                plan = self._full_local_plan()
-        if plan is None:
+            cached = self._cached_rank_plan()
+            plan = self._full_local_plan() if cached is None else None
+        if cached is not None:  # the layout is the cached plan's: only its replica digests
             with self.cost.phase("crc"):
                 digests = {sid: replica_digest([self._value_crc(k) for k in keys])
                            for sid, keys in cached.sets.items()}
@@ -136,6 +126,19 @@ class SafeSavePlanner(DefaultSavePlanner):
                                                            **hashes})
         self.plan = plan
         return plan
+
+    def _cached_rank_plan(self) -> RankPlan | None:
+        """This rank's cached plan when the state's layout is the one it was made for."""
+        cache = self.cache
+        if cache is None:
+            return None
+        self._signature = layout_signature(self.state_dict)
+        cached = cache.rank_plan
+        if cached is not None and not self.replan and cached.signature == self._signature:
+            cache.num_cached_plans += 1
+            return cached
+        cache.num_full_plans += 1
+        return None
 
     def _full_local_plan(self) -> SavePlan:
         plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)

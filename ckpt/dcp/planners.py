@@ -6,13 +6,15 @@ non-tensor value with ``torch.save`` and load it back with an unrestricted ``tor
 these store JSON (:mod:`ckpt.format.codec`) instead, check that a key shared by several ranks
 holds one value (objects and plain tensors alike), reuse a save's plan while the layout does
 not change (:mod:`ckpt.dcp.plancache`), and check the whole state against the checkpoint
-before reading anything.
+before reading anything (bringing packed values to the checkpoint's form first:
+:class:`PackedNode`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -21,7 +23,7 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
     create_default_local_save_plan,
 )
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItemType
 
 from ckpt.dcp._coverage import chunk_problems
@@ -38,7 +40,7 @@ from ckpt.dcp.savecost import SaveCost
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.format import crc32c_of, decode_object, dtype_name, encode_object
 
-__all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner", "PackedNode", "placeholder"]
 
 _HASH_KEY = "__ckpt_object_crc__:"
 _CACHED_KEY = "__ckpt_cached__"  # an unusable local plan: [cached plan id, {set: digest}]
@@ -311,6 +313,39 @@ def _fixes(missing: list[str], unexpected: list[str], mismatched: list[str]) -> 
     return out
 
 
+class PackedNode(dict):
+    """A node of a state dict whose values are saved packed: one value where an earlier or
+    another form has many (e.g. an optimizer's param groups: :mod:`ckpt.dcp.optim_state`).
+
+    Saving sees a dict like any other. Before a load is planned, :class:`SafeLoadPlanner`
+    calls ``match_checkpoint(path, state_dict, metadata)`` on every such node of the state
+    (``path``: where it is in ``state_dict``): when the checkpoint holds these values in
+    another form, the node puts placeholders (:func:`placeholder`) at the checkpoint's
+    paths (in itself or around it in ``state_dict``), so the load asks for the checkpoint's
+    keys; its owner's ``load_state_dict`` then unpacks whichever form came back. A node
+    that leaves the state alone loads as any dict does (missing keys are reported).
+    """
+
+    def match_checkpoint(self, path: tuple, state_dict: dict, metadata: Metadata) -> None:
+        raise NotImplementedError
+
+
+def placeholder(md) -> Any:
+    """What a state holds to be loaded with a checkpoint value of storage metadata ``md``:
+    an empty CPU tensor of its shape and dtype, or None for an object."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None
+
+
+def _packed_nodes(value: Any, path: tuple = ()) -> list[tuple[tuple, PackedNode]]:
+    if isinstance(value, PackedNode):
+        return [(path, value)]
+    if not isinstance(value, dict):
+        return []
+    return [found for k, v in value.items() for found in _packed_nodes(v, path + (k,))]
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that decodes JSON objects and checks the whole state first.
 
@@ -324,6 +359,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.strict = strict
         self.source = source
         self.ignore_prefixes = tuple(ignore_prefixes)
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, after every :class:`PackedNode` of the state took the checkpoint's form."""
+        if metadata is not None:
+            for path, node in _packed_nodes(state_dict):
+                node.match_checkpoint(path, state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
         """Plan this rank's reads; record (not raise) its problems for the global check."""

@@ -90,6 +90,8 @@ class PackedGroups(PackedNode):
 def _is_expanded(rel: tuple, mine: set[str]) -> bool:
     """Whether a checkpoint path (relative to the optimizer state dict) is one of the
     expanded form's: a param group's value or a parameter's step counter."""
+    if not rel:
+        return False
     if rel[0] == _PG:  # unflattened: param_groups.<i>.<name>
         return True
     if len(rel) == 3 and rel[0] == _STATE and rel[2] == _STEP:  # state.<fqn>.step
@@ -208,10 +210,12 @@ def unpack_optimizer_state(loaded: dict[str, Any]) -> dict[str, Any]:
         hyper = dict(group)
         for fqn in hyper.pop(_PARAMS, ()):
             hypers[fqn] = hyper
+    flat: dict[str, dict] = {}
     for key, value in loaded.items():
         if isinstance(key, str) and key.startswith(_PG + "."):
             fqn, _, name = key[len(_PG) + 1:].rpartition(".")
-            hypers.setdefault(fqn, {})[name] = value
+            flat.setdefault(fqn, {})[name] = value
+    hypers.update(flat)
     state = ({fqn: dict(st) for fqn, st in loaded.get(_STATE, {}).items()}
              if node.nested else None)
     out = {k: v for k, v in loaded.items()

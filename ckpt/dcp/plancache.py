@@ -31,8 +31,9 @@ objects every one of them has: optimizer hyperparameters, counters, a DDP model)
 plan learns them from the items. At every save, cached or not, each rank checksums its
 replicated values and sends one digest per holder set, so a replica that drifted on one
 rank is refused on the 50th cached save as on the first (``SafeSavePlanner`` describes the
-replica check). The cached final plan holds nothing save-specific: data-file names come
-from the writer's own save id and rank at write time (``CkptWriter``).
+replica check). The cached final plan holds nothing save-specific: its ``storage_data`` is
+each save's own (the coordinator's save id, in that save's central plan, cached or not),
+from which and its own rank each writer names its data files (``CkptWriter``).
 
 The cache is per owner on purpose: DCP's own ``enable_plan_caching`` keeps its plans in
 class attributes keyed by the planner class' name, so two managers in one process (the two

@@ -231,9 +231,8 @@ def write_results(final_plans: list[SavePlan], step: int, save_id: str
     records, which reuse its size)."""
     out = []
     part0 = b""
-    for plan in final_plans:
-        prefix = plan.storage_data.prefix
-        rank = int(prefix[1:6])
+    for rank, plan in enumerate(final_plans):
+        prefix = f"r{rank:05d}_{plan.storage_data.save_id}"  # prepare_global_plan's
         offsets = [0] * _FILES_PER_RANK
         results = []
         part = Part(rank)

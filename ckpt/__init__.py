@@ -29,6 +29,7 @@ from ckpt.cadence import parse_interval
 from ckpt.dcp import (
     ModelState,
     PerRankState,
+    PlanCache,
     RNGState,
     list_attachments,
     load,
@@ -72,6 +73,7 @@ __all__ = [
     "load_latest",
     "read_attachment",
     "list_attachments",
+    "PlanCache",
     "init_distributed",
     # a job's checkpoints
     "CheckpointManager",

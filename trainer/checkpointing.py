@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ckpt.cadence import parse_interval
+from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.events import EventBus
 from ckpt.format import step_dirname
@@ -73,18 +74,19 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, 
 
 
 class ModelOptimState:
-    """Model and optimizer state under the full model's parameter names (any layout)."""
+    """Model and optimizer state under the full model's parameter names (any layout); the
+    optimizer's param groups and step counters once per group (``ckpt.dcp.optim_state``)."""
 
     def __init__(self, model, optimizers):
         self.model, self.optimizers = model, optimizers
 
     def state_dict(self) -> dict:
         return {"model": self.model.model_state_dict(),
-                "optim": self.model.optimizer_state_dict(self.optimizers)}
+                "optim": pack_optimizer_state(self.model.optimizer_state_dict(self.optimizers))}
 
     def load_state_dict(self, sd: dict) -> None:
         self.model.load_model_state_dict(sd["model"])
-        self.model.load_optimizer_state_dict(self.optimizers, sd["optim"])
+        self.model.load_optimizer_state_dict(self.optimizers, unpack_optimizer_state(sd["optim"]))
 
 
 class ListState:

@@ -3,12 +3,14 @@
 DCP's planners understand DTensor, FSDP2 and tensor-parallel shards (which is what makes
 resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
 :func:`load_latest`): the collective save and the transactional load. ``planners``: what
-each rank saves and loads, pickle-free. ``writer`` and ``reader``: where the bytes go and
-how they come back verified (``layout``: a data file's bytes; ``_shards``: which chunks go
-in a rank's part, which it refers to, and whether the parts a loading rank read cover it). ``staging``: the host copy
-that is a save's only stall (``_host_arena``: one pinned allocation). ``stateful``: models,
-optimizers, RNG and per-rank state as state dicts. ``attachments``: small files kept with a
-checkpoint. ``savecost``: what one save costs in the background, by phase.
+each rank saves and loads, pickle-free (``plancache``: a save's plan, reused while the
+layout stays). ``writer`` and ``reader``: where the bytes go and how they come back
+verified (``layout``: a data file's bytes; ``_shards``: which chunks go in a rank's part,
+which it refers to, and whether the parts a loading rank read cover it). ``staging``: the
+host copy that is a save's only stall (``_host_arena``: one pinned allocation).
+``stateful``: models, optimizers, RNG and per-rank state as state dicts (``optim_state``:
+an optimizer's replicated values once per param group). ``attachments``: small files kept
+with a checkpoint. ``savecost``: what one save costs in the background, by phase.
 """
 
 from ckpt.dcp.api import (
@@ -26,6 +28,8 @@ from ckpt.dcp.attachments import (
     read_attachment,
     read_from,
 )
+from ckpt.dcp.optim_state import pack_optimizer_state, unpack_optimizer_state
+from ckpt.dcp.plancache import PlanCache
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import VERIFY_MODES, CkptReader
 from ckpt.dcp.savecost import PHASES, SaveCost
@@ -37,9 +41,10 @@ __all__ = [
     "save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state",
     "unwrap_dcp_error",
     "CkptWriter", "CkptReader", "VERIFY_MODES",
-    "SafeSavePlanner", "SafeLoadPlanner",
+    "SafeSavePlanner", "SafeLoadPlanner", "PlanCache",
     "StagingBuffers", "CopyReady",
     "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
+    "pack_optimizer_state", "unpack_optimizer_state",
     "check_attachments", "read_attachment", "list_attachments", "read_from",
     "SaveCost", "PHASES",
 ]

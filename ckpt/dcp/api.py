@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._version import __version__
 from ckpt.dcp.attachments import check_attachments
+from ckpt.dcp.plancache import PlanCache, Replan
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import CkptReader
 from ckpt.dcp.savecost import SaveCost
@@ -130,6 +131,11 @@ def unwrap_dcp_error(exc: BaseException) -> BaseException:
                              failures)
 
 
+def _all_replan(exc: CheckpointException) -> bool:
+    inners = [err[0] if isinstance(err, tuple) else err for err in exc.failures.values()]
+    return bool(inners) and all(isinstance(e, Replan) for e in inners)
+
+
 def _versions() -> dict[str, str]:
     return {"ckpt": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
@@ -143,7 +149,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          before_write: Callable[[], None] | None = None,
          save_id: str | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
-         cost: SaveCost | None = None) -> Manifest | None:
+         cost: SaveCost | None = None, plan_cache: PlanCache | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
     (None: the world; which group its collectives run on: the module docstring).
 
@@ -161,6 +167,9 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.dcp.attachments`);
     the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
     :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created on this thread).
+    ``plan_cache``: a :class:`ckpt.dcp.plancache.PlanCache` kept by the caller across its
+    saves (every rank its own, each save of the group with one): while the state's layout
+    does not change, the save is not planned again (None: every save plans in full).
     """
     group = cpu_group(process_group)  # first: it may make the group, with every rank
     attached = check_attachments(attachments)
@@ -178,11 +187,25 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
                         before_commit=before_commit, before_write=before_write,
                         save_id=save_id, attachments=attached,
                         cost=cost)
+
+    def run(replan: bool) -> None:
+        planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan)
+        dcp.save(sd, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=not distributed)
+
     try:
         with warnings.catch_warnings(), writer.cost.collective_scope():
             warnings.filterwarnings("ignore", message=".*assuming the intent is")
-            dcp.save(sd, storage_writer=writer, planner=SafeSavePlanner(cost=writer.cost),
-                     process_group=group, no_dist=not distributed)
+            try:
+                run(replan=False)
+            except CheckpointException as exc:
+                # The coordinator could not use the cached plan (a rank's layout changed,
+                # replicas differ): every rank got this alike, and every rank plans again.
+                # Nothing was written yet (the attempt begins after the global plan).
+                if plan_cache is None or not _all_replan(exc):
+                    raise
+                plan_cache.num_replans += 1
+                run(replan=True)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc
     finally:

@@ -4,26 +4,47 @@ DCP's planners decide *what* each rank saves and loads; they understand DTensor,
 tensor-parallel shards, which is what makes resharding work. Its default ones store every
 non-tensor value with ``torch.save`` and load it back with an unrestricted ``torch.load``;
 these store JSON (:mod:`ckpt.format.codec`) instead, check that a key shared by several ranks
-holds one value (objects and plain tensors alike), and check the whole state against the checkpoint before reading anything.
+holds one value (objects and plain tensors alike), reuse a save's plan while the layout does
+not change (:mod:`ckpt.dcp.plancache`), and check the whole state against the checkpoint
+before reading anything (bringing packed values to the checkpoint's form first:
+:class:`PackedNode`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import (
+    create_default_global_save_plan,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItemType
 
+from ckpt.dcp._coverage import chunk_problems
+from ckpt.dcp.plancache import (
+    GlobalPlan,
+    PlanCache,
+    RankPlan,
+    Replan,
+    holder_sets,
+    layout_signature,
+    replica_digest,
+)
 from ckpt.dcp.savecost import SaveCost
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.format import crc32c_of, decode_object, dtype_name, encode_object
 
-__all__ = ["SafeSavePlanner", "SafeLoadPlanner"]
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner", "PackedNode", "placeholder"]
 
 _HASH_KEY = "__ckpt_object_crc__:"
+_CACHED_KEY = "__ckpt_cached__"  # an unusable local plan: [cached plan id, {set: digest}]
+_PLAN_KEY = "__ckpt_plan__"  # a full central plan: [plan id, {set: [keys]}]
 _MAX_KEYS_NAMED = 10
 
 
@@ -46,7 +67,8 @@ def _tensor_crc(t: torch.Tensor) -> int:
 
 
 class SafeSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles.
+    """DCP's default save planner, with non-tensor values encoded as JSON instead of pickles,
+    a replica check, a linear check of the global plan, and plan caching.
 
     DCP saves a key that several ranks have from one rank only: it assumes replicas. When the
     ranks' values differ, the others' are silently lost (a per-rank counter or generator
@@ -56,19 +78,32 @@ class SafeSavePlanner(DefaultSavePlanner):
     key's checksums differ between ranks. Checksums travel in the plans DCP already gathers
     on the save's process group: no collective of its own.
 
-    Cost: one CRC32C pass over this rank's plain tensors (a rank cannot tell which of them
-    other ranks share before the plans meet), on the thread that saves; DTensor and
-    ShardedTensor shards are never read here. ``known_crcs`` keeps the results by key (plain
-    tensors, and objects' encodings): they are the CRCs of the very bytes the writer writes,
-    which it reuses instead of checksumming them again. ``cost``: a
-    :class:`ckpt.dcp.savecost.SaveCost` that the planning and checksum time is added to.
+    ``cache``: a :class:`ckpt.dcp.plancache.PlanCache` (its module docstring has the
+    protocol): a rank whose layout did not change since the cached plan sends an empty plan
+    with one digest per holder set instead, and the coordinator compares those (a mismatch
+    makes the save plan again in full, which names the key). ``replan``: plan in full
+    whatever the cache holds (the second try of a save the cache could not serve).
+
+    Cost: one CRC32C pass over this rank's plain tensors (in a full plan a rank cannot tell
+    which of them other ranks share before the plans meet; with a cached plan, over its
+    replicated ones only), on the thread that saves; DTensor and ShardedTensor shards are
+    never read here. ``known_crcs`` keeps the results by key (plain tensors, and objects'
+    encodings): they are the CRCs of the very bytes the writer writes, which it reuses
+    instead of checksumming them again. ``cost``: a :class:`ckpt.dcp.savecost.SaveCost`
+    that the planning and checksum time is added to.
     """
 
     known_crcs: dict[str, int]
 
-    def __init__(self, *args, cost=None, **kwargs):
+    def __init__(self, *args, cost=None, cache: PlanCache | None = None, replan: bool = False,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
+        self.cache = cache
+        self.replan = replan
+        self.known_crcs = {}
+        self._encoded: dict[str, bytes] = {}
+        self._signature: tuple | None = None
 
     @staticmethod
     def digest_key(fqn: str) -> str:
@@ -77,41 +112,122 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         with self.cost.phase("plan"):
-            plan = super().create_local_plan()
+            cached = self._cached_rank_plan()
+            plan = self._full_local_plan() if cached is None else None
+        if cached is not None:  # the layout is the cached plan's: only its replica digests
+            with self.cost.phase("crc"):
+                digests = {sid: replica_digest([self._value_crc(k) for k in keys])
+                           for sid, keys in cached.sets.items()}
+            self.plan = SavePlan([], usable=False,
+                                 planner_data={_CACHED_KEY: [cached.plan_id, digests]})
+            return self.plan
         with self.cost.phase("crc"):
             hashes = self._replica_checksums(plan)
         if hashes:
             plan = dataclasses.replace(plan, planner_data={**(plan.planner_data or {}),
                                                            **hashes})
-            self.plan = plan
+        self.plan = plan
         return plan
 
+    def _cached_rank_plan(self) -> RankPlan | None:
+        """This rank's cached plan when the state's layout is the one it was made for."""
+        cache = self.cache
+        if cache is None:
+            return None
+        self._signature = layout_signature(self.state_dict)
+        cached = cache.rank_plan
+        if cached is not None and not self.replan and cached.signature == self._signature:
+            cache.num_cached_plans += 1
+            return cached
+        cache.num_full_plans += 1
+        return None
+
+    def _full_local_plan(self) -> SavePlan:
+        plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        return plan
+
+    def _value_crc(self, fqn: str) -> int:
+        """CRC32C of a replicated value: an object's encoding or a plain tensor's bytes."""
+        obj = self.state_dict[fqn]
+        if isinstance(obj, torch.Tensor):
+            crc = _tensor_crc(obj)
+        else:
+            data = encode_object(obj, fqn)
+            self._encoded[fqn] = data  # written as is: encoded once per save
+            crc = crc32c_of([data])
+        self.known_crcs[fqn] = crc
+        return crc
+
     def _replica_checksums(self, plan: SavePlan) -> dict[str, list]:
-        self.known_crcs = {}
-        self._encoded = {}
         hashes = {}
         for item in plan.items:
             fqn = item.index.fqn
             if item.type == WriteItemType.BYTE_IO:
-                data = encode_object(self.lookup_object(item.index), fqn)
-                self._encoded[fqn] = data  # written as is: encoded once per save
-                self.known_crcs[fqn] = crc32c_of([data])
-                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn]]
+                hashes[self.digest_key(fqn)] = [self._value_crc(fqn)]
             elif _is_plain_tensor(self.state_dict.get(fqn)):
                 t = self.state_dict[fqn]
-                self.known_crcs[fqn] = _tensor_crc(t)
-                hashes[self.digest_key(fqn)] = [self.known_crcs[fqn], str(t.dtype),
+                hashes[self.digest_key(fqn)] = [self._value_crc(fqn), str(t.dtype),
                                                 str(list(t.shape))]
         return hashes
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Every rank: the central plan, or (unusable) this rank's cached final plan."""
         with self.cost.phase("plan"):
-            return super().finish_plan(new_plan)
+            cache = self.cache
+            if not new_plan.usable:
+                if cache is None or cache.rank_plan is None:
+                    raise AssertionError("a cached central plan reached a rank without one")
+                # This save's storage_data (the writer's: its save id), never a cached one;
+                # a writer's storage_data with a ``reuse`` method takes what depends on the
+                # layout only from the cached plan's (ckpt.dcp.writer: a part's refs).
+                data, cached_data = new_plan.storage_data, cache.rank_plan.final_plan.storage_data
+                reuse = getattr(data, "reuse", None)
+                self.plan = dataclasses.replace(
+                    cache.rank_plan.final_plan,
+                    storage_data=reuse(cached_data) if reuse is not None else data)
+                return self.plan
+            info = (new_plan.planner_data or {}).get(_PLAN_KEY)
+            final = dataclasses.replace(new_plan, planner_data=None)
+            if cache is not None:
+                cache.rank_plan = None if info is None or self._signature is None else \
+                    RankPlan(self._signature, final,
+                             info[0], {int(sid): tuple(keys) for sid, keys in info[1].items()})
+            self.plan = final
+            return final
 
     def create_global_plan(self, all_plans: list[SavePlan]):
-        """On the coordinator: refuse keys whose replicas differ, then DCP's global plan."""
+        """On the coordinator: the cached plan when every rank may use it, else refuse keys
+        whose replicas differ, then the global plan (cached when there is a cache)."""
         with self.cost.phase("plan"):
-            return self._checked_global_plan(all_plans)
+            usable = sum(1 for p in all_plans if p.usable)
+            if usable == len(all_plans):
+                return self._checked_global_plan(all_plans)
+            if usable == 0:
+                return self._cached_global_plan(all_plans)
+            raise Replan(f"{len(all_plans) - usable} of {len(all_plans)} ranks reused a cached "
+                         f"plan that the others could not")
+
+    def _cached_global_plan(self, all_plans: list[SavePlan]):
+        cached = self.cache.global_plan if self.cache is not None else None
+        if cached is None or len(cached.sets_of_rank) != len(all_plans):
+            raise Replan("the coordinator holds no cached plan for these ranks")
+        digests: dict[int, dict[str, list[int]]] = {}
+        for rank, plan in enumerate(all_plans):
+            plan_id, by_set = (plan.planner_data or {}).get(_CACHED_KEY, (None, {}))
+            if plan_id != cached.plan_id or tuple(sorted(int(s) for s in by_set)) != \
+                    cached.sets_of_rank[rank]:
+                raise Replan(f"rank {rank} holds another cached plan")
+            for sid, digest in by_set.items():
+                digests.setdefault(int(sid), {}).setdefault(digest, []).append(rank)
+        differ = sorted(sid for sid, values in digests.items() if len(values) > 1)
+        if differ:
+            raise Replan("replicated values differ within the holder sets of ranks "
+                         + "; ".join(_ranks(list(cached.set_ranks[s])) for s in differ))
+        self.metadata = cached.metadata
+        self.global_plan = [SavePlan([], usable=False) for _ in all_plans]
+        return self.global_plan, cached.metadata
 
     def _checked_global_plan(self, all_plans: list[SavePlan]):
         ranks_by_value: dict[str, dict[tuple, list[int]]] = {}
@@ -139,17 +255,34 @@ class SafeSavePlanner(DefaultSavePlanner):
         for p in reversed(all_plans):
             merged.update((k, v) for k, v in (p.planner_data or {}).items()
                           if not k.startswith(_HASH_KEY))
-        cleaned = [dataclasses.replace(p, planner_data={}) for p in all_plans]
-        global_plan, metadata = super().create_global_plan(cleaned)
+        cleaned = [dataclasses.replace(p, planner_data=None) for p in all_plans]
+        global_plan, metadata = create_default_global_save_plan(
+            self._dedup_save_plans(cleaned))
         if self.flatten_state_dict:
             metadata = dataclasses.replace(metadata, planner_data=merged)
-            self.metadata = metadata
+        # Not DCP's _validate_global_plan: it compares chunks pairwise (ckpt.dcp._coverage).
+        problems = [p for fqn, md in metadata.state_dict_metadata.items()
+                    if isinstance(md, TensorStorageMetadata)
+                    for p in chunk_problems(fqn, md.size, md.chunks,
+                                            need_cover=len(all_plans) > 1)]
+        if problems:
+            raise ValueError(f"Failed to validate global plan: {'; '.join(problems[:10])}"
+                             + (f" and {len(problems) - 10} more" if len(problems) > 10
+                                else ""))
+        if self.cache is not None:
+            plan_id = PlanCache.new_id()
+            set_ranks, sets = holder_sets(all_plans)
+            self.cache.global_plan = GlobalPlan(plan_id, metadata, set_ranks,
+                                                [tuple(sorted(s)) for s in sets])
+            global_plan = [dataclasses.replace(p, planner_data={_PLAN_KEY: [plan_id, s]})
+                           for p, s in zip(global_plan, sets)]
+        self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
 
     def transform_object(self, write_item, object):  # noqa: A002 - DCP's signature
         if write_item.type == WriteItemType.BYTE_IO:
             fqn = write_item.index.fqn
-            data = getattr(self, "_encoded", {}).get(fqn)
+            data = self._encoded.get(fqn)
             return io.BytesIO(data if data is not None else encode_object(object, fqn))
         return object
 
@@ -185,6 +318,39 @@ def _fixes(missing: list[str], unexpected: list[str], mismatched: list[str]) -> 
     return out
 
 
+class PackedNode(dict):
+    """A node of a state dict whose values are saved packed: one value where an earlier or
+    another form has many (e.g. an optimizer's param groups: :mod:`ckpt.dcp.optim_state`).
+
+    Saving sees a dict like any other. Before a load is planned, :class:`SafeLoadPlanner`
+    calls ``match_checkpoint(path, state_dict, metadata)`` on every such node of the state
+    (``path``: where it is in ``state_dict``): when the checkpoint holds these values in
+    another form, the node puts placeholders (:func:`placeholder`) at the checkpoint's
+    paths (in itself or around it in ``state_dict``), so the load asks for the checkpoint's
+    keys; its owner's ``load_state_dict`` then unpacks whichever form came back. A node
+    that leaves the state alone loads as any dict does (missing keys are reported).
+    """
+
+    def match_checkpoint(self, path: tuple, state_dict: dict, metadata: Metadata) -> None:
+        raise NotImplementedError
+
+
+def placeholder(md) -> Any:
+    """What a state holds to be loaded with a checkpoint value of storage metadata ``md``:
+    an empty CPU tensor of its shape and dtype, or None for an object."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None
+
+
+def _packed_nodes(value: Any, path: tuple = ()) -> list[tuple[tuple, PackedNode]]:
+    if isinstance(value, PackedNode):
+        return [(path, value)]
+    if not isinstance(value, dict):
+        return []
+    return [found for k, v in value.items() for found in _packed_nodes(v, path + (k,))]
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that decodes JSON objects and checks the whole state first.
 
@@ -199,11 +365,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.source = source
         self.ignore_prefixes = tuple(ignore_prefixes)
 
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, after every :class:`PackedNode` of the state took the checkpoint's form."""
+        if metadata is not None:
+            for path, node in _packed_nodes(state_dict):
+                node.match_checkpoint(path, state_dict, metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
     def create_local_plan(self) -> LoadPlan:
         """Plan this rank's reads; record (not raise) its problems for the global check."""
         md = self.metadata.state_dict_metadata
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         missing, mismatched = [], []
         for fqn, obj in self.state_dict.items():
             if fqn not in md:

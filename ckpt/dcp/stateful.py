@@ -3,7 +3,9 @@
 ``ModelState(model, optimizer)`` wraps ``torch.distributed.checkpoint.state_dict``'s
 ``get_state_dict``/``set_state_dict``: keys are parameter names (FQNs), not optimizer
 integer ids, and DDP/FSDP2/tensor-parallel wrappers are seen through, so a checkpoint saved
-under one layout loads under another.
+under one layout loads under another. The optimizer's param groups and step counters are
+saved once per group (:mod:`ckpt.dcp.optim_state`), and checkpoints written with them once
+per parameter still load.
 
 Per-rank state (RNG streams, a rank's own counters) goes under a per-rank key,
 :func:`rank_key`: a key several ranks share is saved once, as a replica (see
@@ -21,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+from ckpt.dcp.optim_state import pack_optimizer_state, unpack_optimizer_state
 
 __all__ = ["ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state"]
 
@@ -59,12 +63,13 @@ class ModelState:
         model_sd, optim_sd = get_state_dict(self.model, optims, options=self.options)
         out = {"model": model_sd}
         if self.optimizer is not None:
-            out["optim"] = optim_sd
+            out["optim"] = pack_optimizer_state(optim_sd)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optim_sd = unpack_optimizer_state(state_dict.get("optim", {}))
         set_state_dict(self.model, self._optims(), model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict.get("optim", {}), options=self.options)
+                       optim_state_dict=optim_sd, options=self.options)
 
 
 class RNGState:

@@ -71,12 +71,19 @@ _FORMAT_DTYPES = frozenset(dtype_from_name(name, "ckpt") for name in DTYPE_NAMES
 
 
 @dataclasses.dataclass
-class _RankPrefix:
-    """A rank's final plan's ``storage_data``: its data files' prefix, and ``refs``: the
-    chunks it holds that another rank writes, ``(key, offsets) -> writer rank``."""
+class _RankData:
+    """A rank's final plan's ``storage_data``: this save's id (the coordinator's, from which
+    and its rank each writer names its files) and ``refs``: the chunks the rank holds that
+    another rank writes, ``(key, offsets) -> writer rank``. ``refs`` depends on the layout
+    only: a save that reuses a cached plan (:mod:`ckpt.dcp.plancache`) sends ``None`` and
+    the planner fills in the cached plan's (:meth:`reuse`)."""
 
-    prefix: str
-    refs: dict[tuple[str, tuple[int, ...]], int] = dataclasses.field(default_factory=dict)
+    save_id: str
+    refs: dict[tuple[str, tuple[int, ...]], int] | None = None
+
+    def reuse(self, cached: Any) -> _RankData:
+        """This save's id with the refs of the cached final plan's ``storage_data``."""
+        return _RankData(self.save_id, cached.refs if isinstance(cached, _RankData) else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,7 @@ class CkptWriter(StorageWriter):
         self.extra = dict(manifest_extra or {})
         self.durable = durable
         self.is_coordinator = True
+        self.rank = 0  # in the save's group (set_up_storage_writer)
         self.manifest: Manifest | None = None
 
     # -- StorageWriter interface -----------------------------------------------------------
@@ -127,6 +135,7 @@ class CkptWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Every rank, before any byte of the save is written (the attempt's marker
@@ -164,12 +173,18 @@ class CkptWriter(StorageWriter):
                 self.storage.write_bytes(f"{self.step_dir}/{file}", data,
                                          durable=self.durable)
                 self._attached[name] = Attachment(file, len(data), crc32c_of([data]))
+        # The coordinator's save id, this save's, for every rank's file names (write_data).
+        # All plans unusable: every rank reuses its cached plan, refs included (_RankData).
+        if not any(p.usable for p in plans):
+            return [dataclasses.replace(p, storage_data=_RankData(self.save_id))
+                    for p in plans]
         refs = refs_by_rank(plans)
-        return [dataclasses.replace(p, storage_data=_RankPrefix(f"r{i:05d}_{self.save_id}",
-                                                                refs[i]))
+        return [dataclasses.replace(p, storage_data=_RankData(self.save_id, refs[i]))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if isinstance(plan.storage_data, _RankData):
+            self.save_id = plan.storage_data.save_id  # the coordinator's
         with self.cost.span():  # its time is in the write/fsync/crc phases
             results = self._write_data(plan, planner)
         fut: Future[list[WriteResult]] = Future()
@@ -177,8 +192,8 @@ class CkptWriter(StorageWriter):
         return fut
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        prefix = plan.storage_data.prefix
-        rank, save_id = int(prefix[1:6]), prefix[7:]
+        rank, save_id = self.rank, self.save_id
+        prefix = f"r{rank:05d}_{save_id}"
         items = list(plan.items)
         # The planner already checksummed this rank's plain tensors (the replica check), over
         # the very bytes written here: those checksums are reused, not computed again.
@@ -289,7 +304,7 @@ class CkptWriter(StorageWriter):
                 part.chunks.setdefault(wr.index.fqn, []).append(
                     {"offsets": list(wr.index.offset), "sizes": list(chunk_sizes),
                      "location": wr.storage_data})
-        for (fqn, offsets), writer in sorted(getattr(plan.storage_data, "refs", {}).items()):
+        for (fqn, offsets), writer in sorted((getattr(plan.storage_data, "refs", None) or {}).items()):
             part.refs.setdefault(fqn, []).append((list(offsets), writer))
         if not part:
             return back, False

@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interval
-from ckpt.dcp import StagingBuffers, api, check_attachments
+from ckpt.dcp import PlanCache, StagingBuffers, api, check_attachments
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
 from ckpt.format import Manifest, step_dirname
@@ -143,10 +143,14 @@ class CheckpointManager:
         # persist (DCP's collectives). Never the training group from a background thread.
         self._ctl_group, self._bg_group = private_groups(process_group, self.distributed)
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
+        # This manager's own save plans, reused while the state's layout does not change
+        # (ckpt.dcp.plancache); another manager in the process (the other tier) has its own.
+        self.plan_cache = PlanCache()
         self._persister = Persister(
             self.life, self.events, self._bg_group, rank=self.rank,
             max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
-            num_threads=num_threads, layout=self.layout, abandon=self._abandon)
+            num_threads=num_threads, layout=self.layout, abandon=self._abandon,
+            plan_cache=self.plan_cache)
         if self.distributed:
             free_at_exit(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.dcp import SaveCost, api
+from ckpt.dcp import PlanCache, SaveCost, api
 from ckpt.errors import LeaseLostError, SaveAbandoned
 from ckpt.events import EventBus
 from ckpt.format import Manifest
@@ -55,7 +55,7 @@ class Persister:
     def __init__(self, life: Lifecycle, events: EventBus, group, *,
                  rank: int, max_attempts: int, retry_backoff_seconds: float,
                  num_threads: int | None, layout: dict[str, Any],
-                 abandon: threading.Event):
+                 abandon: threading.Event, plan_cache: PlanCache | None = None):
         self.life, self.storage = life, life.storage
         self.events, self.group = events, group
         self.rank = rank
@@ -64,6 +64,7 @@ class Persister:
         self.num_threads = num_threads
         self.layout = layout
         self.abandon = abandon
+        self.plan_cache = plan_cache  # the manager's: its saves' plans (ckpt.dcp.plancache)
 
     def _before_write(self) -> None:
         """Every rank, before it writes anything of an attempt: refuse when abandoned. DCP
@@ -102,8 +103,8 @@ class Persister:
                     layout=self.layout, process_group=self.group,
                     num_threads=self.num_threads, resolved=True, lifecycle=self.life,
                     before_commit=self._before_commit, before_write=self._before_write,
-                    save_id=attempt_ids[-1],
-                    cost=cost, **save_options)
+                    save_id=attempt_ids[-1], cost=cost, plan_cache=self.plan_cache,
+                    **save_options)
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
                                       persist_seconds=time.monotonic() - t0, cost=cost)
             except FileExistsError:

@@ -64,8 +64,9 @@ def test_consolidate_fsdp2_sharded_to_full(fsdp_checkpoint):
     assert_same(snapshot(full["app"]["optim"]["state"]), state["app"]["optim"]["state"],
                 "optim")
     assert state["step"] == 11
-    groups = state["app"]["optim"]["param_groups"]
-    assert groups[0]["lr"] == 1e-2 and groups[0]["betas"] == (0.9, 0.999)
+    # ModelState saves the param groups once each, keyed by their first parameter.
+    (group,) = state["app"]["optim"]["groups"]["0.weight"]["hyper"]
+    assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999)
     # The newest step by default.
     assert consolidate(root)[1].step == 11
 

@@ -4,7 +4,9 @@ name: nothing else of the checkpoint's metadata (four real gloo ranks).
 The state mixes an HSDP-like tensor (replicated over one mesh axis, sharded over the other:
 DCP writes each shard once, from one of the ranks that hold it, so the others' parts refer
 to the writer's), a tensor sharded over both axes, a replicated plain tensor, per-rank
-tensors and an object. Each rank saves, then loads into a zeroed state of the same layout
+tensors and an object. Each rank saves (in the cached case after a first save of other
+values with the same plan cache, so the second save reuses the cached plan and its refs),
+then loads into a zeroed state of the same layout
 through a storage that records every file it reads. Afterwards one process with no group
 (another layout: resharding) consolidates the checkpoint from every part.
 """
@@ -53,7 +55,7 @@ def _zeroed(state: dict) -> dict:
     return zero(state)
 
 
-def _body(rank: int, world: int, root: str) -> dict:
+def _body(rank: int, world: int, root: str, cached: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -63,7 +65,13 @@ def _body(rank: int, world: int, root: str) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     saved = _state(rank, mesh, seed=7)
-    ckpt.save(saved, RecordingStorage(root), STEP)
+    cache = ckpt.PlanCache() if cached else None
+    if cached:
+        ckpt.save(_state(rank, mesh, seed=5), RecordingStorage(root), STEP - 1,
+                  plan_cache=cache)
+    ckpt.save(saved, RecordingStorage(root), STEP, plan_cache=cache)
+    if cached:
+        assert (cache.num_full_plans, cache.num_cached_plans, cache.num_replans) == (1, 1, 0)
     dist.barrier()
     storage = RecordingStorage(root)
     state = _zeroed(saved)
@@ -81,12 +89,13 @@ def _body(rank: int, world: int, root: str) -> dict:
             "full": blob}
 
 
-def test_a_loading_rank_reads_only_its_part_and_the_parts_its_refs_name(tmp_path):
+@pytest.mark.parametrize("cached", [False, True], ids=["planned", "cached-plan"])
+def test_a_loading_rank_reads_only_its_part_and_the_parts_its_refs_name(tmp_path, cached):
     import ckpt
     from ckpt.export import consolidate
 
     root = str(tmp_path / "root")
-    results = run_ranks(_body, 4, root, timeout=240)
+    results = run_ranks(_body, 4, root, cached, timeout=240)
     folder = tmp_path / "root" / step_dirname(STEP)
     parts = {}
     for path in folder.glob("part-*.json"):

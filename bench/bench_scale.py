@@ -18,7 +18,16 @@ then runs what the coordinator runs at a save, timed:
 * ``read``: ``Manifest.from_json_bytes`` of the root (digest, parse, validation), and
   ``Part.from_json_bytes`` of rank 0's part (what ``write_data`` writes), which a loading
   rank of an unchanged layout pays: ``load bytes`` is what it reads and parses (the root and
-  its own part).
+  its own part);
+* ``steady``: a save after the first, as a ``CheckpointManager`` makes it (its
+  ``PlanCache``): every rank sends an empty plan with the cached plan's id and one digest
+  per holder set, the coordinator checks them (``create_global_plan`` on the cached path)
+  and ``prepare_global_plan``; the manifest build and commit are the first save's (each
+  save's offsets and checksums are new). ``coordinator_s_per_save`` is that sum.
+
+The optimizer state is the trainer's: param groups and step counters packed once per group
+(``ckpt.dcp.optim_state``); ``--per-parameter-optim`` simulates the form before (every
+hyperparameter and ``step`` once per parameter, on every rank).
 
 It fits the log-log slope of each against the number of ranks (1 = linear). Layers are
 identical, so both grow linearly in the layer count: ``--layers`` (default 1) keeps the sweep
@@ -32,12 +41,14 @@ the stall at a host-copy bandwidth, persist time at 1/5/20 GB/s per node and the
     python3 bench/bench_scale.py                         # 7B and 70B, 8..4096 ranks
     python3 bench/bench_scale.py --models 7b --ranks 8,64,512
     python3 bench/bench_scale.py --sizing --node-mtbf-hours 6000 --copy-gbps 10
+    python3 bench/bench_scale.py --models 70b --ranks 1024,4096 --fit-layers --json rows.json
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import sys
@@ -73,8 +84,10 @@ from ckpt.cadence import (
 )
 from ckpt.dcp import (
     CkptWriter,  # noqa: E402
+    PlanCache,  # noqa: E402
     SafeSavePlanner,  # noqa: E402
 )
+from ckpt.dcp.planners import _CACHED_KEY  # noqa: E402  (a cached plan's planner_data)
 from ckpt.format import (  # noqa: E402
     FileRecord,
     ItemLocation,
@@ -167,8 +180,11 @@ def _crc(*parts) -> int:
     return hash(parts) & 0xFFFFFFFF
 
 
-def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]:
-    """Every rank's local plan as ``SafeSavePlanner.create_local_plan`` returns it."""
+def local_plans(model: Model, n_layers: int, dp: int, tp: int,
+                per_parameter_optim: bool = False) -> list[SavePlan]:
+    """Every rank's local plan as ``SafeSavePlanner.create_local_plan`` returns it (the
+    optimizer's param groups packed, ``ckpt.dcp.optim_state``, unless
+    ``per_parameter_optim``)."""
     params = model.params(n_layers)
     plans = []
     scalar = torch.Size([])
@@ -184,6 +200,8 @@ def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]
                                        tensor_data=TensorWriteData(
                                            ChunkStorageMetadata(offs, sizes), _F32, size)))
                 mappings[fqn] = tuple(fqn.split(".", 2))
+            if not per_parameter_optim:
+                continue
             fqn = f"app.optim.state.{name}.step"
             items.append(WriteItem(MetadataIndex(fqn, scalar), WriteItemType.TENSOR,
                                    tensor_data=TensorWriteData(
@@ -195,6 +213,20 @@ def local_plans(model: Model, n_layers: int, dp: int, tp: int) -> list[SavePlan]
                 items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
                 mappings[fqn] = tuple(fqn.split(".", 2))
                 digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn)]
+        if not per_parameter_optim:  # one param group: its hyperparameters, its counters
+            group = f"app.optim.groups.app.model.{params[0][0]}"
+            fqn = f"{group}.hyper"
+            items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
+            mappings[fqn] = tuple(fqn.split(".", 2))
+            digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn)]
+            fqn = f"{group}.steps"
+            n = torch.Size([len(params)])
+            items.append(WriteItem(MetadataIndex(fqn, torch.Size([0])), WriteItemType.TENSOR,
+                                   tensor_data=TensorWriteData(
+                                       ChunkStorageMetadata(torch.Size([0]), n), _F32, n)))
+            mappings[fqn] = tuple(fqn.split(".", 2))
+            digests[SafeSavePlanner.digest_key(fqn)] = [_crc(fqn), "torch.float32",
+                                                         f"[{len(params)}]"]
         for fqn in _MISC_KEYS:
             items.append(WriteItem(MetadataIndex(fqn), WriteItemType.BYTE_IO))
             mappings[fqn] = tuple(fqn.split(".", 1))
@@ -284,9 +316,10 @@ def _chain_merge(plans: list[SavePlan]) -> dict:
     return dict(ChainMap(*[p.planner_data for p in plans]))
 
 
-def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict:
+def measure(model: Model, n_layers: int, world: int, tp: int, root: str,
+            per_parameter_optim: bool = False) -> dict:
     dp = world // tp
-    plans = local_plans(model, n_layers, dp, tp)
+    plans = local_plans(model, n_layers, dp, tp, per_parameter_optim)
     num_items = sum(len(p.items) for p in plans)
     row: dict = {"model": model.name, "ranks": world, "dp": dp, "tp": tp, "layers": n_layers,
                  "items": num_items}
@@ -300,7 +333,8 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         row["t_merge"], merged = _timed(_chain_merge, gp)
         row["t_validate"], _ = _timed(_validate_global_plan, gp, md)
         del deduped, gp, md, merged, cleaned
-        planner = SafeSavePlanner()
+        cache = PlanCache()
+        planner = SafeSavePlanner(cache=cache)
         row["t_plan"], (global_plans, metadata) = _timed(planner.create_global_plan, plans)
         storage = Storage(root)
         step = int(time.time() * 1e6) % 10**9  # a new step folder every time
@@ -324,12 +358,26 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str) -> dict
         row["manifest_bytes_per_loading_rank"] = len(data) + len(part0)
         save_id = writer.save_id
         del results, final, global_plans, metadata, plans, writer
+        # The steady state: a save after the first, every rank on its cached plan.
+        cached = cache.global_plan
+        digest = "0" * 32  # equal within each holder set: the replicas agree
+        cached_plans = [SavePlan([], usable=False, planner_data={
+            _CACHED_KEY: [cached.plan_id, {sid: digest for sid in cached.sets_of_rank[r]}]})
+            for r in range(world)]
+        row["t_plan_cached"], (cached_global, _) = _timed(
+            SafeSavePlanner(cache=cache).create_global_plan, cached_plans)
+        writer = CkptWriter(storage, step + 1, f"step_{step + 1:09d}",
+                            lifecycle=Lifecycle(storage), manifest_extra={"world_size": world})
+        row["t_prepare_cached"], _ = _timed(writer.prepare_global_plan, cached_global)
+        del cached_plans, cached_global, writer
         row["t_read"], root = _timed(Manifest.from_json_bytes, data, "bench")
         row["t_read_part"], _ = _timed(Part.from_json_bytes, part0, "bench", root,
                                        part_name(0, save_id))
     finally:
         gc.enable()
     row["t_coord"] = row["t_plan"] + row["t_prepare"] + row["t_build"] + row["t_commit"]
+    row["t_steady"] = (row["t_plan_cached"] + row["t_prepare_cached"] + row["t_build"]
+                       + row["t_commit"])
     return row
 
 
@@ -355,76 +403,98 @@ def _fmt_b(b: float) -> str:
     return f"{b:.0f} B"
 
 
+def _whole_model(r: dict, r2: dict | None, key: str, model: Model, layers: int) -> float:
+    """``r[key]`` for the whole model: fitted on ``layers`` and ``2 * layers`` (``r2``; what
+    grows with the ranks alone is not multiplied by the layers), else scaled by the layer
+    count (an upper estimate)."""
+    if r2 is None:
+        return r[key] * model.n_layers / layers
+    per_layer = max(0.0, (r2[key] - r[key]) / layers)
+    return r[key] + per_layer * (model.n_layers - layers)
+
+
 def run_scale(args) -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
+    est = (f"fitted on {args.layers} and {2 * args.layers} layers" if args.fit_layers else
+           f"x n_layers/{args.layers}, an upper estimate")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
           f"CPU seconds; {args.layers} layer(s) simulated (plus embeddings, output and every "
-          f"rank's own state); the last column scales to the whole model (x n_layers/"
-          f"{args.layers}, an upper estimate; load bytes "
-          f"{'fitted on 2 layer counts' if args.fit_layers else 'likewise'}); tp={args.tp} "
-          f"where ranks >= tp\n")
+          f"rank's own state); whole model: {est}; tp={args.tp} where ranks >= tp; optimizer "
+          f"state {'per parameter' if args.per_parameter_optim else 'packed per group'}\n")
     fits = []
+    out_rows = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as root:
         for name in args.models.split(","):
             model = MODELS[name]
-            scale = model.n_layers / args.layers
             rows = []
             print(f"### {name}: {model.num_params() / 1e9:.1f}B parameters, {model.n_layers} "
                   f"layers\n")
-            print("| ranks | layout | write items | chunks | plan | of it, DCP alone: dedup / "
-                  "global / ChainMap merge / validate | manifest build | serialize + commit | "
-                  "coordinator | root manifest | read + validate | rank 0's part | read + "
-                  "validate | whole model (est.): coordinator, load bytes |")
-            print("|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("| ranks | layout | write items | chunks | first save: plan | manifest build "
+                  "| serialize + commit | coordinator | steady: plan (cached) | coordinator "
+                  "| root manifest | read + validate | rank 0's part | read + validate | "
+                  "whole model (est.): coordinator first / steady, load bytes |")
+            print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
             for world in ranks:
                 tp = args.tp if world >= args.tp else 1
-                r = measure(model, args.layers, world, tp, root)
-                # The bytes a loading rank reads grow with the layers (keys) and, apart, with
-                # the ranks (files, per-rank state): fitted on a second run with twice the
-                # layers, not scaled whole.
-                load_bytes = r["manifest_bytes_per_loading_rank"] * scale
-                if args.fit_layers:
-                    r2 = measure(model, 2 * args.layers, world, tp, root)
-                    per_layer = (r2["manifest_bytes_per_loading_rank"]
-                                 - r["manifest_bytes_per_loading_rank"]) / args.layers
-                    load_bytes = r["manifest_bytes_per_loading_rank"] + per_layer * (
-                        model.n_layers - args.layers)
-                r["load_bytes_whole_model"] = load_bytes
+                r = measure(model, args.layers, world, tp, root, args.per_parameter_optim)
+                r2 = (measure(model, 2 * args.layers, world, tp, root,
+                              args.per_parameter_optim) if args.fit_layers else None)
+                whole = {k: _whole_model(r, r2, k, model, args.layers)
+                         for k in ("t_coord", "t_steady", "manifest_bytes_per_loading_rank")}
+                r["whole"] = whole
                 rows.append(r)
+                out_rows.append({
+                    "model": name, "ranks": world, "dp": r["dp"], "tp": tp,
+                    "coordinator_s_per_save": whole["t_steady"],
+                    "coordinator_s_first_save": whole["t_coord"],
+                    "manifest_bytes_per_loading_rank": whole["manifest_bytes_per_loading_rank"],
+                    "estimate": est, "optimizer_state": "per parameter" if
+                    args.per_parameter_optim else "packed",
+                    "simulated": {k: v for k, v in r.items() if k != "whole"}})
                 print(f"| {world} | dp{r['dp']}xtp{tp} | {r['items']:,} | {r['num_chunks']:,} | "
-                      f"{_fmt_s(r['t_plan'])} | {_fmt_s(r['t_dedup'])} / "
-                      f"{_fmt_s(r['t_global'])} / {_fmt_s(r['t_merge'])} / "
-                      f"{_fmt_s(r['t_validate'])} | {_fmt_s(r['t_build'])} | "
+                      f"{_fmt_s(r['t_plan'])} | {_fmt_s(r['t_build'])} | "
                       f"{_fmt_s(r['t_commit'])} | {_fmt_s(r['t_coord'])} | "
+                      f"{_fmt_s(r['t_plan_cached'])} | {_fmt_s(r['t_steady'])} | "
                       f"{_fmt_b(r['manifest_bytes'])} | {_fmt_s(r['t_read'])} | "
                       f"{_fmt_b(r['part_bytes'])} | {_fmt_s(r['t_read_part'])} | "
-                      f"{_fmt_s(r['t_coord'] * scale)}, "
-                      f"{_fmt_b(load_bytes)} |",
-                      flush=True)
-            xs = [r["ranks"] for r in rows]
-            top = rows[-3:]  # the largest world sizes: where a super-linear term shows
-            fit = {k: (slope(xs, [r[k] for r in rows]),
-                       slope([r["ranks"] for r in top], [r[k] for r in top]))
-                   for k in ("t_plan", "t_validate", "t_merge", "t_build", "t_commit",
-                             "t_coord", "manifest_bytes", "t_read")}
-            fits.append((name, fit))
+                      f"{_fmt_s(whole['t_coord'])} / {_fmt_s(whole['t_steady'])}, "
+                      f"{_fmt_b(whole['manifest_bytes_per_loading_rank'])} |", flush=True)
+            if len(rows) >= 2:
+                xs = [r["ranks"] for r in rows]
+                top = rows[-3:]  # the largest world sizes: where a super-linear term shows
+                keys = ("t_coord", "t_steady", "t_plan", "t_plan_cached", "t_build",
+                        "t_commit", "manifest_bytes", "t_read")
+                fit = {k: (slope(xs, [r[k] for r in rows]),
+                           slope([r["ranks"] for r in top], [r[k] for r in top]))
+                       for k in keys}
+                fit["whole_steady"] = (slope(xs, [r["whole"]["t_steady"] for r in rows]),
+                                       slope([r["ranks"] for r in top],
+                                             [r["whole"]["t_steady"] for r in top]))
+                fits.append((name, fit))
             print()
-    print("### Log-log slopes against the number of ranks (1.0 = linear): over all world "
-          "sizes / over the three largest\n")
-    print("| model | coordinator total | plan | of it: DCP validate | DCP ChainMap merge (not on our path) | "
-          "manifest build | serialize + commit | manifest bytes | read + validate |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, f in fits:
-        cells = " | ".join(f"{f[k][0]:.2f} / {f[k][1]:.2f}" for k in (
-            "t_coord", "t_plan", "t_validate", "t_merge", "t_build", "t_commit",
-            "manifest_bytes", "t_read"))
-        print(f"| {name} | {cells} |")
+    if fits:
+        print("### Log-log slopes against the number of ranks (1.0 = linear): over all world "
+              "sizes / over the three largest\n")
+        print("| model | coordinator, first save | steady save | whole model, steady | plan | "
+              "plan (cached) | manifest build | serialize + commit | manifest bytes | "
+              "read + validate |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name, f in fits:
+            cells = " | ".join(f"{f[k][0]:.2f} / {f[k][1]:.2f}" for k in (
+                "t_coord", "t_steady", "whole_steady", "t_plan", "t_plan_cached", "t_build",
+                "t_commit", "manifest_bytes", "t_read"))
+            print(f"| {name} | {cells} |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(out_rows, f, indent=1)
+        print(f"\n{len(out_rows)} rows written to {args.json}")
     if args.check_layers:
         print("\n### Layer scaling at 64 ranks (dp8xtp8): time and size per simulated layer\n")
         for name in args.models.split(","):
-            a = measure(MODELS[name], 1, 64, 8, root=tempfile.mkdtemp())
-            b = measure(MODELS[name], 4, 64, 8, root=tempfile.mkdtemp())
+            a = measure(MODELS[name], 1, 64, 8, tempfile.mkdtemp(), args.per_parameter_optim)
+            b = measure(MODELS[name], 4, 64, 8, tempfile.mkdtemp(), args.per_parameter_optim)
             print(f"- {name}: 4 layers / 1 layer: coordinator x{b['t_coord'] / a['t_coord']:.2f}, "
+                  f"steady x{b['t_steady'] / a['t_steady']:.2f}, "
                   f"manifest x{b['manifest_bytes'] / a['manifest_bytes']:.2f}")
 
 
@@ -493,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
                          "layers (the root's per-rank entries do not grow with the layers)")
     ap.add_argument("--check-layers", action="store_true",
                     help="also measure how cost grows with the layer count")
+    ap.add_argument("--per-parameter-optim", action="store_true",
+                    help="simulate the optimizer state before packing: every hyperparameter "
+                         "and step counter once per parameter")
+    ap.add_argument("--json", metavar="FILE",
+                    help="also write one row per model and rank count (coordinator_s_per_save, "
+                         "manifest_bytes_per_loading_rank, ...) to FILE")
     ap.add_argument("--sizing", action="store_true", help="print the sizing table instead")
     ap.add_argument("--copy-gbps", type=float, default=10.0,
                     help="host-copy bandwidth per rank for the stall (GB/s)")

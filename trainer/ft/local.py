@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from trainer.ft.lighthouse import probe
 
-__all__ = ["LocalReplicaGroups", "main", "DEFAULT_PORT"]
+__all__ = ["LocalReplicaGroups", "main", "DEFAULT_PORT", "free_port", "worker_pids"]
 
 DEFAULT_PORT = 29510
 
@@ -68,6 +68,16 @@ def _env_of(pid: int) -> dict[str, str]:
         return {}
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the live workers of the torchrun agent ``agent_pid``."""
+    out = {}
+    for pid in _children(agent_pid):
+        rank = _env_of(pid).get("RANK")
+        if rank is not None:
+            out[int(rank)] = pid
+    return out
 
 
 class _Events:
@@ -188,12 +198,7 @@ class LocalReplicaGroups:
         agent = self.agents.get(g)
         if agent is None or agent.poll() is not None:
             return {}
-        out = {}
-        for pid in _children(agent.pid):
-            rank = _env_of(pid).get("RANK")
-            if rank is not None:
-                out[int(rank)] = pid
-        return out
+        return worker_pids(agent.pid)
 
     def kill_worker(self, g: int, rank: int = 0) -> int:
         """SIGKILL rank ``rank`` of group ``g``; returns its pid."""

@@ -38,7 +38,7 @@ if not os.environ.get("CI"):
     pytest.importorskip("torchft")  # the 'ft' extra; CI installs it, so there it must run
 from trainer.ft.local import LocalReplicaGroups  # noqa: E402
 
-STEPS = 400
+STEPS = 300
 INTERVAL = 10
 PHASE_TIMEOUT = 150.0
 

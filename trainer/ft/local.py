@@ -20,7 +20,6 @@ wait, stop. It only ever signals the processes it started (by process group).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ckpt.cli import OneLineArgumentParser
 from trainer.ft.lighthouse import probe
 
 __all__ = ["LocalReplicaGroups", "main", "DEFAULT_PORT", "free_port", "worker_pids"]
@@ -239,13 +239,21 @@ class LocalReplicaGroups:
         return codes
 
     def stop(self) -> None:
-        """SIGTERM every process group started here, then SIGKILL what is left."""
+        """SIGTERM every process group started here (a torchrun agent stops its workers),
+        then SIGKILL what is left, the workers too (they run in sessions of their own)."""
         procs = [p for p in [self.lighthouse, *self.agents.values()] if p is not None]
+        workers = [pid for g in self.agents for pid in self.workers(g).values()]
         for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
             for p in procs:
                 if p.poll() is None:
                     try:
                         os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            if sig == signal.SIGKILL:
+                for pid in workers:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
             deadline = time.monotonic() + grace
@@ -263,8 +271,8 @@ class LocalReplicaGroups:
 
 def main(argv: list[str]) -> int:
     """``python -m trainer ft-local``: see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m trainer ft-local", add_help=False,
-                                     allow_abbrev=False)
+    parser = OneLineArgumentParser(prog="python -m trainer ft-local", add_help=False,
+                                   allow_abbrev=False)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--max-restarts", type=int, default=3)

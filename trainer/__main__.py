@@ -3,8 +3,8 @@ python -m trainer lighthouse [--config FILE] [--fault_tolerance.key=value ...] a
 python -m trainer ft-local --groups N [--nproc R] --out DIR --config FILE [...].
 
 Runs under torchrun (one process per rank) or alone (one process, no torchrun needed).
-``lighthouse`` runs torchft's lighthouse with the timing of a config's ``[fault_tolerance]``
-section (fault-tolerant replica groups, docs/trainer.md); ``ft-local`` runs a lighthouse and
+"lighthouse" runs torchft's lighthouse with the timing of a config's [fault_tolerance]
+section (fault-tolerant replica groups, docs/trainer.md); "ft-local" runs a lighthouse and
 every replica group of a job on this machine.
 Bad input ends in one line on stderr naming the file or key at fault and the fix, with exit
 status 2; --debug adds the traceback to that line and to a training failure's.
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ft_command(name: str, argv: list[str], debug: bool) -> int:
-    """``lighthouse``: serve one until SIGTERM; ``ft-local``: see trainer.ft.local."""
+    """lighthouse: serve one until SIGTERM; ft-local: see trainer.ft.local."""
     prog = f"python -m trainer {name}"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(name)s: %(message)s",
                         datefmt="%H:%M:%S")

@@ -33,6 +33,7 @@ __all__ = [
     "ModelOptimState",
     "ListState",
     "TrainerState",
+    "build_cadence",
     "build_manager",
     "check_startup",
     "config_changes",
@@ -130,6 +131,21 @@ class TrainerState:
         self.t.num_skipped_steps = int(sd.get("num_skipped", 0))
 
 
+def _auto_options(cfg: Config) -> dict[str, Any]:
+    return dict(overhead_budget=cfg.checkpoint.overhead_budget,
+                initial_steps=max(1, min(100, cfg.training.steps // 4)))
+
+
+def build_cadence(cfg: Config):
+    """The durable tier's cadence policy for ``cfg.checkpoint`` (what the manager uses; a
+    replica group that does not write describes it to its metrics all the same)."""
+    c = cfg.checkpoint
+    # With a local tier, root's checkpoints are lost only with a node: its 'auto' uses
+    # the node-loss MTBF; the local tier's uses every failure's (docs/cadence.md).
+    durable_mtbf = (c.node_loss_mtbf_hours or c.mtbf_hours) if c.local_root else c.mtbf_hours
+    return parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **_auto_options(cfg))
+
+
 def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str,
                   par: ParallelConfig | None = None):
     """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
@@ -143,12 +159,8 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     """
     c, ft = cfg.checkpoint, cfg.fault_tolerance
     par = par or cfg.parallel
-    auto = dict(overhead_budget=c.overhead_budget,
-                initial_steps=max(1, min(100, cfg.training.steps // 4)))
-    # With a local tier, root's checkpoints are lost only with a node: its 'auto' uses
-    # the node-loss MTBF; the local tier's uses every failure's (docs/cadence.md).
-    durable_mtbf = (c.node_loss_mtbf_hours or c.mtbf_hours) if c.local_root else c.mtbf_hours
-    cadence = parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **auto)
+    cadence = build_cadence(cfg)
+    auto = _auto_options(cfg)
     retention = []
     if c.keep_last > 0:
         retention.append(KeepLast(c.keep_last))

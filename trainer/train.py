@@ -39,6 +39,7 @@ from trainer.checkpointing import (
     ListState,
     ModelOptimState,
     TrainerState,
+    build_cadence,
     build_manager,
     config_record,
     reconcile_config,
@@ -163,6 +164,11 @@ class Trainer:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
             if self.manager.cadence is not None:
                 self.events.emit("cadence", None, **self.manager.cadence.describe())
+        elif self.metrics is not None and self.writer is not None:
+            # A replica group that does not write exports the store's newest commit and the
+            # cadence too: the checkpoint-age alert reads every group alike.
+            self.metrics.observe_store(CheckpointStore(self.writer.storage))
+            self.events.emit("cadence", None, **build_cadence(cfg).describe())
 
     # -- checkpointing -----------------------------------------------------------------------
     def _metadata(self, loss: float | None) -> dict[str, Any]:
@@ -334,6 +340,8 @@ class Trainer:
             self.manager = self.writer.manager
             if self.metrics is not None:
                 self.metrics.observe_store(self.manager.store)
+                if self.manager.cadence is not None:
+                    self.events.emit("cadence", self.step, **self.manager.cadence.describe())
 
     def _replica_digests(self) -> None:
         """Emit this rank's replica digests (equal on rank k of every group that is a

@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from ckpt.root import CheckpointStore
 from tests.e2e._jobs import TINY
 from trainer.checkpointing import TrainerState
 from trainer.config import load_config
@@ -151,3 +152,25 @@ def test_the_transport_serves_the_step_asked_and_holds_the_optimizer_back():
     finally:
         src.shutdown()
         dst.shutdown()
+
+
+def test_a_group_that_does_not_write_exports_the_checkpoint_age_and_its_limit(tmp_path):
+    """CheckpointTooOld reads every target of the job: a replica group that does not hold
+    the lease must export the store's newest commit and a finite age limit, not its own
+    start time and +Inf (which would hide a writer that stopped committing)."""
+    from ckpt import save
+    from tests.dist import free_port
+
+    save({"w": torch.ones(2)}, str(tmp_path), step=5)
+    created = CheckpointStore(str(tmp_path)).read_manifest(5).created_unix
+    t = _trainer(1, f"--checkpoint.root={tmp_path}", "--checkpoint.interval=20",
+                 f"--metrics.port={free_port()}", "--metrics.host=127.0.0.1")
+    try:
+        assert t.manager is None and t.writer is not None  # not built before fit()
+        value = t.metrics.registry.get_sample_value
+        durable = {"rank": "0", "tier": "durable"}
+        assert value("ckpt_last_commit_timestamp_seconds", durable) == created
+        assert value("ckpt_last_committed_step", durable) == 5
+        assert value("ckpt_interval_steps", {"rank": "0"}) == 20
+    finally:
+        t.metrics.shutdown()

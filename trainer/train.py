@@ -348,6 +348,9 @@ class Trainer:
         bit-identical replica; checked by the tests and scripts/ft_demo.sh)."""
         state = ReplicaState(self.model, self.optimizers, self.schedulers, TrainerState(self))
         d = state.digests()
+        log.info("replica group %d rank %d at step %d: replica digest %s",
+                 self.cfg.fault_tolerance.group_id, self.env.rank, self.step,
+                 " ".join(f"{k}={v}" for k, v in d.items()))
         self.events.emit("ft_replica_digest", self.step, model=d["model"], optim=d["optim"],
                          rng=d["rng"], trainer=d["trainer"])
 

@@ -162,9 +162,14 @@ def run_restart(opts, work: Path, seconds: float, fail: bool, rng: random.Random
     t_first = steps[0]["time"] if steps else t_end
     for k in kills:
         after = [e for e in evs if e["time"] > k["time"]]
-        resumed = next((e["step"] for e in after if e["kind"] == "resumed"), 0)
+        resumed = next((e for e in after if e["kind"] == "resumed"), None)
         back = next((e for e in after if e["kind"] == "train_step"), None)
-        k["lost_steps"] = k["last_step"] - resumed
+        # The dead attempt's last step: what rank 0 logged before the new attempt resumed
+        # (it may log a step or two after the kill, until its collective fails).
+        k["last_step"] = max([k["last_step"]] + [
+            e["step"] for e in evs if e["kind"] == "train_step" and
+            e["time"] < (resumed["time"] if resumed else t_end)])
+        k["lost_steps"] = k["last_step"] - (resumed["step"] if resumed else 0)
         k["seconds_to_training"] = back["time"] - k["time"] if back else None
     return {"seconds": t_end - t_first, "final_step": final, "samples": final * BATCH,
             "startup_seconds": t_first - t0, "kills": kills}

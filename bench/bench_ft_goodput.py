@@ -160,7 +160,8 @@ def run_restart(opts, work: Path, seconds: float, fail: bool, rng: random.Random
     steps = [e for e in evs if e["kind"] == "train_step" and e["time"] <= t_end]
     final = steps[-1]["step"] if steps else 0
     t_first = steps[0]["time"] if steps else t_end
-    for k in kills:
+    for i, k in enumerate(kills):
+        since = kills[i - 1]["time"] if i else 0.0
         after = [e for e in evs if e["time"] > k["time"]]
         resumed = next((e for e in after if e["kind"] == "resumed"), None)
         back = next((e for e in after if e["kind"] == "train_step"), None)
@@ -168,7 +169,7 @@ def run_restart(opts, work: Path, seconds: float, fail: bool, rng: random.Random
         # (it may log a step or two after the kill, until its collective fails).
         k["last_step"] = max([k["last_step"]] + [
             e["step"] for e in evs if e["kind"] == "train_step" and
-            e["time"] < (resumed["time"] if resumed else t_end)])
+            since < e["time"] < (resumed["time"] if resumed else t_end)])
         k["lost_steps"] = k["last_step"] - (resumed["step"] if resumed else 0)
         k["seconds_to_training"] = back["time"] - k["time"] if back else None
     return {"seconds": t_end - t_first, "final_step": final, "samples": final * BATCH,

@@ -90,6 +90,28 @@ KINDS: dict[str, tuple[str, ...]] = {
     # The run is over and the process is about to exit with ``exit_code`` (every rank; 0:
     # trained to the end with the last step committed). Not emitted when it crashed.
     "run_ended": ("exit_code",),
+    # -- replica groups on torchft (trainer/ft; ``[fault_tolerance]``). This group joined
+    #    (``alert_min_quorum``: the quorum size below which the alert fires).
+    "ft_started": ("group_id", "replica_groups", "min_replicas", "alert_min_quorum",
+                   "lighthouse"),
+    # Every step's outcome: ``committed`` (False: nothing of it was kept), the quorum
+    # (``quorum_size`` of ``replica_groups``; this group's ``replica_rank``), the group batch
+    # read (``batch_index``), ``batches_committed`` after it, the quorum's wall time and the
+    # error that failed it (None if none).
+    "ft_step": ("committed", "quorum_size", "replica_groups", "replica_rank", "quorum_id",
+                "batch_index", "batches_committed", "quorum_seconds", "error"),
+    # This group received a peer's state (``step``: the step it rejoined at, from
+    # ``from_step``) in ``seconds``; ``process_seconds``: since this process started.
+    "ft_healed": ("seconds", "from_step", "process_seconds"),
+    # A healthy group's quorum is full again after ``seconds`` with a smaller one
+    # (``reduced_steps`` committed, ``failed_steps`` not).
+    "ft_recovered": ("seconds", "reduced_steps", "failed_steps"),
+    # The lighthouse became (un)reachable, or the groups heartbeating to it changed.
+    "ft_lighthouse": ("up", "groups_alive", "url"),
+    # This group became the checkpoint writer (it took the lease) or went back to standby.
+    "ft_writer": ("role", "reason"),
+    # SHA-256 prefixes of this rank's replica state at the end (equal across groups).
+    "ft_replica_digest": ("model", "optim", "rng", "trainer"),
 }
 
 

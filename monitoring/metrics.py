@@ -33,6 +33,14 @@ rules in ``monitoring/prometheus/alerts.yml`` need no per-job constants:
   description, else its interval in steps x the typical step time.
 - ``ckpt_age_limit_seconds``: ``3 x ckpt_interval_seconds + age_slack_seconds``; +Inf while
   the interval is unknown.
+- ``train_ft_quorum_alert_min``: with replica groups (``[fault_tolerance]``), the quorum size
+  below which ``ReplicaQuorumBelowMinimum`` fires (0 without replica groups: never).
+
+Replica groups (``train_ft_*``): each group's ranks export what their group sees: the size of
+the last step's quorum, how many groups heartbeat to the lighthouse and whether it answers
+(polled by the group's rank 0), rejoins of this group and how long after its process
+started, how long the quorum stayed below full (on the groups that stayed), steps committed
+with fewer groups and steps not committed, and whether this group writes the checkpoints.
 """
 
 from __future__ import annotations
@@ -176,6 +184,34 @@ class Metrics:
         self.resumes = counter("train_resumes_total", "Resumes from a checkpoint")
         self.resumed_step = gauge("train_resumed_step",
                                   "Step this process resumed from; -1 = started fresh", -1)
+        # Replica groups on torchft; without them the gauges keep their start values.
+        self.ft_groups = gauge("train_ft_replica_groups",
+                               "Replica groups of the job (parallel.dp_replicate); 0 = no "
+                               "fault-tolerant replica groups")
+        self.ft_quorum = gauge("train_ft_quorum_size",
+                               "Replica groups in the last step's quorum; 0 = none yet")
+        self.ft_alert_min = gauge("train_ft_quorum_alert_min",
+                                  "Quorum size below which ReplicaQuorumBelowMinimum fires; "
+                                  "0 = off")
+        self.ft_alive = gauge("train_ft_replica_groups_alive",
+                              "Replica groups heartbeating to the lighthouse; -1 = unknown", -1)
+        self.ft_lighthouse_up = gauge("train_ft_lighthouse_up",
+                                      "1 = the lighthouse answers, 0 = it does not, -1 = not "
+                                      "polled (rank > 0 of a group, or no replica groups)", -1)
+        self.ft_writer = gauge("train_ft_checkpoint_writer",
+                               "1 = this replica group writes the checkpoints (holds the lease)")
+        self.ft_recoveries = counter("train_ft_recoveries_total",
+                                     "Times this replica group rejoined (received a peer's "
+                                     "state)")
+        self.ft_rejoin = histogram("train_ft_rejoin_seconds",
+                                   "Seconds from this process's start to its group rejoining")
+        self.ft_recovery = histogram("train_ft_recovery_seconds",
+                                     "On a group that stayed: seconds its quorum was below "
+                                     "full, until every group trained again")
+        self.ft_reduced = counter("train_ft_reduced_quorum_steps_total",
+                                  "Steps committed with fewer than every replica group")
+        self.ft_uncommitted = counter("train_ft_uncommitted_steps_total",
+                                      "Steps not committed (a group failed in them), run again")
         # State behind the derived gauges and the de-duplication of skipped saves.
         self._typical: float | None = None
         self._grace = 0.0
@@ -327,6 +363,33 @@ class Metrics:
         elif k == "resumed":
             self.resumes.labels(rk).inc()
             self.resumed_step.labels(rk).set(ev.step if ev.step is not None else -1)
+        elif k.startswith("ft_"):
+            self._on_replica_event(k, f)
+
+    def _on_replica_event(self, k: str, f: dict[str, Any]) -> None:
+        """An event of the replica groups (``trainer.ft``)."""
+        rk = self.rank
+        if k == "ft_started":
+            self.ft_groups.labels(rk).set(f.get("replica_groups") or 0)
+            self.ft_alert_min.labels(rk).set(f.get("alert_min_quorum") or 0)
+        elif k == "ft_step":
+            self.ft_quorum.labels(rk).set(f.get("quorum_size") or 0)
+            if not f.get("committed"):
+                self.ft_uncommitted.labels(rk).inc()
+            elif (f.get("quorum_size") or 0) < (f.get("replica_groups") or 0):
+                self.ft_reduced.labels(rk).inc()
+        elif k == "ft_healed":
+            self.ft_recoveries.labels(rk).inc()
+            if isinstance(f.get("process_seconds"), (int, float)):
+                self.ft_rejoin.labels(rk).observe(f["process_seconds"])
+        elif k == "ft_recovered":
+            self.ft_recovery.labels(rk).observe(f.get("seconds", 0.0))
+        elif k == "ft_lighthouse":
+            self.ft_lighthouse_up.labels(rk).set(1 if f.get("up") else 0)
+            alive = f.get("groups_alive")
+            self.ft_alive.labels(rk).set(alive if isinstance(alive, int) else -1)
+        elif k == "ft_writer":
+            self.ft_writer.labels(rk).set(1 if f.get("role") == "writer" else 0)
 
     def _on_local_event(self, k: str, ev: Event) -> None:
         """An event of the local tier (its kind without the prefix): only its saves count,

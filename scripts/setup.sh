@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its test extras. Idempotent.
+# Create .venv and install the project with its test and ft (torchft) extras. Idempotent.
 # torch is installed first, pinned. From PyPI on Linux x86_64 torch==2.13.0 is the CUDA build
 # (several GB with its nvidia-* and triton wheels; right for a GPU host). On a CPU-only host
 # take the CPU build from PyTorch's index:
@@ -18,4 +18,4 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 else
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,ft]"

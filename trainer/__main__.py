@@ -1,6 +1,11 @@
-"""python -m trainer --config FILE [--section.key=value ...] [--debug], and python -m trainer plan.
+"""python -m trainer --config FILE [--section.key=value ...] [--debug], python -m trainer plan,
+python -m trainer lighthouse [--config FILE] [--fault_tolerance.key=value ...] and
+python -m trainer ft-local --groups N [--nproc R] --out DIR --config FILE [...].
 
 Runs under torchrun (one process per rank) or alone (one process, no torchrun needed).
+"lighthouse" runs torchft's lighthouse with the timing of a config's [fault_tolerance]
+section (fault-tolerant replica groups, docs/trainer.md); "ft-local" runs a lighthouse and
+every replica group of a job on this machine.
 Bad input ends in one line on stderr naming the file or key at fault and the fix, with exit
 status 2; --debug adds the traceback to that line and to a training failure's.
 """
@@ -17,6 +22,7 @@ from trainer.checkpointing import check_startup
 from trainer.config import ConfigError, config_from_argv
 from trainer.determinism import apply_determinism
 from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
+from trainer.ft import LighthouseUnreachable, check_reachable, serve
 from trainer.layout_plan import add_plan_arguments, run_plan
 from trainer.train import run
 
@@ -27,7 +33,8 @@ def _fail(prog: str, exc: BaseException, debug: bool, code: int) -> int:
     """Report ``exc`` as one line on stderr (after its traceback with ``debug``)."""
     if debug:
         traceback.print_exception(exc)
-    print(f"{prog}: error: {error_line(exc, (ConfigError,))}", file=sys.stderr)
+    print(f"{prog}: error: {error_line(exc, (ConfigError, LighthouseUnreachable))}",
+          file=sys.stderr)
     return code
 
 
@@ -44,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_plan(args)
         except Exception as exc:  # noqa: BLE001 - one line, not a traceback
             return _fail("python -m trainer plan", exc, debug, 2)
+    if argv and argv[0] in ("lighthouse", "ft-local"):
+        return _ft_command(argv[0], argv[1:], debug)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
@@ -56,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_argv(argv)
         check_startup(cfg)
+        if cfg.fault_tolerance.enabled:  # before anything is built: fail fast, in one line
+            check_reachable(cfg.fault_tolerance)
     except Exception as exc:  # noqa: BLE001 - bad input is one line, not a traceback
         return _fail("python -m trainer", exc, debug,
                      EXIT_CONFIG if isinstance(exc, ConfigError) else EXIT_FAILED)
@@ -74,6 +85,26 @@ def main(argv: list[str] | None = None) -> int:
         shutdown(env, EXIT_FAILED, barrier=False)
     shutdown(env, code)
     return code  # not reached: shutdown leaves the process
+
+
+def _ft_command(name: str, argv: list[str], debug: bool) -> int:
+    """lighthouse: serve one until SIGTERM; ft-local: see trainer.ft.local."""
+    prog = f"python -m trainer {name}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{name}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        print("lighthouse: serves on the port of fault_tolerance.lighthouse, with its "
+              "min_replicas, heartbeat_timeout_seconds and join_timeout_seconds")
+        return 0
+    try:
+        if name == "lighthouse":
+            return serve(config_from_argv(argv).fault_tolerance)
+        from trainer.ft.local import main as local_main
+
+        return local_main(argv)
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback
+        return _fail(prog, exc, debug, EXIT_CONFIG if isinstance(exc, ConfigError) else 1)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,13 @@ __all__ = [
     "ModelOptimState",
     "ListState",
     "TrainerState",
+    "build_cadence",
     "build_manager",
     "check_startup",
     "config_changes",
     "config_record",
     "reconcile_config",
+    "replica_group_fingerprint",
     "same_layout",
 ]
 
@@ -60,14 +62,23 @@ def config_record(cfg: Config) -> dict[str, Any]:
     return d
 
 
+# Keys that name one replica group of a job, not the job: a group resuming from another
+# group's checkpoint has not changed its config.
+_GROUP_KEYS = {"fault_tolerance.group_id", "fault_tolerance.hostname", "metrics.jsonl_path"}
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """``(section.key, checkpoint's value, this run's value)`` for every key that differs."""
+    """``(section.key, checkpoint's value, this run's value)`` for every key that differs
+    (between replica groups of one job, the keys that tell the groups apart do not count)."""
     out = []
+    groups = all((d.get("fault_tolerance") or {}).get("enabled") for d in (old, new))
     for section in sorted(set(old) | set(new)):
         a, b = old.get(section), new.get(section)
         a, b = (a if isinstance(a, dict) else {}), (b if isinstance(b, dict) else {})
         for key in sorted(set(a) | set(b)):
             missing = "<unset>"
+            if groups and f"{section}.{key}" in _GROUP_KEYS:
+                continue
             if a.get(key, missing) != b.get(key, missing):
                 out.append((f"{section}.{key}", a.get(key, missing), b.get(key, missing)))
     return out
@@ -121,16 +132,36 @@ class TrainerState:
         self.t.num_skipped_steps = int(sd.get("num_skipped", 0))
 
 
-def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str):
-    """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
-    set): cadence, retention, the layout recorded in every manifest. Every rank builds it."""
-    c, par = cfg.checkpoint, cfg.parallel
-    auto = dict(overhead_budget=c.overhead_budget,
+def _auto_options(cfg: Config) -> dict[str, Any]:
+    return dict(overhead_budget=cfg.checkpoint.overhead_budget,
                 initial_steps=max(1, min(100, cfg.training.steps // 4)))
+
+
+def build_cadence(cfg: Config):
+    """The durable tier's cadence policy for ``cfg.checkpoint`` (what the manager uses; a
+    replica group that does not write describes it to its metrics all the same)."""
+    c = cfg.checkpoint
     # With a local tier, root's checkpoints are lost only with a node: its 'auto' uses
     # the node-loss MTBF; the local tier's uses every failure's (docs/cadence.md).
     durable_mtbf = (c.node_loss_mtbf_hours or c.mtbf_hours) if c.local_root else c.mtbf_hours
-    cadence = parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **auto)
+    return parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **_auto_options(cfg))
+
+
+def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str,
+                  par: ParallelConfig | None = None):
+    """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
+    set): cadence, retention, the layout recorded in every manifest. Every rank builds it.
+
+    ``par``: the layout of the ranks that save (default ``cfg.parallel``). With fault
+    tolerance it is one replica group's (``world_size`` its ranks): the writing group saves
+    a whole replica, which any group, or a job without fault tolerance, loads. The lease
+    then has ``fault_tolerance.lease_ttl_seconds`` and a name and fingerprint per group,
+    so that only this group's own earlier attempt counts as proven dead (``ckpt.root.lease``).
+    """
+    c, ft = cfg.checkpoint, cfg.fault_tolerance
+    par = par or cfg.parallel
+    cadence = build_cadence(cfg)
+    auto = _auto_options(cfg)
     retention = []
     if c.keep_last > 0:
         retention.append(KeepLast(c.keep_last))
@@ -143,6 +174,11 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
                    retention=retention, async_save=c.async_save, verify=c.verify,
                    layout=layout, events=events, raise_on_failure=c.fail_on_error,
                    job_fingerprint=fingerprint)
+    if ft.enabled:
+        layout["replica_groups"] = cfg.parallel.dp_replicate
+        options.update(lease_ttl_seconds=ft.lease_ttl_seconds,
+                       job_name=f"replica-group-{ft.group_id}",
+                       job_fingerprint=replica_group_fingerprint(fingerprint, ft.group_id))
     if c.local_root:
         mgr = TieredCheckpointManager(
             c.root, c.local_root, local_cadence=parse_interval(
@@ -153,6 +189,12 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     if retention:
         mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
     return mgr
+
+
+def replica_group_fingerprint(fingerprint: str, group_id: int) -> str:
+    """The lease fingerprint of replica group ``group_id``: the same job's other groups are
+    other writers, never an "earlier attempt" whose lease may be taken at once."""
+    return f"{fingerprint}/replica-group-{group_id}"
 
 
 def same_layout(manifest, par: ParallelConfig, world_size: int) -> bool:

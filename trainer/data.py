@@ -279,6 +279,13 @@ class BatchLoader:
         self._next += 1
         return out
 
+    def seek(self, batch_index: int) -> None:
+        """Make ``batch_index`` the global batch the next :meth:`next_batch` returns (a
+        fault-tolerant job sets it from the batches its replica groups committed)."""
+        if batch_index < 0:
+            raise DataError(f"batch index {batch_index} is negative")
+        self._next = int(batch_index)
+
     def __iter__(self):
         while True:
             yield self.next_batch()
@@ -327,9 +334,13 @@ def build_dataset(cfg) -> SyntheticMarkovDataset | TokenFileDataset:
     return TokenFileDataset(d.path, seq_len, vocab, token_dtype=d.token_dtype, seed=d.seed)
 
 
-def build_loader(cfg, dp_rank: int = 0, dp_size: int = 1) -> BatchLoader:
-    """A :class:`BatchLoader` over :func:`build_dataset` for one dp rank."""
-    return BatchLoader(build_dataset(cfg), cfg.training.global_batch_size, dp_rank, dp_size)
+def build_loader(cfg, dp_rank: int = 0, dp_size: int = 1,
+                 global_batch_size: int | None = None) -> BatchLoader:
+    """A :class:`BatchLoader` over :func:`build_dataset` for one dp rank. ``global_batch_size``
+    defaults to ``training.global_batch_size`` (a replica group's loader reads its group's
+    share of it: see ``trainer.train``)."""
+    return BatchLoader(build_dataset(cfg), global_batch_size or cfg.training.global_batch_size,
+                       dp_rank, dp_size)
 
 
 def split_microbatches(inputs: torch.Tensor, targets: torch.Tensor,

@@ -8,6 +8,12 @@ policy decides; the stall is only the staging copy). On start it resumes by itse
 newest checkpoint under ``checkpoint.root`` that verifies. What a checkpoint holds, the
 manager and what a resume settles are :mod:`trainer.checkpointing` (as is ``check_startup``,
 which ``python -m trainer`` runs before this module's :func:`run`).
+
+With ``[fault_tolerance]`` this process is a rank of one replica group (``trainer.ft``): the
+step starts with torchft's quorum (which may replace this group's state by a peer's),
+reads the group's share of the data at the position the groups committed, averages
+gradients and loss across the groups after backward, and keeps the step only when torchft
+commits it; durable checkpoints are written by the group that holds the store's lease.
 """
 
 from __future__ import annotations
@@ -22,18 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.dcp import RNGState, init_optimizer_state
+from ckpt.dcp import RNGState, init_optimizer_state, load_latest, load_with_extra
 from ckpt.errors import AllCheckpointsDamagedError, LeaseHeldError, LeaseLostError
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.ranks import Agreement
+from ckpt.root import CheckpointStore
+from ckpt.storage import Storage
 from monitoring import Metrics
 from trainer.checkpointing import (
     ListState,
     ModelOptimState,
     TrainerState,
+    build_cadence,
     build_manager,
     config_record,
     reconcile_config,
+    replica_group_fingerprint,
     same_layout,
 )
 from trainer.config import Config, ConfigError, config_fingerprint
@@ -50,6 +60,7 @@ from trainer.distributed import (
     DistEnv,
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
+from trainer.ft import ReplicaState, WriterRole
 from trainer.hf import hf_attachments
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
@@ -68,12 +79,17 @@ class Trainer:
 
     def __init__(self, cfg: Config, env: DistEnv, *, events: EventBus | None = None):
         self.env = env
-        self.cfg = cfg = cfg.resolved(env.world_size)
+        ft = cfg.fault_tolerance
+        # Replica groups: this process's torchrun job is one of dp_replicate groups.
+        self.num_groups = cfg.parallel.dp_replicate if ft.enabled else 1
+        self.cfg = cfg = cfg.resolved(env.world_size * self.num_groups)
         self.fingerprint = config_fingerprint(cfg)
         self.config_record = config_record(cfg)
         self.loaded_fingerprint: str | None = None
         p, t = cfg.parallel, cfg.training
-        self.par = p  # resolved and checked against the model and batch by cfg.resolved
+        # Resolved and checked against the model and batch by cfg.resolved; with replica
+        # groups, this group's part of it (the replicate axis is torchft's).
+        self.par = ft.group_layout(p) if ft.enabled else p
         self.model_cfg = cfg.model
         # Deterministic kernels (python -m trainer set them before CUDA started already).
         apply_determinism(t.deterministic)
@@ -99,8 +115,11 @@ class Trainer:
             o, lambda s: self.lr_schedule.lr_at(s) / self.lr_schedule.lr)
             for o in self.optimizers]
         # The whole dp rank (under HSDP replicate and shard ranks both): each its own slice.
+        # A replica group's loader reads group batches (global batch / groups), the one at
+        # index batches_committed + replica rank (see fit).
         dp_rank = dp_mesh(self.mesh).get_local_rank() if self.mesh is not None else 0
-        self.loader = build_loader(cfg, dp_rank, p.dp)
+        self.loader = build_loader(cfg, dp_rank, self.par.dp,
+                                   t.global_batch_size // self.num_groups)
         self.step = 0
         self.num_skipped_steps = 0
         self.guard = LossGuard(cfg.fault.spike_factor, cfg.fault.spike_window)
@@ -124,15 +143,30 @@ class Trainer:
             log.info("rank %d metrics on http://%s:%d/metrics", env.rank, m.host, port)
         if cfg.metrics.jsonl_path and env.rank == 0:
             self.events.subscribe(JsonlEventLog(cfg.metrics.jsonl_path))
-        try:
-            self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
-                            if cfg.checkpoint.enabled else None)
-        except LeaseHeldError:
-            # Another job holds the root: for the alerts, as a lost lease (seen by a scrape
-            # before the exit, and newer than this start: CheckpointLeaseLost keeps firing).
-            self.events.emit("lease_lost", None, reason="held by another job at start")
-            self._end_metrics(EXIT_LEASE_LOST)
-            raise
+        self.replicas = None  # trainer.ft.replicas.ReplicaGroup, built by fit()
+        self.writer: WriterRole | None = None
+        self.final_committed = True  # False: a standby group saw no final checkpoint
+        if ft.enabled and cfg.checkpoint.enabled:
+            # Built when this group takes the store's lease (trainer.ft.writer).
+            self.manager = None
+            self.writer = WriterRole(
+                Storage(cfg.checkpoint.root, cfg.checkpoint.storage_options or None),
+                lambda: build_manager(cfg, env.world_size, self.events, self.fingerprint,
+                                      self.par),
+                agreement=Agreement(self.ctl_group), coordinator=env.rank == 0,
+                events=self.events, group_id=ft.group_id, ttl_seconds=ft.lease_ttl_seconds,
+                retry_steps=ft.lease_retry_steps,
+                fingerprint=replica_group_fingerprint(self.fingerprint, ft.group_id))
+        else:
+            try:
+                self.manager = (build_manager(cfg, env.world_size, self.events, self.fingerprint)
+                                if cfg.checkpoint.enabled else None)
+            except LeaseHeldError:
+                # Another job holds the root: for the alerts, as a lost lease (seen by a scrape
+                # before the exit, and newer than this start: CheckpointLeaseLost keeps firing).
+                self.events.emit("lease_lost", None, reason="held by another job at start")
+                self._end_metrics(EXIT_LEASE_LOST)
+                raise
         # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
         # `ckpt export --format hf` writes a folder from_pretrained loads.
         self.hf_files = hf_attachments(self.model_cfg) or None
@@ -144,6 +178,11 @@ class Trainer:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
             if self.manager.cadence is not None:
                 self.events.emit("cadence", None, **self.manager.cadence.describe())
+        elif self.metrics is not None and self.writer is not None:
+            # A replica group that does not write exports the store's newest commit and the
+            # cadence too: the checkpoint-age alert reads every group alike.
+            self.metrics.observe_store(CheckpointStore(self.writer.storage))
+            self.events.emit("cadence", None, **build_cadence(cfg).describe())
 
     # -- checkpointing -----------------------------------------------------------------------
     def _metadata(self, loss: float | None) -> dict[str, Any]:
@@ -162,15 +201,19 @@ class Trainer:
         return state
 
     def resume(self) -> int | None:
-        """Load the newest valid checkpoint (or ``checkpoint.load_step``); None if none."""
-        if self.manager is None or not self.cfg.checkpoint.resume:
+        """Load the newest valid checkpoint (or ``checkpoint.load_step``); None if none.
+
+        A replica group that does not write checkpoints reads them all the same (without a
+        manager, and changing nothing under the root): every group starts from the store,
+        then the quorum brings a group that is behind a live peer up to it."""
+        if not self.cfg.checkpoint.enabled or not self.cfg.checkpoint.resume:
             return None
         c = self.cfg.checkpoint
+        load = self.manager.load_latest if self.manager is not None else self._read_only_load
         try:
-            manifest = self.manager.load_latest(self.checkpoint_state(with_rng=False),
-                                                step=c.load_step, ignore_keys=("rng.",),
-                                                raise_if_all_damaged=True,
-                                                extra_state=self._rng_if_same_layout)
+            manifest = load(self.checkpoint_state(with_rng=False),
+                            step=c.load_step, ignore_keys=("rng.",),
+                            raise_if_all_damaged=True, extra_state=self._rng_if_same_layout)
         except AllCheckpointsDamagedError as exc:
             fix = "--checkpoint.allow_fresh_start_over_damaged=true"
             if not c.allow_fresh_start_over_damaged:
@@ -184,7 +227,8 @@ class Trainer:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
                     "(checkpoint.allow_fresh_start_over_damaged is set)."))
-            self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
+            if self.manager is not None:  # a standby replica group changes nothing
+                self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
             return None
         if manifest is None:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
@@ -197,7 +241,7 @@ class Trainer:
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
         self._reconcile_config(manifest)
         if self.env.rank == 0:
-            tier = self.manager.resumed_tier
+            tier = self.manager.resumed_tier if self.manager is not None else "durable"
             log.info("resumed from %s step %d%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
                      "" if same else f" (saved on layout {manifest.layout}, resharded)")
@@ -220,6 +264,21 @@ class Trainer:
         if schedule is not None:
             self.lr_schedule = schedule
 
+    def _read_only_load(self, state, *, step, ignore_keys, raise_if_all_damaged, extra_state):
+        """``CheckpointManager.load_latest`` for a replica group that holds no lease."""
+        c = self.cfg.checkpoint
+        if self.writer is not None and not self.writer.wait_settled(
+                self.cfg.fault_tolerance.lease_ttl_seconds + 30):
+            log.warning("another replica group is still taking over %s; reading it anyway",
+                        c.root) if self.env.rank == 0 else None
+        storage = Storage(c.root, c.storage_options or None)
+        options = dict(verify=c.verify, ignore_keys=ignore_keys, process_group=self.ctl_group)
+        if step is not None:
+            return load_with_extra(state, storage, CheckpointStore(storage).read_manifest(step),
+                                   extra_state, **options)
+        return load_latest(state, storage, raise_if_all_damaged=raise_if_all_damaged,
+                           extra_state=extra_state, **options)
+
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:
         return Agreement(self.ctl_group).any(flag) if self.ctl_group is not None else flag
@@ -233,8 +292,75 @@ class Trainer:
             loss += self.model.forward_backward(
                 x, y, num_accum_steps=len(chunks), sync_grads=(i == len(chunks) - 1))
         loss /= len(chunks)
+        if self.replicas is not None:
+            loss = self._average_across_groups(loss)
         grad_norm = self.model.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
+        if self.cfg.fault.inject_step_delay_seconds:
+            time.sleep(self.cfg.fault.inject_step_delay_seconds)
         return loss, grad_norm
+
+    # -- replica groups (fault_tolerance) --------------------------------------------------------
+    def _average_across_groups(self, loss: float) -> float:
+        """Average this rank's gradients (its local shards: rank k of every group holds the
+        same ones) and the loss over the quorum's replica groups, one flat buffer per dtype.
+        If a peer fails meanwhile the gradients are garbage, and the step does not commit."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is None:  # every group must send the same buffer layout
+                p.grad = torch.zeros_like(p)
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            by_dtype.setdefault(g.dtype, []).append(g)
+        flats = [torch.cat([g.reshape(-1) for g in grads]) for grads in by_dtype.values()]
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=flats[0].device
+                              if flats else None)
+        if not self.replicas.average([*flats, loss_t]):
+            return loss
+        for grads, flat in zip(by_dtype.values(), flats):
+            for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(reduced.view_as(g))
+        return float(loss_t)
+
+    def _join_replicas(self) -> None:
+        """Build this rank's :class:`trainer.ft.replicas.ReplicaGroup` after the resume (so the
+        group joins a quorum only when it can train), at the step and data position the
+        resume restored."""
+        from trainer.ft.replicas import ReplicaGroup  # torchft: the optional 'ft' extra
+
+        ft = self.cfg.fault_tolerance
+        state = ReplicaState(self.model, self.optimizers, self.schedulers, TrainerState(self))
+        self.replicas = ReplicaGroup(self.cfg, state, rank=self.env.rank,
+                                     world_size=self.env.world_size, device=self.env.device,
+                                     agreement=Agreement(self.ctl_group), events=self.events)
+        self.replicas.restore_counters(self.step, self.loader.global_batch_index)
+        self.events.emit("ft_started", self.step, group_id=ft.group_id,
+                         replica_groups=self.num_groups, min_replicas=ft.min_replicas,
+                         alert_min_quorum=ft.alert_min_quorum or self.num_groups,
+                         lighthouse=ft.lighthouse)
+        log.info("replica group %d of %d: joining the quorum at %s from step %d",
+                 ft.group_id, self.num_groups, ft.lighthouse, self.step) \
+            if self.env.rank == 0 else None
+
+    def _writer_step(self, now: bool = False) -> None:
+        """A standby group's try for the lease, at agreed steps (``trainer.ft.writer``)."""
+        if self.writer is None or self.manager is not None:
+            return
+        if self.writer.try_acquire(self.step, now=now):
+            self.manager = self.writer.manager
+            if self.metrics is not None:
+                self.metrics.observe_store(self.manager.store)
+                if self.manager.cadence is not None:
+                    self.events.emit("cadence", self.step, **self.manager.cadence.describe())
+
+    def _replica_digests(self) -> None:
+        """Emit this rank's replica digests (equal on rank k of every group that is a
+        bit-identical replica; checked by the tests and scripts/ft_demo.sh)."""
+        state = ReplicaState(self.model, self.optimizers, self.schedulers, TrainerState(self))
+        d = state.digests()
+        log.info("replica group %d rank %d at step %d: replica digest %s",
+                 self.cfg.fault_tolerance.group_id, self.env.rank, self.step,
+                 " ".join(f"{k}={v}" for k, v in d.items()))
+        self.events.emit("ft_replica_digest", self.step, model=d["model"], optim=d["optim"],
+                         rng=d["rng"], trainer=d["trainer"])
 
     def _handle_bad_step(self, verdict: str, loss: float) -> None:
         f = self.cfg.fault
@@ -271,6 +397,8 @@ class Trainer:
                                                                       failure="hang"))
         if cfg.fault.handle_preemption:
             self.preemption.install()
+        if self.writer is not None:  # every replica group tries; the holder resumes as writer
+            self._writer_step(now=True)
         start_step = self.resume()
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # after a fallback's un-commits
@@ -280,15 +408,39 @@ class Trainer:
                      self.env.device)
         if self.manager is not None:
             self.manager.prepare(self.checkpoint_state())
+        if cfg.fault_tolerance.enabled:
+            self._join_replicas()
         watchdog.grace_seconds = 120.0  # first steps include warm-up
         watchdog.start()
-        tokens_per_step = t.global_batch_size * t.seq_len
+        group_tokens = t.global_batch_size // self.num_groups * t.seq_len
+        quorum = self.num_groups
         exit_code = EXIT_OK
         crashed = True
+        stopped = False  # left before the last step (preempted, lease lost)
         try:
             while self.step < t.steps:
                 t0 = time.perf_counter()
+                if self.replicas is not None:
+                    # Waiting for a quorum (a hung peer, a heal) is not a hang of this
+                    # group; quorum_timeout_seconds bounds it.
+                    watchdog.grace_seconds = (cfg.quorum_timeout_seconds()
+                                              + 2 * cfg.fault_tolerance.timeout_seconds)
+                    info = self.replicas.start_step()
+                    watchdog.progress()
+                    self.step, quorum = info.step, info.quorum_size  # a heal moves the step
+                    if self.step >= t.steps:
+                        break
+                    self.loader.seek(info.batch_index)
+                    rng = RNGState(self.env.rank).state_dict()
                 loss, grad_norm = self.train_step()
+                if self.replicas is not None and not self.replicas.commit():
+                    # Nothing of this step is kept: no update, no data consumed (the next
+                    # quorum reads the same batches), the random streams as they were.
+                    RNGState(self.env.rank).load_state_dict(rng)
+                    for o in self.optimizers:
+                        o.zero_grad(set_to_none=True)
+                    watchdog.progress()
+                    continue
                 loss = self.nan_injector.apply(self.step + 1, loss)
                 verdict = self.guard.check(loss, grad_norm)
                 if verdict is None:
@@ -300,16 +452,22 @@ class Trainer:
                 if verdict is None:
                     for s in self.schedulers:
                         s.step()
-                self.step += 1
+                if self.replicas is not None:
+                    self.step = self.replicas.step
+                    self.loader.seek(self.replicas.batches_committed)
+                else:
+                    self.step += 1
                 dt = time.perf_counter() - t0
+                tokens_per_step = quorum * group_tokens
                 self.losses.append((self.step, loss))
                 self.events.emit("train_step", self.step, loss=loss, grad_norm=grad_norm,
                                  step_seconds=dt, tokens_per_second=tokens_per_step / dt,
                                  lr=self.schedulers[0].get_last_lr()[0])
                 if self.env.rank == 0 and (self.step % t.log_every == 0 or self.step == 1
                                            or self.step == t.steps):
-                    log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step",
-                             self.step, loss, grad_norm, tokens_per_step / dt, dt)
+                    log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step%s",
+                             self.step, loss, grad_norm, tokens_per_step / dt, dt,
+                             f" | quorum {quorum}/{self.num_groups}" if self.replicas else "")
                 if verdict is not None:
                     # After the step is logged: a rollback moves self.step back.
                     self._handle_bad_step(verdict, loss)
@@ -319,28 +477,31 @@ class Trainer:
                 if self._agree_any(self.preemption.received is not None):
                     log.warning("preemption signal: saving step %d and exiting", self.step)
                     self.events.emit("failure", self.step, failure="preempted")
+                    self._leave_replicas()  # the other groups need not wait for this one
                     if self.manager is not None:
                         watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
                         self._forced_save(loss)
-                    exit_code = EXIT_PREEMPTED
+                    exit_code, stopped = EXIT_PREEMPTED, True
                     break
+                self._writer_step()
                 if self.manager is not None and self.step < t.steps:
                     self.manager.maybe_save(self.step, self.checkpoint_state(),
                                             user_metadata=self._metadata(loss),
                                             attachments=self.hf_files)
                     if self.manager.lease_lost:  # agreed by every rank at the save
-                        exit_code = EXIT_LEASE_LOST
+                        if self.writer is not None:  # another replica group writes now
+                            self.writer.check_lost(self.step)
+                            self.manager = None
+                            continue
+                        exit_code, stopped = EXIT_LEASE_LOST, True
                         break
-            else:
-                if self.manager is not None:
-                    # The last step is always checkpointed, so a finished run can be exported.
-                    # A blocking save is slow, not hung: the watchdog gives it time.
-                    watchdog.grace_seconds = cfg.fault.blocking_save_grace_seconds
-                    self._forced_save(self.losses[-1][1] if self.losses else None)
+            if not stopped:
+                self._finish(watchdog)
             crashed = False
         finally:
             watchdog.stop()
             self.preemption.uninstall()
+            self._leave_replicas()
             if self.manager is not None:
                 self.manager.close(flush=True)
             if crashed and self.metrics is not None:
@@ -359,12 +520,13 @@ class Trainer:
             self.metrics.shutdown(linger_seconds=self.cfg.metrics.linger_seconds if exit_code
                                   in (EXIT_OK, EXIT_LEASE_LOST) else 0.0)
 
-    def _forced_save(self, loss: float | None) -> None:
-        """Save this step now, blocking (preemption, the last step). A save that cannot
-        happen (the write lease lost, the step committed by an earlier run) is logged, and
-        :meth:`_checked_exit` turns it into the exit code."""
+    def _forced_save(self, loss: float | None, manager: Any = None) -> None:
+        """Save this step now, blocking (preemption, the last step), with ``manager`` (default
+        this rank's). A save that cannot happen (the write lease lost, the step committed by
+        an earlier run or another replica group) is logged, and :meth:`_checked_exit` turns
+        it into the exit code."""
         try:
-            self.manager.save(self.step, self.checkpoint_state(), force=True, block=True,
+            (manager or self.manager).save(self.step, self.checkpoint_state(), force=True, block=True,
                               user_metadata=self._metadata(loss), attachments=self.hf_files)
         except LeaseLostError:
             pass  # logged by the manager; the exit code says it
@@ -372,10 +534,39 @@ class Trainer:
             if self.env.rank == 0:
                 log.error("%s", exc)
 
+    def _finish(self, watchdog: HangWatchdog) -> None:
+        """After the last step: the final checkpoint (always saved, so a finished run can be
+        exported). A replica group that does not write waits for the writer's, or takes the
+        lease and writes it when the writer is gone."""
+        loss = self.losses[-1][1] if self.losses else None
+        if self.replicas is not None:
+            self._replica_digests()
+            self._leave_replicas()
+        # A blocking save is slow, not hung: the watchdog gives it time.
+        watchdog.grace_seconds = self.cfg.fault.blocking_save_grace_seconds
+        if self.manager is not None:
+            self._forced_save(loss)
+        elif self.writer is not None:
+            ft = self.cfg.fault_tolerance
+            self.final_committed = self.writer.finish(
+                self.step, lambda m: self._forced_save(loss, m),
+                timeout_seconds=2 * ft.lease_ttl_seconds + 60)
+            self.manager = self.writer.manager
+
+    def _leave_replicas(self) -> None:
+        if self.replicas is not None:
+            self.replicas.leave()
+            self.replicas = None
+
     def _checked_exit(self, exit_code: int) -> int:
         """Exit 0 only when the last step is committed; otherwise a code and one line why."""
         m = self.manager
         if m is None:
+            if exit_code == EXIT_OK and not self.final_committed:
+                log.error("trained to step %d but no replica group committed its checkpoint "
+                          "(exit %d). Restart to resume from the newest checkpoint.",
+                          self.step, EXIT_NOT_CHECKPOINTED)
+                return EXIT_NOT_CHECKPOINTED
             return exit_code
         if exit_code == EXIT_LEASE_LOST or (exit_code == EXIT_OK and m.lease_lost):
             url = m.lease_lost_url or m.storage.url

@@ -33,6 +33,11 @@ A second test runs two more jobs under another Prometheus, the trainer wrapped b
 
 When every job is stopped -> ``TrainingJobAbsent`` (pending).
 
+A third test runs fault-tolerant replica groups (``trainer.ft``: a lighthouse and two groups
+of one rank, their metrics ports one scrape job): one group's worker is SIGKILLed and not
+restarted, the other trains on alone -> ``ReplicaQuorumBelowMinimum`` (pending); then the
+lighthouse is SIGKILLed -> ``ReplicaLighthouseUnreachable`` (pending).
+
 Every alert of the shipped file is brought to pending or firing. Rules are the shipped file
 unchanged: thresholds come from the exporter's gauges, set small
 through the metrics config keys; ``for:`` durations are met by "pending".
@@ -54,7 +59,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist import free_port
-from tests.e2e._jobs import Job, base_env, trainer_argv
+from tests.e2e._jobs import TINY, Job, base_env, trainer_argv
 from tests.monitoring.test_rules import dashboard_exprs
 
 pytestmark = pytest.mark.slow
@@ -283,6 +288,8 @@ BROUGHT = {
         "CheckpointStorageRetries", "CheckpointStallHigh", "CheckpointSavesSkipped",
         "CheckpointRetentionFailing", "CheckpointLeaseLost", "TrainingRestartLoop",
         "TrainingJobAbsent"},
+    "test_replica_group_faults_bring_their_alerts": {
+        "ReplicaQuorumBelowMinimum", "ReplicaLighthouseUnreachable"},
 }
 
 
@@ -349,4 +356,34 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
     finally:
         for job in jobs:
             job.kill_all()
+        prom.stop()
+
+
+def test_replica_group_faults_bring_their_alerts(tmp_path):
+    """A replica group that dies for good, then the lighthouse."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("torchft")  # the 'ft' extra; CI installs it
+    from trainer.ft.local import LocalReplicaGroups
+
+    base = _port_pair()
+    prom = Prom(tmp_path, {"ft": base})
+    job = LocalReplicaGroups(
+        ["--config", str(TINY), "--training.steps=1000000",
+         "--fault.inject_step_delay_seconds=0.05", "--fault.hang_timeout_seconds=60",
+         "--fault_tolerance.heartbeat_timeout_seconds=1",
+         "--fault_tolerance.join_timeout_seconds=1", "--fault_tolerance.timeout_seconds=10",
+         "--metrics.host=127.0.0.1", f"--metrics.stall_min_seconds={STALL_MIN}"],
+        groups=2, out=tmp_path / "ft", max_restarts=0, port=free_port(), env=base_env(),
+        group_args=lambda g: [f"--metrics.port={base + g}"])
+    try:
+        job.start()
+        prom.wait_query('count(train_ft_quorum_size{job="ft"} == 2) == 2', 180)
+        assert not [a for a in prom.alerts() if a["labels"]["alertname"].startswith("Replica")]
+        job.kill_worker(1)  # no restarts: the group is gone, group 0 trains alone
+        prom.wait_alert("ReplicaQuorumBelowMinimum", 60, job="ft")
+        os.killpg(job.lighthouse.pid, signal.SIGKILL)
+        prom.wait_alert("ReplicaLighthouseUnreachable", 60, job="ft",
+                        instance=f"127.0.0.1:{base}")
+    finally:
+        job.stop()
         prom.stop()

@@ -1,7 +1,7 @@
 """Training configuration: one dataclass per component, loaded from TOML plus CLI overrides.
 
 A :class:`Config` holds the sections ``model``, ``training``, ``parallel``, ``data``,
-``checkpoint``, ``metrics`` and ``fault``. Every field carries a one-line help text
+``checkpoint``, ``metrics``, ``fault`` and ``fault_tolerance``. Every field carries a one-line help text
 (:func:`field_docs`, the source of docs/config.md's tables); every section validates itself
 in ``__post_init__`` and raises :class:`ConfigError` whose message starts with the dotted key
 (``training.lr: ...``) and says how to fix it. :func:`load_config` reads a TOML file and then
@@ -14,11 +14,13 @@ that the batch divides evenly over the layout.
 This package's face; its modules: ``_section`` (the section base, :class:`ConfigError`,
 value coercion), ``_model`` (``[model]`` and :func:`num_transformer_params`), ``_parallel``
 (``[parallel]``, the trainer's one layout type), ``_checkpoint`` (``[checkpoint]``),
+``_fault_tolerance`` (``[fault_tolerance]``: torchft replica groups),
 ``_schema`` (the other sections and the :class:`Config` tree), ``_io`` (TOML, overrides,
 dicts, the fingerprint, field docs).
 """
 
 from trainer.config._checkpoint import CheckpointConfig
+from trainer.config._fault_tolerance import FaultToleranceConfig
 from trainer.config._io import (
     FINGERPRINT_FIELDS,
     config_fingerprint,
@@ -51,6 +53,7 @@ __all__ = [
     "CheckpointConfig",
     "MetricsConfig",
     "FaultConfig",
+    "FaultToleranceConfig",
     "num_transformer_params",
     "FINGERPRINT_FIELDS",
     "load_config",

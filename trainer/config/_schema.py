@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from trainer.config._checkpoint import CheckpointConfig
+from trainer.config._fault_tolerance import QUORUM_TIMEOUT_MARGIN_SECONDS, FaultToleranceConfig
 from trainer.config._model import ModelConfig
 from trainer.config._parallel import ParallelConfig
 from trainer.config._section import Section, config_field as _f, fail_key
@@ -171,6 +172,8 @@ class FaultConfig(Section):
     straggler_factor: float = _f(2.0, "Report ranks slower than factor * median step; 0 = off.")
     handle_preemption: bool = _f(True, "On SIGTERM/SIGUSR1, save a checkpoint, then exit.")
     inject_nan_step: int = _f(0, "Testing: make the loss of this step NaN (1-based); 0 = off.")
+    inject_step_delay_seconds: float = _f(
+        0.0, "Testing and demos: sleep this long in every step (a slower model); 0 = off.")
 
     def _validate(self) -> None:
         self._at_least("hang_timeout_seconds", 0, "use 0 to disable")
@@ -186,6 +189,7 @@ class FaultConfig(Section):
         if self.straggler_factor != 0 and self.straggler_factor <= 1:
             self._fail("straggler_factor", f"must be > 1 or 0 (off), got {self.straggler_factor}")
         self._at_least("inject_nan_step", 0, "use 0 to disable")
+        self._at_least("inject_step_delay_seconds", 0, "use 0 to disable")
 
 
 # Beyond the hang deadline: the watchdog polls every 5 s at most, then dumps the stacks of
@@ -195,7 +199,7 @@ PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS = 60.0
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "training": TrainingConfig, "parallel": ParallelConfig,
     "data": DataConfig, "checkpoint": CheckpointConfig, "metrics": MetricsConfig,
-    "fault": FaultConfig,
+    "fault": FaultConfig, "fault_tolerance": FaultToleranceConfig,
 }
 
 
@@ -212,6 +216,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
         m, t = self.model, self.training
@@ -221,6 +226,8 @@ class Config:
         self.parallel.check(m, global_batch_size=t.global_batch_size,
                             grad_accum_steps=t.grad_accum_steps, seq_len=t.seq_len)
         self._check_timeout_order()
+        if self.fault_tolerance.enabled:
+            self._check_fault_tolerance()
 
     def hang_deadline_seconds(self) -> float:
         """The longest a rank may wait in a collective while the hang watchdog has not yet
@@ -256,6 +263,58 @@ class Config:
                      f"{linger} + {PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS:g} = {least:g}",
                      f"set it to {least:g} or more, lower fault.hang_timeout_seconds or "
                      f"fault.blocking_save_grace_seconds, or leave it unset (derived)")
+
+    def quorum_timeout_seconds(self) -> float:
+        """``fault_tolerance.quorum_timeout_seconds``, or derived: a group waiting for a
+        quorum must outwait a hung peer, whose heartbeat (sent by a thread of torchft's own,
+        alive while Python hangs) stops only when its hang watchdog exits the process
+        (after ``fault.hang_timeout_seconds``, plus ``metrics.linger_seconds`` with a
+        metrics port) and the lighthouse then waits a heartbeat timeout."""
+        ft = self.fault_tolerance
+        return ft.quorum_timeout_seconds or max(60.0, self._least_quorum_timeout())
+
+    def _least_quorum_timeout(self) -> float:
+        f, m, ft = self.fault, self.metrics, self.fault_tolerance
+        return (f.hang_timeout_seconds + (m.linger_seconds if m.port else 0.0)
+                + ft.heartbeat_timeout_seconds + QUORUM_TIMEOUT_MARGIN_SECONDS)
+
+    def _check_fault_tolerance(self) -> None:
+        ft, par, f = self.fault_tolerance, self.parallel, self.fault
+        groups = par.dp_replicate
+        if ft.group_id >= groups:
+            fail_key("fault_tolerance.group_id", f"{ft.group_id} is outside the "
+                     f"parallel.dp_replicate={groups} replica groups",
+                     f"use 0 .. {groups - 1}, or raise parallel.dp_replicate")
+        if ft.min_replicas > groups:
+            fail_key("fault_tolerance.min_replicas", f"{ft.min_replicas} exceeds the "
+                     f"parallel.dp_replicate={groups} replica groups: no step would commit",
+                     f"set it to {groups} or less")
+        if f.nan_policy == "rollback":
+            fail_key("fault.nan_policy", "'rollback' is not supported with "
+                     "fault_tolerance.enabled (a rollback would have to move every replica "
+                     "group back at once)", "use 'skip' or 'stop'")
+        if self.checkpoint.local_root:
+            fail_key("checkpoint.local_root", "a local tier is not supported with "
+                     "fault_tolerance.enabled (healthy replica groups are the fast tier)",
+                     "leave checkpoint.local_root empty")
+        if f.hang_timeout_seconds > 0 and ft.timeout_seconds >= f.hang_timeout_seconds:
+            fail_key("fault_tolerance.timeout_seconds", f"{ft.timeout_seconds:g} s is not "
+                     f"below fault.hang_timeout_seconds ({f.hang_timeout_seconds:g}): a group "
+                     f"waiting on a dead peer's all-reduce would be taken for hung",
+                     "lower it or raise the hang timeout")
+        least = self._least_quorum_timeout()
+        if ft.quorum_timeout_seconds and ft.quorum_timeout_seconds < least:
+            linger = (f" + metrics.linger_seconds ({self.metrics.linger_seconds:g})"
+                      if self.metrics.port else "")
+            fail_key("fault_tolerance.quorum_timeout_seconds",
+                     f"{ft.quorum_timeout_seconds:g} s would give up on the quorum while a "
+                     f"hung replica group still heartbeats, and every healthy group would "
+                     f"exit with it; it must be at least fault.hang_timeout_seconds "
+                     f"({f.hang_timeout_seconds:g}){linger} + "
+                     f"fault_tolerance.heartbeat_timeout_seconds "
+                     f"({ft.heartbeat_timeout_seconds:g}) + "
+                     f"{QUORUM_TIMEOUT_MARGIN_SECONDS:g} = {least:g}",
+                     f"set it to {least:g} or more, or 0 to derive it")
 
     def resolved(self, world_size: int) -> Config:
         """A copy whose ``parallel`` is :meth:`ParallelConfig.resolved` for ``world_size``

@@ -316,8 +316,20 @@ def _chain_merge(plans: list[SavePlan]) -> dict:
     return dict(ChainMap(*[p.planner_data for p in plans]))
 
 
+def _finish_timed(writer: CkptWriter, metadata, results) -> tuple[float, float]:
+    """CPU seconds of ``writer.finish``: building the manifest, then serialising and
+    committing it (split at ``before_commit``)."""
+    marks = {}
+    writer.before_commit = lambda: marks.setdefault("built", time.process_time())
+    gc.collect()
+    t0 = time.process_time()
+    writer.finish(metadata, results)
+    t1 = time.process_time()
+    return marks["built"] - t0, t1 - marks["built"]
+
+
 def measure(model: Model, n_layers: int, world: int, tp: int, root: str,
-            per_parameter_optim: bool = False) -> dict:
+            per_parameter_optim: bool = False, repeats: int = 3) -> dict:
     dp = world // tp
     plans = local_plans(model, n_layers, dp, tp, per_parameter_optim)
     num_items = sum(len(p.items) for p in plans)
@@ -340,44 +352,48 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str,
         step = int(time.time() * 1e6) % 10**9  # a new step folder every time
         writer = CkptWriter(storage, step, f"step_{step:09d}", lifecycle=Lifecycle(storage),
                             manifest_extra={"world_size": world})
-        marks = {}
-        writer.before_commit = lambda: marks.setdefault("built", time.process_time())
         row["t_prepare"], final = _timed(writer.prepare_global_plan, global_plans)
         row["num_chunks"] = sum(len(md.chunks) for md in metadata.state_dict_metadata.values()
                                 if hasattr(md, "chunks"))
         results, part0 = write_results(final, step, writer.save_id)
-        gc.collect()
-        t0 = time.process_time()
-        writer.finish(metadata, results)
-        t1 = time.process_time()
-        row["t_build"] = marks["built"] - t0
-        row["t_commit"] = t1 - marks["built"]
+        row["t_build"], row["t_commit"] = _finish_timed(writer, metadata, results)
         row["t_serialize"], data = _timed(writer.manifest.to_json_bytes)
         row["manifest_bytes"] = len(data)
         row["part_bytes"] = len(part0)
         row["manifest_bytes_per_loading_rank"] = len(data) + len(part0)
         save_id = writer.save_id
-        del results, final, global_plans, metadata, plans, writer
-        # The steady state: a save after the first, every rank on its cached plan.
+        # The steady state: saves after the first, every rank on its cached plan, each with
+        # the first save's results (its own offsets and checksums cost the same). The
+        # minimum of ``repeats`` saves per phase: CPU time still varies with the load.
         cached = cache.global_plan
         digest = "0" * 32  # equal within each holder set: the replicas agree
-        cached_plans = [SavePlan([], usable=False, planner_data={
-            _CACHED_KEY: [cached.plan_id, {sid: digest for sid in cached.sets_of_rank[r]}]})
-            for r in range(world)]
-        row["t_plan_cached"], (cached_global, _) = _timed(
-            SafeSavePlanner(cache=cache).create_global_plan, cached_plans)
-        writer = CkptWriter(storage, step + 1, f"step_{step + 1:09d}",
-                            lifecycle=Lifecycle(storage), manifest_extra={"world_size": world})
-        row["t_prepare_cached"], _ = _timed(writer.prepare_global_plan, cached_global)
-        del cached_plans, cached_global, writer
+        steady: dict[str, list[float]] = {}
+        for k in range(repeats):
+            cached_plans = [SavePlan([], usable=False, planner_data={
+                _CACHED_KEY: [cached.plan_id, {sid: digest for sid in cached.sets_of_rank[r]}]})
+                for r in range(world)]
+            t, (cached_global, cached_md) = _timed(
+                SafeSavePlanner(cache=cache).create_global_plan, cached_plans)
+            steady.setdefault("t_plan_cached", []).append(t)
+            n = step + 1 + k
+            again = CkptWriter(storage, n, f"step_{n:09d}", lifecycle=Lifecycle(storage),
+                               manifest_extra={"world_size": world}, save_id=save_id)
+            t, _ = _timed(again.prepare_global_plan, cached_global)
+            steady.setdefault("t_prepare_cached", []).append(t)
+            build, commit = _finish_timed(again, cached_md, results)
+            steady.setdefault("t_build_cached", []).append(build)
+            steady.setdefault("t_commit_cached", []).append(commit)
+            del cached_plans, cached_global, again
+        row.update({k: min(v) for k, v in steady.items()})
+        del results, final, global_plans, metadata, plans, writer
         row["t_read"], root = _timed(Manifest.from_json_bytes, data, "bench")
         row["t_read_part"], _ = _timed(Part.from_json_bytes, part0, "bench", root,
                                        part_name(0, save_id))
     finally:
         gc.enable()
     row["t_coord"] = row["t_plan"] + row["t_prepare"] + row["t_build"] + row["t_commit"]
-    row["t_steady"] = (row["t_plan_cached"] + row["t_prepare_cached"] + row["t_build"]
-                       + row["t_commit"])
+    row["t_steady"] = (row["t_plan_cached"] + row["t_prepare_cached"] + row["t_build_cached"]
+                       + row["t_commit_cached"])
     return row
 
 
@@ -436,9 +452,11 @@ def run_scale(args) -> None:
             print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
             for world in ranks:
                 tp = args.tp if world >= args.tp else 1
-                r = measure(model, args.layers, world, tp, root, args.per_parameter_optim)
+                r = measure(model, args.layers, world, tp, root, args.per_parameter_optim,
+                            args.repeats)
                 r2 = (measure(model, 2 * args.layers, world, tp, root,
-                              args.per_parameter_optim) if args.fit_layers else None)
+                              args.per_parameter_optim, args.repeats)
+                      if args.fit_layers else None)
                 whole = {k: _whole_model(r, r2, k, model, args.layers)
                          for k in ("t_coord", "t_steady", "manifest_bytes_per_loading_rank")}
                 r["whole"] = whole
@@ -566,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-parameter-optim", action="store_true",
                     help="simulate the optimizer state before packing: every hyperparameter "
                          "and step counter once per parameter")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="steady-state saves timed per world size (the minimum counts)")
     ap.add_argument("--json", metavar="FILE",
                     help="also write one row per model and rank count (coordinator_s_per_save, "
                          "manifest_bytes_per_loading_rank, ...) to FILE")

@@ -497,6 +497,8 @@ class Trainer:
                         break
             if not stopped:
                 self._finish(watchdog)
+                if self.manager is not None:  # every rank: the last commit may have found
+                    self.manager.check_lease()  # the lease taken (the exit code says so)
             crashed = False
         finally:
             watchdog.stop()

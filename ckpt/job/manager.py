@@ -194,6 +194,14 @@ class CheckpointManager:
         node loss)."""
         self._claim.save_history()
 
+    def check_lease(self) -> bool:
+        """Collective: is the write lease lost? Agreed by every rank now, not at the next
+        save: a save's checks found it held, and then its commit found it taken (the last
+        save of a run). Sets :attr:`lease_lost`; returns it."""
+        if self._ctl.any(self._claim.lost):
+            self.lease_lost = True
+        return self.lease_lost
+
     @property
     def lease_lost_url(self) -> str | None:
         """The root whose lease this job lost, or None (as ``TieredCheckpointManager``'s)."""

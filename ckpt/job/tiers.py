@@ -187,6 +187,13 @@ class TieredCheckpointManager:
         """Either tier lost its lease (agreed by every rank at a save)."""
         return self.durable.lease_lost or self._local_lease_lost
 
+    def check_lease(self) -> bool:
+        """Collective: :meth:`CheckpointManager.check_lease` of both tiers."""
+        durable = self.durable.check_lease()
+        self._local_lease_lost = self._world.any(self.local.check_lease()
+                                                 or self._local_lease_lost)
+        return durable or self._local_lease_lost
+
     def in_flight(self) -> bool:
         return self.durable.in_flight() or self.local.in_flight()
 

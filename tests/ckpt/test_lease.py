@@ -193,3 +193,21 @@ def test_concurrent_heartbeats_do_not_lose_the_lease(tmp_path):
     assert _released(storage)
     with pytest.raises(ValueError, match="ttl"):
         Lease(storage, ttl_seconds=0)
+
+
+def test_a_lease_lost_during_the_last_save_is_agreed_before_the_run_ends(root):
+    """The last save of a run: its checks found the lease held, its commit found it taken.
+    No later save agrees the loss, so ``check_lease`` does (the trainer's exit code 4)."""
+    url, options = root
+    storage = FaultyStorage(url, options, delay_seconds=0.5)
+    mgr = CheckpointManager(storage, lease_ttl_seconds=TTL, retention=[])
+    try:
+        mgr.save(1, {"w": torch.ones(3)})
+        assert storage.writing.wait(30)
+        storage.write_bytes(LEASE_NAME, _foreign_record(60))
+        mgr.wait(raise_errors=False)
+        assert not mgr.lease_lost  # not agreed yet: no save came after
+        assert mgr.check_lease() is True and mgr.lease_lost
+        assert mgr.lease_lost_url == storage.url
+    finally:
+        mgr.close()

@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# Test files run in parallel, each whole in one worker (its module fixtures run once):
+# most tests wait on processes they started, so 3 workers keep 2 cores busy. TEST_WORKERS=0
+# runs them in this process, one after another.
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-3}" --dist loadfile "$@"

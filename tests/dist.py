@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 from typing import Any, Callable
@@ -22,10 +23,39 @@ from typing import Any, Callable
 __all__ = ["run_ranks", "free_port"]
 
 
+_PORTS_LOW, _PORTS_HIGH = 12000, 32000  # below Linux's ephemeral range (32768-60999)
+_PORT_SPAN = 8  # ports free from the one returned on: a job's ranks use port + rank
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now, with the next ``_PORT_SPAN - 1`` free too
+    (the metrics of rank r listen on port + r).
+
+    Taken below the kernel's ephemeral range, so that no outgoing connection (a gloo pair, an
+    HTTP client) is given it before its listener binds, and from a range of its own per
+    pytest-xdist worker, so that parallel tests do not pick the same one; within it, each
+    process starts at a random offset and moves on."""
+    if not _next_port:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        index = int(worker[2:]) if worker[2:].isdigit() else 0
+        width = (_PORTS_HIGH - _PORTS_LOW) // 8
+        low = _PORTS_LOW + (index % 8) * width
+        _next_port.extend([low, low + width - _PORT_SPAN,
+                           low + random.randrange(0, width - _PORT_SPAN, _PORT_SPAN)])
+    low, high, port = _next_port
+    for _ in range((high - low) // _PORT_SPAN):
+        base = port
+        port = port + _PORT_SPAN if port + _PORT_SPAN <= high else low
+        try:
+            for p in range(base, base + _PORT_SPAN):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        _next_port[2] = port
+        return base
+    raise RuntimeError(f"no {_PORT_SPAN} consecutive free ports in {low}-{high}")
 
 
 def _worker(fn, rank, world_size, port, args, queue, env, backend):

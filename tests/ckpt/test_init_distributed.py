@@ -4,13 +4,12 @@ The restarts themselves are tested end to end in tests/e2e/test_torchrun_restart
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch.distributed as dist
 
 import ckpt
 from ckpt.ranks import torchrun as ckpt_dist
+from tests.dist import free_port
 
 TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE",
@@ -27,9 +26,7 @@ def env(monkeypatch):
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def test_a_plain_process_starts_no_group(env):

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from tests.dist import free_port as _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 ABORT_MARK = "terminate called"  # gloo's abort at interpreter exit (PLATFORM.md)
@@ -344,12 +346,9 @@ def straight_run(overrides: tuple[str, ...], nproc: int | None = 2,
 
 # -- several nodes on loopback ------------------------------------------------------------------
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a rendezvous endpoint)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now (for a rendezvous endpoint):
+    :func:`tests.dist.free_port`."""
+    return _free_port()
 
 
 def node_argv(*overrides: str, nnodes: int, port: int, run_id: str, local_addr: str,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ckpt.root import CheckpointStore
+from tests.dist import free_port
 from tests.e2e._jobs import COMMON, ROOT, TINY, base_env
 
 KILL_ONCE = ROOT / "tests" / "e2e" / "_kill_once.py"
@@ -33,9 +33,7 @@ LOOPS = max(1, int(os.environ.get("E2E_RESTART_LOOPS", "1")))
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _launcher(rdzv: str, run: int) -> list[str]:

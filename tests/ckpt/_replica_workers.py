@@ -60,10 +60,17 @@ def train_body(rank: int, world: int, root: str, local_root: str, last: int,
     receives, after its first data file and before the copy's manifest."""
     if die_copying is not None and rank == die_copying[0]:
         _die_while_copying(die_copying[1])
+    from monitoring import Metrics
+
     model, opt = _model(rank)
     mgr = _mgr(root, local_root, rank, durable)
+    metrics = Metrics(mgr.events, rank=rank)
     _steps(mgr, rank, model, opt, 1, last)
-    return _kinds(mgr, "replica_committed", "replica_failed", "replica_skipped")
+    series = {(s.name, s.labels.get("outcome")): s.value
+              for fam in metrics.registry.collect() for s in fam.samples
+              if s.name.startswith(("ckpt_replica", "ckpt_replicated"))}
+    return {**_kinds(mgr, "replica_committed", "replica_failed", "replica_skipped"),
+            "metrics": series}
 
 
 def _die_while_copying(step: int) -> None:

@@ -54,6 +54,16 @@ def test_each_nodes_local_steps_are_copied_to_the_next_node_bit_for_bit(crashed)
         assert [s for s, _ in events["replica_committed"]] == [2, 4, 6], events
         assert {f["peer_node"] for _, f in events["replica_committed"]} == {(node + 1) % NODES}
         assert not events["replica_failed"] and not events["replica_skipped"]
+        # What monitoring makes of it: the newest step held on two nodes, bytes, lag.
+        series = events["metrics"]
+        assert series[("ckpt_replicated_step", None)] == 6
+        assert series[("ckpt_replicas_total", "committed")] == 3
+        assert series[("ckpt_replicas_total", "failed")] == 0
+        assert 0 < series[("ckpt_replication_lag_seconds", None)] < 60
+        # Steps 2, 4 and 6 were copied; the files of 4 and 6 are still there to count.
+        kept = sum(len(b) for step in (4, 6) for b in _files(
+            base / f"local-{(node + 1) % NODES}" / f"peer-{node}" / f"step_{step:09d}").values())
+        assert series[("ckpt_replicated_bytes_total", None)] > kept > 0
     for node in range(NODES):
         holder = base / f"local-{(node + 1) % NODES}" / f"peer-{node}"
         # The copies mirror the owner's retention (keep 2) and are byte for byte its files.

@@ -6,8 +6,9 @@ A version goes as messages (``ckpt.ranks.swap_bytes``): a header (step, the send
 its root, every file with its size, the steps its owner keeps), the manifest, then each
 file in chunks of at most ``CHUNK_BYTES``. The receiver trusts none of it: the header and the
 manifest are parsed strictly, the files must be those the manifest lists, and each one's
-size and CRC32C are checked as it arrives, before it is written (``fsync``); only then is the
-manifest re-issued under the receiving root's lease (``Lifecycle.commit_copy``). A copy that
+size and CRC32C are checked as it arrives, before it is written (``fsync``, on a thread of
+its own while the next file arrives: one file waits at most); only then is the manifest
+re-issued under the receiving root's lease (``Lifecycle.commit_copy``). A copy that
 fails is abandoned (its files removed); one torn by a crash has no manifest. Failures on
 either side never break the step of messages: a file the sender cannot read goes as an empty
 message (which the receiver refuses), and a receiver that refused a copy still takes every
@@ -17,6 +18,7 @@ message that follows.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
@@ -122,6 +124,8 @@ class Incoming:
         self._plan: list[tuple[int, int, bool]] = []  # per data message: file, length, last
         self._taken = 0
         self._chunks: list[torch.Tensor] = []
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: Future | None = None  # the file being written
 
     def take(self, msg: torch.Tensor) -> None:
         i, self._taken = self._taken, self._taken + 1
@@ -202,14 +206,34 @@ class Incoming:
             raise CheckpointError(
                 f"{self.root}/{step_dirname(self.step)}/{name}: checksum mismatch "
                 f"(expected crc32c {record.crc32c:08x}, got {crc:08x}); the copy is refused")
-        self.storage.write_buffers(f"{step_dirname(self.step)}/{name}",
-                                   [c.numpy() for c in chunks])
-        self.nbytes += size
+        # Written on a thread of its own while the next file arrives: a receiver's disk
+        # must not hold up the sender (in a ring, every node). One file waits at most.
+        self._wait_written()
+        if self.error is None:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy-write")
+            self._writing = self._writer.submit(
+                self.storage.write_buffers, f"{step_dirname(self.step)}/{name}",
+                [c.numpy() for c in chunks])
+            self.nbytes += size
+
+    def _wait_written(self) -> None:
+        """Wait for the file being written (if any); its failure fails the copy."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            try:
+                writing.result()
+            except Exception as exc:  # noqa: BLE001 - the copy fails, reported by finish
+                self._fail(f"{type(exc).__name__}: {exc}")
 
     def finish(self) -> Manifest | None:
         """After the last message: commit the copy (or find it held already) and return
         its manifest; None when nothing was sent. Raises ``CheckpointError`` when the copy
         failed (its files are removed first)."""
+        self._wait_written()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
         if self.step is None:
             return None
         if self.error is None and not self.held:

@@ -26,8 +26,9 @@ rounds in the same order)::
     ack ─► the sender learns its step is held on two nodes (``replica_committed``)
 
 A copy is complete or invisible: its manifest is created last, and a copy torn by a crash
-has none (the next holder of the peer root removes its files). Memory per coordinator: the
-file in flight each way (a file is written once all its chunks are in).
+has none (the next holder of the peer root removes its files). Memory per coordinator, in
+host memory: the file it sends, and the file arriving plus the one being written (a file is
+written once all its chunks are in, while the next one arrives).
 
 Resume (:meth:`Replicas.restore`, every rank, on the training thread, before the two-tier
 walk): a local step counts when every node holds it, itself or through its successor's

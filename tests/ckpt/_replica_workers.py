@@ -27,11 +27,11 @@ def _state(rank: int, model, opt, step: int) -> dict:
     return {f"node{rank}": ModelState(model, opt), "progress": {"step": step}}
 
 
-def _mgr(root: str, local_root: str, rank: int, durable: str = DURABLE_EVERY):
+def _mgr(root: str, local_root: str, node: int, durable: str = DURABLE_EVERY):
     from ckpt.job import TieredCheckpointManager
 
     return TieredCheckpointManager(root, local_root, cadence=durable,
-                                   local_cadence=LOCAL_EVERY, busy="wait", node_rank=rank,
+                                   local_cadence=LOCAL_EVERY, busy="wait", node_rank=node,
                                    lease_ttl_seconds=5.0, local_replicas=2)
 
 
@@ -53,17 +53,19 @@ def _kinds(mgr, *kinds: str) -> dict:
 
 
 def train_body(rank: int, world: int, root: str, local_root: str, last: int,
-               durable: str = DURABLE_EVERY, die_copying: tuple[int, int] | None = None) -> dict:
+               durable: str = DURABLE_EVERY, die_copying: tuple[int, int] | None = None,
+               per_node: int = 1) -> dict:
     """Train 1..``last`` on every node with copies on the next node, and stop as a crash
     does (no ``close``: leases left behind, nothing flushed). ``die_copying=(node, step)``:
     that node's process kills itself (SIGKILL) while it writes the copy of ``step`` it
-    receives, after its first data file and before the copy's manifest."""
+    receives, after its first data file and before the copy's manifest. ``per_node``:
+    ranks per node (node = rank // per_node)."""
     if die_copying is not None and rank == die_copying[0]:
         _die_while_copying(die_copying[1])
     from monitoring import Metrics
 
     model, opt = _model(rank)
-    mgr = _mgr(root, local_root, rank, durable)
+    mgr = _mgr(root, local_root, rank // per_node, durable)
     metrics = Metrics(mgr.events, rank=rank)
     _steps(mgr, rank, model, opt, 1, last)
     series = {(s.name, s.labels.get("outcome")): s.value
@@ -90,7 +92,7 @@ def _die_while_copying(step: int) -> None:
 
 
 def resume_body(rank: int, world: int, root: str, local_root: str, total: int,
-                durable: str = DURABLE_EVERY) -> dict:
+                durable: str = DURABLE_EVERY, per_node: int = 1) -> dict:
     """A new job on the same roots (some nodes' local roots wiped or damaged by the test):
     resume, train on to ``total`` and compare with a run that never stopped."""
     from ckpt.dcp import resolve_state
@@ -98,7 +100,7 @@ def resume_body(rank: int, world: int, root: str, local_root: str, total: int,
     from tests.ckpt._mgr_workers import _train
 
     model, opt = _model(rank)
-    mgr = _mgr(root, local_root, rank, durable)
+    mgr = _mgr(root, local_root, rank // per_node, durable)
     state = _state(rank, model, opt, 0)
     m = mgr.load_latest(state)
     out = {"step": m.step if m is not None else None, "tier": mgr.resumed_tier,

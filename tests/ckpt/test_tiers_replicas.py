@@ -145,3 +145,18 @@ def test_a_node_killed_while_it_receives_a_copy_leaves_no_torn_copy(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "local-2" / "peer-1").glob("step_*"))
     assert kept == ["step_000000008", "step_000000010"], kept
     assert not list((tmp_path / "local-2" / "peer-1").rglob("pending-*"))
+
+
+def test_a_node_of_several_ranks_gets_every_ranks_part_back(tmp_path):
+    """Two nodes of two ranks each: a node's local checkpoint holds both ranks' files (its
+    first rank copies them); the replaced node gets both back from the other node."""
+    root, local = _roots(tmp_path)
+    run_ranks(w.train_body, 4, root, local, LAST, w.DURABLE_EVERY, None, 2, timeout=240)
+    assert sorted(p.name for p in (tmp_path / "local-0" / "peer-1").glob("step_*")) == \
+        ["step_000000004", "step_000000006"]
+    shutil.rmtree(tmp_path / "local-1")
+    out = run_ranks(w.resume_body, 4, root, local, TOTAL, w.DURABLE_EVERY, 2, timeout=240)
+    assert [(r["step"], r["tier"]) for r in out] == [(6, "local")] * 4
+    # Node 1's first rank (rank 2) fetched it back, from node 0.
+    assert [(s, f["peer_node"]) for s, f in out[2]["replica_restored"]] == [(6, 0)]
+    assert not any(r["replica_restored"] for i, r in enumerate(out) if i != 2)

@@ -57,6 +57,7 @@ class Outgoing:
         self.nbytes = sum(size for _, size in self.files)
         self.keep = keep
         self.error: str | None = None
+        self._buffer: torch.Tensor | None = None  # the message being sent (local files)
 
     def messages(self) -> Iterator[torch.Tensor]:
         header = {"step": self.step, "node": self.node, "root": self.storage.url,
@@ -79,7 +80,12 @@ class Outgoing:
             return torch.empty(0, dtype=torch.uint8)
         try:
             if self.storage.local_path(rel) is not None:
-                out = torch.empty(length, dtype=torch.uint8)
+                # One buffer for every message: ``swap_bytes`` returns once its send is
+                # done, so the next read may reuse it (no new pages per message).
+                if self._buffer is None or self._buffer.numel() < length:
+                    self._buffer = torch.empty(max(length, min(CHUNK_BYTES, self.nbytes)),
+                                               dtype=torch.uint8)
+                out = self._buffer[:length]
                 view = memoryview(out.numpy())
                 with self.storage.open_local(rel) as f:
                     f.seek(start)

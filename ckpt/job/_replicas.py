@@ -145,9 +145,6 @@ class Replicas:
             self._pending.append(step)
             self._last = self._executor.submit(self._round, step, outcome)
 
-    def busy(self) -> bool:
-        return self._last is not None and not self._last.done()
-
     def wait(self) -> None:
         """Until every round queued is done (they never raise)."""
         last = self._last

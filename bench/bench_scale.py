@@ -523,6 +523,7 @@ LAYOUTS = {
     "405b": [(16, 8), (64, 8), (256, 8), (1024, 8)],
 }
 BYTES_PER_PARAM = 12  # fp32 master weights + AdamW exp_avg + exp_avg_sq (what the trainer saves)
+LOCAL_KEEP = 2  # local steps kept per node (checkpoint.local_keep_last's default)
 
 
 def run_sizing(args) -> None:
@@ -539,11 +540,17 @@ def run_sizing(args) -> None:
           f"node, saved at the "
           f"MTBF of node losses, {args.node_loss_share:g} of all failures (the rest keep "
           f"their node's local tier); restart 60 s. Goodput: both tiers / the durable tier "
-          f"alone.\n")
+          f"alone. With copies on the next node (checkpoint.local_replicas = 2, `ckpt plan "
+          f"--local-replicas 2 --nodes N`): the goodput of both tiers when a node loss is "
+          f"survived unless a neighbour is lost too (one node: no next node), and the local "
+          f"disk (or /dev/shm memory) per node for the last {LOCAL_KEEP} local steps: its own, "
+          f"and with copies its predecessor's too.\n")
     print("| model | layout | ranks | nodes | checkpoint | per rank | per node | stall | "
           "persist @1 GB/s | @5 GB/s | @20 GB/s | job MTBF | interval (bound) | "
-          "local tier interval | durable tier interval | goodput 2 tiers / 1 |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")
+          "local tier interval | durable tier interval | goodput 2 tiers / 1 | "
+          "goodput 2 tiers, local copies | local disk per node, 1 / 2 copies |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"
+          "---:|---:|")
     for name in args.models.split(","):
         model = MODELS[name]
         total = model.num_params() * BYTES_PER_PARAM
@@ -559,6 +566,11 @@ def run_sizing(args) -> None:
             tiers = make_tier_plans(int(per_node), args.durable_gbps * 1e9, args.local_gbps * 1e9,
                                     node_mtbf_seconds=mtbf_s / args.node_loss_share,
                                     mtbf_seconds=mtbf_s, stall_seconds=stall)
+            copied = make_tier_plans(int(per_node), args.durable_gbps * 1e9,
+                                     args.local_gbps * 1e9,
+                                     node_mtbf_seconds=mtbf_s / args.node_loss_share,
+                                     mtbf_seconds=mtbf_s, stall_seconds=stall, replicas=2,
+                                     num_nodes=nodes) if nodes > 1 else None
             layout = f"fsdp{dp}" + (f"xtp{tp}" if tp > 1 else "")
             print(f"| {name} | {layout} | {world} | {nodes} | {_fmt_b(total)} | "
                   f"{_fmt_b(per_rank)} | {_fmt_b(per_node)} | {_fmt_s(stall)} | "
@@ -566,7 +578,10 @@ def run_sizing(args) -> None:
                   f"{mtbf_s / 3600:.1f} h | {interval / 60:.1f} min ({bound}) | "
                   f"{tiers.local.interval_seconds / 60:.1f} min | "
                   f"{tiers.durable.interval_seconds / 60:.1f} min | "
-                  f"{100 * tiers.goodput:.2f}% / {100 * tiers.durable_only_goodput:.2f}% |")
+                  f"{100 * tiers.goodput:.2f}% / {100 * tiers.durable_only_goodput:.2f}% | "
+                  f"{f'{100 * copied.goodput:.2f}%' if copied else '-'} | "
+                  f"{_fmt_b(LOCAL_KEEP * per_node)} / "
+                  f"{_fmt_b(2 * LOCAL_KEEP * per_node) if nodes > 1 else '-'} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,9 +110,14 @@ def run_ranks(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     backend: str = "gloo",
+    kill_all_on_death: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks joined in a default group
-    of ``backend`` (``"cuda:gloo"``: one without a CPU backend); return results by rank."""
+    of ``backend`` (``"cuda:gloo"``: one without a CPU backend); return results by rank.
+
+    ``kill_all_on_death``: when a rank dies without reporting (a test that SIGKILLs one),
+    kill every other rank at once, as torchrun's agent tears a job down (else they are
+    given a moment to finish, then stopped); the error then lists each rank's end."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -143,6 +148,16 @@ def run_ranks(
                 if any(p.exitcode not in (None, 0) for p in procs) and len(results) < world_size:
                     # A rank died without reporting: give the others a moment, then stop.
                     dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if kill_all_on_death and any(i not in results for i in dead):
+                        for i, p in enumerate(procs):
+                            if p.is_alive():
+                                p.kill()
+                                p.join()
+                                results.setdefault(i, ("error", "killed: another rank died"))
+                        for i in dead:
+                            results.setdefault(
+                                i, ("error", f"process exited with code {procs[i].exitcode}"))
+                        break
                     if all(i not in results for i in dead):
                         time.sleep(2.0)
                         while not queue.empty():

@@ -135,10 +135,11 @@ class TierPlans:
     local: Plan
     """The local tier: its own bandwidth, every failure's MTBF."""
     durable: Plan
-    """The durable tier: its bandwidth, the MTBF of node losses (failures the local tier
-    does not survive); its interval a whole multiple of the local one (``active_bound``
-    ``"given"``), so that every durable save falls on a local save's step and shares its
-    stall."""
+    """The durable tier: its bandwidth, the MTBF of the failures the local tier does not
+    survive (node losses; with ``replicas=2``, losses of a node's neighbour soon after the
+    node: see ``second_loss_probability``); its interval a whole multiple of the local one
+    (``active_bound`` ``"given"``), so that every durable save falls on a local save's step
+    and shares its stall."""
     goodput: float
     """``1 - delta/tau_L - (1/M - 1/M_N) lost_L - lost_D / M_N``, ``lost`` = rework +
     restart + load (reading the checkpoint back from that tier): a failure the local tier
@@ -149,39 +150,75 @@ class TierPlans:
     """The goodput of the durable tier alone, at every failure's MTBF, load included, to
     compare: a local tier pays off when the durable persist or load is long and most
     failures keep their nodes; when the stall dominates, it does not."""
+    replicas: int = 1
+    """Copies of each node's local checkpoints: 1, or 2 (also on the next node)."""
+    num_nodes: int | None = None
+    """Nodes of the job (with ``replicas=2``)."""
+    vulnerable_seconds: float | None = None
+    """With ``replicas=2``: how long after a node loss a second loss next to it still
+    takes the local tier down, ``W = restart + local load + local interval + local
+    persist`` (the lost node's part is back once the job resumed; its predecessor's is
+    on two nodes again once its next local save was copied)."""
+    second_loss_probability: float | None = None
+    """With ``replicas=2``: the chance that a node loss is followed, within ``W``, by the
+    loss of one of its ``min(2, N - 1)`` neighbours, ``1 - exp(-k W / (N M_node))``: the
+    share of node losses the local tier does not survive."""
 
 
 def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                     local_bandwidth_bytes_per_second: float, *,
                     node_mtbf_seconds: float | None = None, mtbf_seconds: float = 86400.0,
+                    replicas: int = 1, num_nodes: int | None = None,
                     **options: Any) -> TierPlans:
     """Both tiers' intervals, as their ``Auto`` would settle (docs/cadence.md#two-tiers).
 
     ``node_mtbf_seconds``: mean time between failures that lose a node's local tier (None:
-    every failure does, ``mtbf_seconds``); it cannot be below ``mtbf_seconds``. Other
+    every failure does, ``mtbf_seconds``); it cannot be below ``mtbf_seconds``.
+    ``replicas``: copies of each node's local checkpoints (1, or 2: also on the next node,
+    ``checkpoint.local_replicas``); with 2 the local tier survives a node loss unless a
+    neighbour of the node is lost too before its part is on two nodes again, which needs
+    ``num_nodes`` (>= 2; ``TierPlans.second_loss_probability`` says how). Other
     ``options`` as for :func:`make_plan`, for both tiers."""
     node_mtbf = mtbf_seconds if node_mtbf_seconds is None else float(node_mtbf_seconds)
     if not node_mtbf >= mtbf_seconds:
         raise ValueError(f"node MTBF {node_mtbf!r} s is below the job's MTBF {mtbf_seconds!r} s, "
                          f"but node losses are a subset of all failures: pass a node MTBF >= "
                          f"the MTBF")
+    if replicas not in (1, 2):
+        raise ValueError(f"replicas={replicas!r} is invalid: pass 1 (each node keeps its own "
+                         f"local checkpoints) or 2 (and a copy on the next node)")
+    if replicas == 2 and (num_nodes is None or num_nodes < 2):
+        raise ValueError(f"replicas=2 needs the number of nodes (>= 2), got {num_nodes!r}: "
+                         f"a lost node's copy is on its neighbour, and how likely that one is "
+                         f"lost too depends on how many nodes share the losses")
     measurement = options.pop("measurement", None)
     local_bw, durable_bw = local_bandwidth_bytes_per_second, bandwidth_bytes_per_second
     local = make_plan(size_bytes, local_bw, mtbf_seconds=mtbf_seconds,
                       load_seconds=size_bytes / local_bw, **options)
-    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=node_mtbf,
+    # The failures the local tier does not survive: every node loss, or with a copy on the
+    # next node a node loss followed, within the window, by the loss of a neighbour.
+    lost_mtbf, window, second = node_mtbf, None, None
+    if replicas == 2:
+        window = (local.restart_seconds + local.load_seconds + local.interval_seconds
+                  + local.persist_seconds)
+        neighbours = min(2, num_nodes - 1)
+        second = -math.expm1(-neighbours * window / (num_nodes * node_mtbf))
+        lost_mtbf = node_mtbf / second  # window > 0: the local interval at least
+    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
                         load_seconds=size_bytes / durable_bw, measurement=measurement,
                         **options)
     # The durable interval a whole multiple of the local one: each durable save is a step
     # the local tier saves too, staged once (ckpt.job.tiers), so it adds no stall of its own.
     multiple = max(1, round(durable.interval_seconds / local.interval_seconds))
-    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=node_mtbf,
+    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
                         load_seconds=size_bytes / durable_bw, measurement=measurement,
                         interval_seconds=multiple * local.interval_seconds, **options)
-    survived_rate = 1.0 / mtbf_seconds - 1.0 / node_mtbf
+    survived_rate = 1.0 / mtbf_seconds - 1.0 / lost_mtbf
     goodput = (1.0 - local.overhead_fraction
                - survived_rate * local.lost_seconds_per_failure
-               - durable.lost_seconds_per_failure / node_mtbf)
+               - durable.lost_seconds_per_failure / lost_mtbf)
     alone = make_plan(size_bytes, durable_bw, mtbf_seconds=mtbf_seconds,
                       load_seconds=size_bytes / durable_bw, **options)
-    return TierPlans(local, durable, max(0.0, goodput), alone.goodput)
+    return TierPlans(local, durable, max(0.0, goodput), alone.goodput, replicas=replicas,
+                     num_nodes=num_nodes if replicas == 2 else None,
+                     vulnerable_seconds=window, second_loss_probability=second)

@@ -50,6 +50,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-mtbf", type=arg_type(parse_duration), default=None,
                         help="with --local-bandwidth: mean time between node losses, the "
                              "failures the local tier does not survive (default: --mtbf)")
+    parser.add_argument("--local-replicas", type=int, choices=(1, 2), default=1,
+                        help="with --local-bandwidth: copies of each node's local checkpoints "
+                             "(checkpoint.local_replicas); 2: also on the next node, so the "
+                             "local tier survives a lost node (needs --nodes)")
+    parser.add_argument("--nodes", type=arg_type(_count), default=None,
+                        help="with --local-replicas 2: the job's nodes (a second loss must hit "
+                             "a neighbour of the first to take the local tier down)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -70,9 +77,19 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.node_mtbf is not None and args.local_bandwidth is None:
             raise ValueError("--node-mtbf needs --local-bandwidth (it sets the durable tier's "
                              "MTBF when a local tier is used)")
+        if (args.local_replicas != 1 or args.nodes is not None) and args.local_bandwidth is None:
+            raise ValueError("--local-replicas and --nodes need --local-bandwidth (they are "
+                             "about the local tier)")
+        if args.local_replicas == 2 and args.nodes is None:
+            raise ValueError("--local-replicas 2 needs --nodes N: the local tier is lost when "
+                             "a neighbour of a lost node is lost too, and how likely that is "
+                             "depends on the number of nodes")
         if args.local_bandwidth is not None:
             tiers = make_tier_plans(args.size, bandwidth, args.local_bandwidth,
-                                    node_mtbf_seconds=args.node_mtbf, **options)
+                                    node_mtbf_seconds=args.node_mtbf,
+                                    replicas=args.local_replicas,
+                                    num_nodes=args.nodes if args.local_replicas == 2 else None,
+                                    **options)
             print(json.dumps(asdict(tiers), indent=2) if args.json else format_tiers(tiers))
             return 0
         plan = make_plan(args.size, bandwidth, **options)
@@ -134,13 +151,33 @@ def format_tiers(tiers: TierPlans) -> str:
             return f'"{plan.interval_steps}"'
         return f'"{max(1, math.ceil(plan.interval_seconds))}s"'
 
+    if tiers.replicas == 2:
+        durable = "durable tier (a node lost with a neighbour: the local tier's copies gone)"
+        copies = [f"local copies: 2 (each node's also on the next of {tiers.num_nodes} "
+                  f"nodes): a node loss takes the local tier down only if a neighbour is "
+                  f"lost within {_secs(tiers.vulnerable_seconds)}, "
+                  f"p = {tiers.second_loss_probability:.3g} per node loss",
+                  "checkpoint.local_replicas = 2"]
+    else:
+        durable, copies = "durable tier (node losses)", []
     out = ["local tier (all failures)", format_plan(tiers.local), "",
-           "durable tier (node losses)", format_plan(tiers.durable), "",
+           durable, format_plan(tiers.durable), "", *copies,
            f"checkpoint.local_interval = {setting(tiers.local)}",
            f"checkpoint.interval = {setting(tiers.durable)}",
            f"expected goodput, both tiers: {100 * tiers.goodput:.2f} % (durable tier alone: "
            f"{100 * tiers.durable_only_goodput:.2f} %)"]
     return "\n".join(out)
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1 (``--nodes``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"invalid count {text!r}: pass a whole number >= 1, e.g. 16")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,8 +3,10 @@
 Every rank of the job learns every rank's node (one all-gather on the tier logic's gloo group,
 never the default group: ``ckpt.ranks.groups``) and joins its node's group;
 a state whose tensor is sharded across nodes is refused on every rank alike (a node's local
-checkpoint must hold whole tensors, or it could never be loaded on its own). Used by
-:class:`ckpt.job.tiers.TieredCheckpointManager`.
+checkpoint must hold whole tensors, or it could never be loaded on its own). With
+``local_replicas=2`` each node also keeps the copies of its predecessor's local checkpoints
+(nodes in a ring by index) in ``peer-{node}`` under its own local root (:func:`peer_root`),
+a root of its own. Used by :class:`ckpt.job.tiers.TieredCheckpointManager`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,26 @@ import torch.distributed as dist
 from ckpt.ranks import Agreement
 from ckpt.storage import Storage
 
-__all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local"]
+__all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local", "peer_root",
+           "ring_neighbours"]
+
+PEER_ROOT = "peer-{node}"
+"""The folder, under a node's local root, holding the copies of node ``{node}``'s local
+checkpoints (docs/format.md, *Layout of a root*)."""
+
+
+def peer_root(local_root: str, node: int) -> str:
+    """The root, under ``local_root`` (a node's own), of the copies of node ``node``'s local
+    checkpoints."""
+    return f"{str(local_root).rstrip('/')}/{PEER_ROOT.format(node=int(node))}"
+
+
+def ring_neighbours(node: int, nodes: list[int]) -> tuple[int, int]:
+    """(predecessor, successor) of ``node`` in the ring of ``nodes`` ordered by index: a
+    node's checkpoints are copied to its successor, and it holds its predecessor's."""
+    ring = sorted(nodes)
+    i = ring.index(node)
+    return ring[(i - 1) % len(ring)], ring[(i + 1) % len(ring)]
 
 
 def same_root(a: str, b: str) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
@@ -231,6 +232,13 @@ class CheckpointManager:
 
     def in_flight(self) -> bool:
         return self._slot.running()
+
+    def save_outcome(self) -> Future | None:
+        """The newest save started (None before the first), as a ``Future`` whose result
+        is its committed manifest on the coordinator (None on the other ranks, and when the
+        save failed). For work that follows a commit off the training thread
+        (``ckpt.job.tiers`` copies a node's local checkpoint to the next node)."""
+        return self._slot.future
 
     def maybe_save(self, step: int, state: dict[str, Any], *,
                    user_metadata: dict[str, Any] | None = None,

@@ -32,11 +32,20 @@ collectives of a resume run on the job-wide tier group (``_world``, main thread 
 which local steps every node has (an all-gather of each node's listing), the durable steps
 (rank 0's listing) and each verdict of the walk.
 
+Copies on the next node (``local_replicas=2``, :mod:`ckpt.job._replicas`): after a node's
+local save commits, its coordinator copies it, in the background, to the next node's
+``local_root/peer-{node}/`` (a root of its own, under that node's lease); at a resume a local
+step counts when every node holds it itself or through its successor's copy, and a node that
+lacks it (a replaced, empty machine) gets it back from that copy before the walk. The
+copies ride on the collectives above: whether any node started a local save is agreed in
+the same all-reduce as the local lease.
+
 Failure classes (``docs/cadence.md``): the local tier survives a process crash and a
-restart on the same nodes, and loses a node's part with the node. So the local tier's
+restart on the same nodes, and loses a node's part with the node (with copies on the next
+node: only when that node is lost too before the part is copied again). So the local tier's
 ``auto`` interval uses the rate of all failures (``mtbf_seconds`` of its ``Auto``), the
-durable tier's the rate of node losses; a restart that resumed from the local tier is not
-counted in the durable tier's failure history.
+durable tier's the rate of the failures the local tier does not survive; a restart that
+resumed from the local tier is not counted in the durable tier's failure history.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from ckpt.cadence import CadencePolicy
 from ckpt.dcp import api
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
+from ckpt.job._replicas import MAX_REPLICAS, Replicas
 from ckpt.job._tier_layout import check_node_local, node_groups, same_root
 from ckpt.job.gate import DueAgreement
 from ckpt.job.manager import CheckpointManager
@@ -84,6 +94,11 @@ class TieredCheckpointManager:
         retention / local_retention: each tier's retention (local default: keep the last 2).
         node_rank: this process's node (default: torchrun's ``GROUP_RANK``, else 0). Ranks
             with the same ``node_rank`` share a local root.
+        local_replicas: 1 (default): each node keeps its own local checkpoints; 2: each
+            node's are also copied to the next node (``peer-{node}/`` under its local root),
+            in the background, so that the local tier survives the loss of one node
+            (docs/store.md, "Copies on the next node"). A job of one node has no next node:
+            its local tier keeps one copy.
         events: one bus for both tiers; the local tier's are named ``local_<kind>``
             (``local_save_committed`` ...) and carry ``tier="local"``.
         manager_options: the rest of ``CheckpointManager``'s options, for both tiers
@@ -101,7 +116,13 @@ class TieredCheckpointManager:
                  retention: Sequence[RetentionPolicy] | None = None,
                  local_retention: Sequence[RetentionPolicy] | None = None,
                  node_rank: int | None = None, events: EventBus | None = None,
+                 local_replicas: int = 1,
                  storage_options: dict[str, Any] | None = None, **manager_options: Any):
+        if isinstance(local_replicas, bool) or not isinstance(local_replicas, int) \
+                or not 1 <= local_replicas <= MAX_REPLICAS:
+            raise ValueError(f"local_replicas={local_replicas!r}: expected 1 (each node keeps "
+                             f"its own local checkpoints) or {MAX_REPLICAS} (and a copy on "
+                             f"the next node)")
         root_url = root.url if isinstance(root, Storage) else str(root)
         if node_rank is None:
             node_rank = int(os.environ.get("GROUP_RANK", "0") or 0)
@@ -119,6 +140,7 @@ class TieredCheckpointManager:
             if self.distributed else None
         self._world = Agreement(self._group)
         self._node_group = None  # the local tier's ranks: this node's (several nodes only)
+        self._replicas: Replicas | None = None  # copies on the next node (local_replicas=2)
         if self._group is not None:
             free_at_exit(self)
         try:
@@ -146,8 +168,27 @@ class TieredCheckpointManager:
             self.durable.close(flush=False)  # its lease is not left behind
             self.free_groups()
             raise
+        self.local_replicas = local_replicas if self.num_nodes > 1 else 1
+        if local_replicas > 1 and self.num_nodes == 1:
+            log.warning("local_replicas=%d on a job of one node: there is no next node to "
+                        "hold a copy; the local tier keeps one", local_replicas)
+        if self.local_replicas > 1:
+            try:
+                self._replicas = Replicas(
+                    self.local, self.local_root, node=self.node_rank,
+                    node_of_rank=self._node_of_rank, world=self._world, events=self.events,
+                    use_lease=manager_options.get("use_lease", True),
+                    lease_ttl_seconds=manager_options.get("lease_ttl_seconds", 60.0),
+                    job_name=manager_options.get("job_name"),
+                    job_fingerprint=manager_options.get("job_fingerprint"))
+            except BaseException:
+                self.local.close(flush=False)
+                self.durable.close(flush=False)
+                self.free_groups()
+                raise
         # Did the durable tier count this start as a failure? (Rank 0's history, the same
-        # on every rank.) If the resume finds the local tier intact, it was no node loss.
+        # on every rank.) If the resume loads from the local tier, the local tier survived
+        # it: not a failure of the durable tier's class.
         times = self.durable.history.failure_times
         self._durable_failure_now = bool(self._world.broadcast(  # rank 0's clock recorded it
             bool(times) and times[-1] >= t_start - 1.0))
@@ -255,8 +296,17 @@ class TieredCheckpointManager:
                                             force=force, attachments=attachments, reuse=reuse,
                                             busy_elsewhere=elsewhere)
             self._lent_to_local = started_local and reuse is not None
-        if local:  # a node's local lease is agreed in its node only: agree job-wide
-            self._local_lease_lost = self._world.any(self.local.lease_lost)
+        if local:
+            # A node's local lease is agreed in its node only: agree it job-wide, and (in the
+            # same all-reduce) whether any node started this local save: then every node's
+            # coordinator queues the copy of it to the next node (the rounds of the copies
+            # must be the same on every node).
+            lost, started_anywhere = self._world.max(int(self.local.lease_lost),
+                                                     int(started_local))
+            self._local_lease_lost = bool(lost)
+            if started_anywhere and self._replicas is not None:
+                self._replicas.queue(step, self.local.save_outcome() if started_local
+                                     else None)
         if block:
             for mgr, started in ((self.local, started_local), (self.durable, started_durable)):
                 if started:
@@ -278,8 +328,11 @@ class TieredCheckpointManager:
         return self.local.storage.url if self._local_lease_lost else None
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
-        """Wait for both tiers' in-flight saves; returns the durable tier's ``wait()``."""
+        """Wait for both tiers' in-flight saves (and the copies of local saves to the next
+        node); returns the durable tier's ``wait()``."""
         self.local.wait(raise_errors=False)
+        if self._replicas is not None:
+            self._replicas.wait()
         return self.durable.wait(raise_errors=raise_errors)
 
     # -- loading -----------------------------------------------------------------------------
@@ -305,9 +358,9 @@ class TieredCheckpointManager:
             manifest = self.durable.load_latest(state, step=step, **options)
             self._after_load(manifest, "durable", set(), {step})
             return manifest
-        local_steps = set(self._common_local_steps())
         durable_steps = set(self._world.broadcast(
             [int(s) for s in self.durable.store.committed_steps()] if self.rank == 0 else None))
+        local_steps = set(self._common_local_steps(max(durable_steps, default=None)))
         tiers = {"local": self.local, "durable": self.durable}
         walked = walk_newest(
             # Local first: at a step both tiers hold, the local one is tried first. Any error
@@ -327,22 +380,38 @@ class TieredCheckpointManager:
                          local_steps, durable_steps)
         return walked.manifest
 
-    def _common_local_steps(self) -> list[int]:
+    def _common_local_steps(self, newest_durable: int | None) -> list[int]:
         """Local steps committed on every node (the same list on every rank): each node's
-        coordinator lists its root once, the lists are gathered over the tier group."""
-        mine: list[int] | None = None  # None: not a node's coordinator, no listing
+        coordinator lists its root once (and, with copies on the next node, the copies it
+        holds), the lists are gathered over the tier group. With copies, a node lacking a
+        step that every node holds, itself or through its successor, gets it back first
+        (``Replicas.restore``: the newest such step not older than ``newest_durable``)."""
+        mine: dict[str, Any] | None = None  # None: not a node's coordinator, no listing
         if self.local.rank == 0:
             try:
-                mine = [int(s) for s in self.local.store.committed_steps()]
+                own = [int(s) for s in self.local.store.committed_steps()]
             except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
                 log.warning("local tier %s unreadable, not used: %s", self.local_root, exc)
-                mine = []
+                own = []
+            mine = {"node": self.node_rank, "own": own,
+                    "copies": self._replicas.listing() if self._replicas else None}
         if not self.distributed:
-            return mine or []
+            return mine["own"] if mine else []
         lists: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(lists, mine, group=self._group)  # live peers' lists, no storage
-        nodes = [set(steps) for steps in lists if steps is not None]
-        return sorted(set.intersection(*nodes))
+        nodes = [d for d in lists if d is not None]
+        own_steps = {d["node"]: set(d["own"]) for d in nodes}
+        if self._replicas is not None:
+            own_steps = self._replicas.restore(
+                own_steps, {d["node"]: d["copies"] for d in nodes}, newest_durable,
+                on_failed=self._restore_failed)
+        return sorted(set.intersection(*own_steps.values()))
+
+    def _restore_failed(self, step: int, message: str) -> None:
+        """A local step some node could not get back from its successor's copy: passed
+        over on every rank, as the walk passes over a damaged one."""
+        log.warning("%s", message)
+        self.events.emit("load_fallback", step, reason=message, tier="local")
 
     def _after_load(self, manifest: Manifest | None, tier: str | None,
                     local_steps: set[int], durable_steps: set[int]) -> None:
@@ -368,6 +437,8 @@ class TieredCheckpointManager:
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
         self._drop_newer_local(step)
+        if self._replicas is not None:
+            self._replicas.drop_newer(step)
 
     def uncommit_newer(self, step: int) -> list[int]:
         """The durable tier's :meth:`CheckpointManager.uncommit_newer` (``load_latest``
@@ -392,7 +463,11 @@ class TieredCheckpointManager:
     def close(self, *, flush: bool = True) -> None:
         """Close both tiers (local first: it may persist from the durable tier's buffers)."""
         try:
-            self.local.close(flush=flush)
+            try:
+                self.local.close(flush=flush)
+            finally:
+                if self._replicas is not None:  # its rounds wait for the local saves
+                    self._replicas.close()
         finally:
             self.durable.close(flush=flush)
             self.free_groups()
@@ -401,6 +476,8 @@ class TieredCheckpointManager:
         """Free the job-wide group of the tier logic and the node group (each tier frees
         its own)."""
         groups, self._group, self._node_group = (self._group, self._node_group), None, None
+        if self._replicas is not None:
+            self._replicas.free_group()
         self._world.close()
         freed(self)
         destroy_groups(groups)

@@ -16,6 +16,11 @@ attempt with a new id)::
     a manifest created by a writer whose lease generation had ended: FENCED, never read;
     moved aside by the next commit of that step, removed by cleanup
 
+    A version copied in from another root (a node's local checkpoint on its peer, or
+    fetched back from it) lives the same life: ``begin`` under its own save id, its files
+    written and verified by the caller, then ``commit_copy`` (the manifest re-issued under
+    this root's lease) instead of ``commit``; ``abandon`` when the copy fails.
+
 Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
 
     pending-<id>.json       attempt marker, written before any data: writer, lease generation
@@ -452,6 +457,29 @@ class Lifecycle:
             self.storage.delete(marker)
         except Exception:  # noqa: BLE001 - a leftover marker of a committed attempt is inert
             pass
+
+    def commit_copy(self, manifest: Manifest, source: str) -> Manifest:
+        """Commit here a copy of a version committed under another root (``source``, its
+        URL): a node's local checkpoint replicated to its peer, or fetched back from it.
+
+        The caller began the attempt under the version's own save id (:meth:`begin`) and
+        wrote every file the manifest lists, byte for byte, each checked against its size
+        and CRC32C. A manifest counts per root (readers judge its writer fields by this
+        root's fence), so the original cannot be committed as it is: the copy is
+        re-issued with this writer's owner and lease generation, the original writer
+        under ``writer.copied_from`` (with ``source``) and ``writer.copied_unix``; files,
+        tensors, checksums and parts stay as they were. Then committed as :meth:`commit`
+        (``FileExistsError`` when the step is committed here, ``LeaseLostError`` when the
+        commit does not count). Returns the manifest committed.
+        """
+        original = {k: v for k, v in manifest.writer.items() if k != "copied_from"}
+        copied = Manifest.from_json_bytes(manifest.to_json_bytes(),
+                                          self.storage.describe(self._rel(manifest.step)),
+                                          expected_step=manifest.step)
+        copied.writer = {"copied_from": {**original, "root": source},
+                         "copied_unix": time.time()}
+        self.commit(copied)
+        return copied
 
     def remove_committed_markers(self) -> None:
         """Remove the markers of committed attempts left by ``defer_marker_removal`` (one

@@ -2,7 +2,8 @@
 
 A root is built by the real code paths (saves with an attachment, a rollback, an attempt
 left incomplete, a save with sharded chunks (its part), pins, the failure history, the
-retention record, the lease and its fence files); then every file under it must match a
+retention record, the lease and its fence files, a copy of a version in a ``peer-{NODE}/``
+root inside it, as a two-tier job's local root holds); then every file under it must match a
 name the spec lists, and every member of the lease, the fence files, the attempt marker,
 the manifest and a part must be named in the spec's section for that record.
 A new file or field that the spec does not describe fails here.
@@ -46,6 +47,7 @@ NAMES = [
     ("`damaged-manifest-{HEX}.json`", r"step_\d{9,}/damaged-manifest-[0-9a-f]+\.json"),
     ("`NAME.tmp-{HEX}`", r".*\.tmp-[0-9a-f]+"),
     ("`_lease.json.swap-lock/`", r"_lease\.json\.swap-lock/"),
+    ("`peer-{NODE}/`", r"peer-\d+/"),
 ]
 
 
@@ -73,7 +75,23 @@ def _root(tmp_path) -> str:
     set_pinned(store, 1)
     write_history(storage, FailureHistory())
     record_retention(store, [KeepBest(store, "loss", k=2)])
+    _copy(storage, 1, Storage(f"{root}/peer-0"))
     return root
+
+
+def _copy(source: Storage, step: int, into: Storage) -> None:
+    """Copy committed ``step`` of ``source`` into ``into`` as the two-tier job does."""
+    manifest = CheckpointStore(source).read_manifest(step)
+    into.makedirs("")
+    life = acquire_lease(into, ttl_seconds=30, job_name="spec")
+    try:
+        life.begin(step, manifest.save_id)
+        for name in manifest.files:
+            rel = f"step_{step:09d}/{name}"
+            into.write_bytes(rel, source.read_bytes(rel))
+        life.commit_copy(manifest, source.url)
+    finally:
+        release_lease(life)
 
 
 def _files(root: str) -> list[str]:
@@ -89,7 +107,9 @@ def test_every_file_of_a_root_is_a_name_the_spec_lists(tmp_path):
     for spelled, _ in NAMES:
         assert f"\n| {spelled} |" in SPEC, f"docs/format.md's tables no longer list {spelled}"
     patterns = [re.compile(p) for _, p in NAMES] + [re.compile(r"_fence/")]
+    patterns += [re.compile(r"peer-\d+/" + p.pattern) for p in patterns]  # a root of its own
     files = _files(_root(tmp_path))
+    assert any(f.startswith("peer-0/step_") for f in files)
     assert any(f.endswith(".bin") for f in files) and any("/a_" in f for f in files)
     assert any("/part-" in f for f in files)
     for f in files:
@@ -125,6 +145,10 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
     _documented(manifest, table, "the manifest")
     writer_row = next(line for line in table.splitlines() if line.startswith("| `writer`"))
     _documented(manifest["writer"], writer_row, "the manifest's writer")
+    copied = doc("peer-0/step_000000001/manifest.json")["writer"]
+    _documented(copied, writer_row, "a copy's writer")
+    _documented(copied["copied_from"], writer_row + _section("Copies"),
+                "a copy's original writer")
     pins = doc("pins.json")
     _documented(pins, SPEC, "pins.json")
     retention = doc("_retention.json")

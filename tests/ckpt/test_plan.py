@@ -225,3 +225,46 @@ def test_tier_plans_share_the_stall_and_count_each_tiers_load():
     small = make_tier_plans(14 * 10**9, 2e9, 40e9, node_mtbf_seconds=48 * 3600.0,
                             mtbf_seconds=6 * 3600.0, step_seconds=1.2)
     assert small.goodput < small.durable_only_goodput
+
+
+def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighbours():
+    import math
+
+    from ckpt.cadence import make_tier_plans
+
+    m, m_node = 4 * 3600.0, 48 * 3600.0
+    args = (10**12, 2e9, 100e9)
+    kw = dict(node_mtbf_seconds=m_node, mtbf_seconds=m, stall_seconds=10.0, step_seconds=5.0)
+    one = make_tier_plans(*args, **kw)
+    two = make_tier_plans(*args, replicas=2, num_nodes=16, **kw)
+    local = two.local
+    assert local == one.local  # the local tier's own plan does not change
+    # A node loss takes the local tier down only if one of its 2 neighbours is lost within
+    # W = restart + local load + local interval + local persist.
+    window = local.restart_seconds + local.load_seconds + local.interval_seconds \
+        + local.persist_seconds
+    p = 1 - math.exp(-2 * window / (16 * m_node))
+    assert two.vulnerable_seconds == pytest.approx(window)
+    assert two.second_loss_probability == pytest.approx(p)
+    assert two.durable.mtbf_seconds == pytest.approx(m_node / p)
+    assert two.durable.interval_seconds > one.durable.interval_seconds  # saved far less often
+    assert two.goodput == pytest.approx(1 - local.overhead_fraction
+                                        - (1 / m - p / m_node) * local.lost_seconds_per_failure
+                                        - two.durable.lost_seconds_per_failure * p / m_node)
+    assert two.goodput > one.goodput and two.durable_only_goodput == one.durable_only_goodput
+    # Two nodes: each has one neighbour.
+    pair = make_tier_plans(*args, replicas=2, num_nodes=2, **kw)
+    assert pair.second_loss_probability == pytest.approx(1 - math.exp(-window / (2 * m_node)))
+    assert one.replicas == 1 and one.second_loss_probability is None
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(replicas=3, num_nodes=4), "replicas=3 is invalid: pass 1 .* or 2"),
+    (dict(replicas=2), "replicas=2 needs the number of nodes"),
+    (dict(replicas=2, num_nodes=1), "replicas=2 needs the number of nodes .* got 1"),
+])
+def test_tier_plans_refuse_bad_replicas(kw, message):
+    from ckpt.cadence import make_tier_plans
+
+    with pytest.raises(ValueError, match=message):
+        make_tier_plans(10**9, 1e9, 1e10, **kw)

@@ -9,6 +9,9 @@ node's worker is restarted by its agent and waits for the killed node to come ba
 * ``node``: the node comes back with an empty local root (a replaced machine): the newer
   local steps of the first node alone are not usable, every rank falls back to the durable
   tier together, and the first node deletes its newer local steps.
+* ``node-with-copy``: the same, with ``checkpoint.local_replicas = 2``: the first node holds
+  a copy of the second's local steps, the replaced node gets its part back from it, and the
+  job resumes from the local tier.
 
 Either way the job ends bit for bit where an uninterrupted run ends.
 """
@@ -41,7 +44,7 @@ pytestmark = pytest.mark.slow
 DDP = ("--parallel.dp_mode=ddp",)
 
 
-@pytest.mark.parametrize("lost", ["process", "node"])
+@pytest.mark.parametrize("lost", ["process", "node", "node-with-copy"])
 def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     ref_root, ref_events = straight_run((*COMMON, *DDP))
     root, jsonl = tmp_path / "ckpt", tmp_path / "events.jsonl"
@@ -49,7 +52,8 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     port, run_id = free_port(), f"tiers-{uuid.uuid4().hex[:8]}"
     overrides = (*COMMON, *DDP, "--checkpoint.interval=10", f"--checkpoint.root={root}",
                  f"--checkpoint.local_root={local}", "--checkpoint.local_interval=3",
-                 f"--metrics.jsonl_path={jsonl}")
+                 f"--metrics.jsonl_path={jsonl}",
+                 *(["--checkpoint.local_replicas=2"] if lost == "node-with-copy" else []))
 
     def launch(addr: str, is_host: bool, name: str) -> Job:
         return Job(node_argv(*overrides, nnodes=2, port=port, run_id=run_id, local_addr=addr,
@@ -69,12 +73,14 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
         # A local step counts only when every node committed it: wait for the second
         # node's own commit of that step (its events are not logged) before the kill.
         theirs = tmp_path / "local-1" / f"step_{committed['step']:09d}" / "manifest.json"
+        if lost == "node-with-copy":  # ... and its copy on node 0
+            theirs = tmp_path / "local-0" / "peer-1" / theirs.relative_to(tmp_path / "local-1")
         deadline = time.monotonic() + 60
         while not theirs.exists() and time.monotonic() < deadline:
             time.sleep(0.005)
         assert theirs.exists(), f"node 1 never committed local step {committed['step']}"
         victim.kill_all()
-        if lost == "node":
+        if lost != "process":
             shutil.rmtree(tmp_path / "local-1")
         before = list(host.events())
         last_logged = max(e["step"] for e in before if e["kind"] == "train_step")
@@ -92,7 +98,7 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     for job in (host, again):
         assert ABORT_MARK not in job.stderr, job.tails()
     out = host.stderr + again.stderr
-    if lost == "process":
+    if lost != "node":
         assert max(durable_before) < committed["step"] <= resumed["step"] <= last_logged
         assert re.search(rf"resumed from the local tier \(\S+local-0\) step {resumed['step']}",
                          out), out[-3000:]
@@ -113,3 +119,9 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     for node in (0, 1):
         kept = sorted(p.name for p in (tmp_path / f"local-{node}").glob("step_*"))
         assert len(kept) == 2 and kept[-1] == f"step_{STEPS:09d}", (node, kept)
+        if lost == "node-with-copy":  # and the other node's, copied
+            copies = tmp_path / f"local-{1 - node}" / f"peer-{node}"
+            assert sorted(p.name for p in copies.glob("step_*")) == kept, (node, kept)
+    if lost == "node-with-copy":  # (node 1's events are not logged: its log line is)
+        assert f"local step {resumed['step']} fetched back from node 0's copy" in \
+            again.stderr, again.tails()

@@ -1,0 +1,291 @@
+"""One committed version sent to a neighbouring node and committed there: the bytes of a
+node-local checkpoint copied to the next node, or fetched back from it
+(:mod:`ckpt.job._replicas` decides who sends what, and when).
+
+A version goes as messages (``ckpt.ranks.swap_bytes``): a header (step, the sending node,
+its root, every file with its size, the steps its owner keeps), the manifest, then each
+file in chunks of at most ``CHUNK_BYTES``. The receiver trusts none of it: the header and the
+manifest are parsed strictly, the files must be those the manifest lists, and each one's
+size and CRC32C are checked as it arrives, before it is written (``fsync``, on a thread of
+its own while the next file arrives: one file waits at most); only then is the manifest
+re-issued under the receiving root's lease (``Lifecycle.commit_copy``). A copy that
+fails is abandoned (its files removed); one torn by a crash has no manifest. Failures on
+either side never break the step of messages: a file the sender cannot read goes as an empty
+message (which the receiver refuses), and a receiver that refused a copy still takes every
+message that follows.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import torch
+
+from ckpt.errors import CheckpointError
+from ckpt.format import Manifest, crc32c_of, jsonio, step_dirname
+from ckpt.ranks import CHUNK_BYTES, swap_bytes
+from ckpt.root import Lifecycle
+from ckpt.storage import Storage
+
+__all__ = ["Outgoing", "Incoming", "swap_versions"]
+
+log = logging.getLogger(__name__)
+
+_HEADER_BYTES = 1 << 20  # a header lists a node's files: far less
+
+
+def _chunk_sizes(size: int) -> list[int]:
+    """The messages a file of ``size`` bytes goes as (one, empty, for an empty file)."""
+    return [min(CHUNK_BYTES, size - start) for start in range(0, size, CHUNK_BYTES)] or [0]
+
+
+def _tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+class Outgoing:
+    """A committed version on its way to a neighbour: the messages, produced as they go."""
+
+    def __init__(self, storage: Storage, manifest: Manifest | None, node: int,
+                 keep: list[int] | None = None):
+        self.storage, self.manifest, self.node = storage, manifest, node
+        self.step = manifest.step if manifest is not None else None
+        self.files = sorted((n, r.size) for n, r in manifest.files.items()) if manifest else []
+        self.nbytes = sum(size for _, size in self.files)
+        self.keep = keep
+        self.error: str | None = None
+        self._buffer: torch.Tensor | None = None  # the message being sent (local files)
+
+    def messages(self) -> Iterator[torch.Tensor]:
+        header = {"step": self.step, "node": self.node, "root": self.storage.url,
+                  "files": [[n, s] for n, s in self.files], "keep": self.keep}
+        yield _tensor(jsonio.dumps(header))
+        if self.manifest is None:
+            return
+        yield _tensor(self.manifest.to_json_bytes())
+        rel_dir = step_dirname(self.manifest.step)
+        for name, size in self.files:
+            start = 0
+            for length in _chunk_sizes(size):
+                yield self._read(f"{rel_dir}/{name}", start, length)
+                start += length
+
+    def _read(self, rel: str, start: int, length: int) -> torch.Tensor:
+        """``length`` bytes of ``rel`` from ``start``; on a failure an empty message, which
+        the receiver refuses (a length it did not expect) while the rounds stay in step."""
+        if self.error is not None or length == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            if self.storage.local_path(rel) is not None:
+                # One buffer for every message: ``swap_bytes`` returns once its send is
+                # done, so the next read may reuse it (no new pages per message).
+                if self._buffer is None or self._buffer.numel() < length:
+                    self._buffer = torch.empty(max(length, min(CHUNK_BYTES, self.nbytes)),
+                                               dtype=torch.uint8)
+                out = self._buffer[:length]
+                view = memoryview(out.numpy())
+                with self.storage.open_local(rel) as f:
+                    f.seek(start)
+                    got = 0
+                    while got < length:
+                        n = f.readinto(view[got:])
+                        if not n:
+                            raise EOFError(f"{self.storage.describe(rel)} is shorter than "
+                                           f"{start + length} bytes")
+                        got += n
+                return out
+            return _tensor(self.storage.read_bytes(rel, start, start + length))
+        except Exception as exc:  # noqa: BLE001 - reported by the receiver's check
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("could not read %s to copy it: %s", self.storage.describe(rel), exc)
+            return torch.empty(0, dtype=torch.uint8)
+
+
+class Incoming:
+    """A version arriving from a neighbour into the root of ``life`` (which holds its lease).
+
+    Messages are taken in order: the header, then the manifest, then the files' chunks.
+    ``expected`` is how many messages this version is (1 until the header said). Nothing
+    the sender says is trusted: the header and the manifest are parsed strictly, every file
+    must be one the manifest lists with its size and CRC32C. ``sender``: the node sending;
+    ``mirror``: delete the steps (older than this one) that the owner no longer keeps."""
+
+    def __init__(self, life: Lifecycle, sender: int, *, mirror: bool):
+        self.life, self.storage, self.mirror = life, life.storage, mirror
+        self.source = f"node {sender}"  # in messages; the sender's root once it says it
+        self.root = self.source
+        self.expected = 1
+        self.step: int | None = None
+        self.node: int | None = None
+        self.manifest: Manifest | None = None
+        self.error: str | None = None
+        self.held = False  # this very version is committed here already
+        self.began = False
+        self.nbytes = 0
+        self._keep: list[int] | None = None
+        self._files: list[tuple[str, int]] = []
+        self._plan: list[tuple[int, int, bool]] = []  # per data message: file, length, last
+        self._taken = 0
+        self._chunks: list[torch.Tensor] = []
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: Future | None = None  # the file being written
+
+    def take(self, msg: torch.Tensor) -> None:
+        i, self._taken = self._taken, self._taken + 1
+        try:
+            if i == 0:
+                self._header(msg)
+            elif i == 1:
+                self._manifest(msg)
+            else:
+                self._data(*self._plan[i - 2], msg)
+        except Exception as exc:  # noqa: BLE001 - the copy fails; the rounds stay in step
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, why: str) -> None:
+        if self.error is None:
+            self.error = why
+        self._chunks = []
+
+    def _header(self, msg: torch.Tensor) -> None:
+        doc = jsonio.loads(msg.numpy().tobytes(), f"copy header from {self.source}",
+                           max_bytes=_HEADER_BYTES)
+        step, files = doc.get("step"), doc.get("files")
+        if step is None:
+            return  # nothing this round
+        if not (isinstance(step, int) and isinstance(doc.get("node"), int)
+                and isinstance(files, list)
+                and all(isinstance(f, list) and len(f) == 2 and isinstance(f[0], str)
+                        and isinstance(f[1], int) and f[1] >= 0 for f in files)):
+            raise CheckpointError(f"copy header from {self.source} is malformed")
+        self.step, self.node = step, doc["node"]
+        if isinstance(doc.get("root"), str):
+            self.root = f"{self.source}:{doc['root']}"
+        keep = doc.get("keep")
+        self._keep = [int(s) for s in keep] if isinstance(keep, list) else None
+        self._files = [(name, size) for name, size in files]
+        for index, (_, size) in enumerate(self._files):
+            sizes = _chunk_sizes(size)
+            self._plan += [(index, length, k == len(sizes) - 1) for k, length in enumerate(sizes)]
+        self.expected = 2 + len(self._plan)
+
+    def _manifest(self, msg: torch.Tensor) -> None:
+        where = f"{self.root}/{step_dirname(self.step)} (a copy in flight)"
+        m = Manifest.from_json_bytes(msg.numpy().tobytes(), where, expected_step=self.step)
+        listed = sorted((n, r.size) for n, r in m.files.items())
+        if listed != sorted(self._files):
+            raise CheckpointError(f"{where}: the files sent are not the files its manifest "
+                                  f"lists")
+        self.manifest = m
+        if self.life.has_manifest(self.step):
+            try:
+                there = self.life.read_committed(self.step)
+            except CheckpointError:
+                there = None
+            if there is not None and there.save_id == m.save_id:
+                self.held = True  # copied before: the bytes that follow are not needed
+                return
+            # Another version of this step (the owner saved it again after a resume):
+            # the copy mirrors the owner.
+            if there is not None:
+                self.life.delete(self.step)
+        self.life.begin(self.step, m.save_id)
+        self.began = True
+
+    def _data(self, index: int, length: int, last: bool, msg: torch.Tensor) -> None:
+        name, size = self._files[index]
+        if self.error is not None or self.held:
+            return  # drained: the sender does not know, and the rounds must stay in step
+        if msg.numel() != length:
+            raise CheckpointError(f"{name} from {self.source} arrived short ({msg.numel()} of "
+                                  f"{length} bytes: the sender could not read it)")
+        self._chunks.append(msg)
+        if not last:
+            return
+        chunks, self._chunks = self._chunks, []
+        record = self.manifest.files[name]
+        crc = crc32c_of([c.numpy() for c in chunks])
+        if crc != record.crc32c:
+            raise CheckpointError(
+                f"{self.root}/{step_dirname(self.step)}/{name}: checksum mismatch "
+                f"(expected crc32c {record.crc32c:08x}, got {crc:08x}); the copy is refused")
+        # Written on a thread of its own while the next file arrives: a receiver's disk
+        # must not hold up the sender (in a ring, every node). One file waits at most.
+        self._wait_written()
+        if self.error is None:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy-write")
+            self._writing = self._writer.submit(
+                self.storage.write_buffers, f"{step_dirname(self.step)}/{name}",
+                [c.numpy() for c in chunks])
+            self.nbytes += size
+
+    def _wait_written(self) -> None:
+        """Wait for the file being written (if any); its failure fails the copy."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            try:
+                writing.result()
+            except Exception as exc:  # noqa: BLE001 - the copy fails, reported by finish
+                self._fail(f"{type(exc).__name__}: {exc}")
+
+    def finish(self) -> Manifest | None:
+        """After the last message: commit the copy (or find it held already) and return
+        its manifest; None when nothing was sent. Raises ``CheckpointError`` when the copy
+        failed (its files are removed first)."""
+        self._wait_written()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self.step is None:
+            return None
+        if self.error is None and not self.held:
+            try:
+                committed = self.life.commit_copy(self.manifest, self.root)
+                self._trim()
+                return committed
+            except Exception as exc:  # noqa: BLE001 - the copy does not count
+                self._fail(f"{type(exc).__name__}: {exc}")
+        if self.held and self.error is None:
+            return self.manifest
+        if self.began:
+            try:
+                self.life.abandon(self.step, self.manifest.save_id)
+            except Exception as exc:  # noqa: BLE001 - cleanup at the next lease removes it
+                log.warning("could not remove the failed copy of step %s in %s: %s",
+                            self.step, self.storage.url, exc)
+        raise CheckpointError(f"copy of node {self.node}'s local step {self.step} into "
+                              f"{self.storage.url} failed: {self.error}")
+
+    def _trim(self) -> None:
+        """Mirror the owner's retention: delete older steps it no longer keeps."""
+        if not self.mirror or self._keep is None:
+            return
+        for step in self.life.known_committed():
+            if step < self.step and step not in self._keep:
+                try:
+                    self.life.delete(step)
+                except Exception as exc:  # noqa: BLE001 - tried again after the next copy
+                    log.warning("could not delete the copy of step %d in %s: %s", step,
+                                self.storage.url, exc)
+
+
+def swap_versions(group, *, send_to: int | None, outgoing: Outgoing | None,
+                   recv_from: int | None, incoming: Incoming | None) -> None:
+    """Send ``outgoing`` to ``send_to`` while ``incoming`` arrives from ``recv_from``, one
+    message each way per step (``ckpt.ranks.swap_bytes``), until both are through."""
+    out = outgoing.messages() if outgoing is not None else iter(())
+    taken = 0
+    while True:
+        payload = next(out, None)
+        want = incoming is not None and taken < incoming.expected
+        if payload is None and not want:
+            return
+        got = swap_bytes(group, send_to=send_to if payload is not None else None,
+                         payload=payload, recv_from=recv_from if want else None)
+        if got is not None:
+            incoming.take(got)
+            taken += 1

@@ -186,6 +186,22 @@ def s3_server():
     server.start()
     info = S3Server(endpoint_url=f"http://127.0.0.1:{port}", _server=server)
     with pytest.MonkeyPatch.context() as mp:
+        # S3 applies a conditional PUT (If-Match, If-None-Match) atomically; moto checks the
+        # condition and then writes, so two racing writers could both pass the check. Its
+        # conditional PUTs are serialised here, so that the emulator keeps S3's guarantee
+        # (the lease and the exclusive manifest create rely on it).
+        from moto.s3.responses import S3Response
+
+        conditional = threading.Lock()
+        put_object = S3Response.put_object
+
+        def atomic_put_object(self):
+            if self.headers.get("If-Match") or self.headers.get("If-None-Match"):
+                with conditional:
+                    return put_object(self)
+            return put_object(self)
+
+        mp.setattr(S3Response, "put_object", atomic_put_object)
         # Only credentials: spawned ranks inherit them, and nothing can reach real AWS's
         # metadata service. The endpoint is passed explicitly in storage_options.
         mp.setenv("AWS_ACCESS_KEY_ID", S3_KEY)

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Test files run in parallel, each whole in one worker (its module fixtures run once):
-# most tests wait on processes they started, so 3 workers keep 2 cores busy. TEST_WORKERS=0
-# runs them in this process, one after another.
+# Test files run in parallel, each whole on one worker (its module fixtures run once; the
+# slowest files first: tests/conftest.py): most tests wait on processes they started, so 3
+# workers keep 2 cores busy. TEST_WORKERS=0 runs them in this process, one after another.
 exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-3}" --dist loadfile "$@"

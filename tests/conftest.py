@@ -154,6 +154,24 @@ class S3Server:
             self._set_auth("inf")
 
 
+# -- parallel runs (scripts/test.sh: pytest-xdist, --dist loadfile) -------------------------
+# A test file runs whole on one worker (its module fixtures and cached straight runs are
+# made once). Files are handed out in collection order, so the slowest (the top of
+# `pytest --durations` on 2 cores) come first: a long file started last would be the tail.
+_SLOWEST_FIRST = ("tests/monitoring/test_alerts_e2e.py", "tests/e2e/test_recipes.py",
+                  "tests/e2e/test_ft_replicas.py", "tests/e2e/test_restarts.py",
+                  "tests/e2e/test_multinode.py", "tests/e2e/test_tiers_multinode.py",
+                  "tests/trainer/test_parallel_equivalence.py", "tests/trainer/test_hsdp.py",
+                  "tests/e2e/test_torchrun_restarts.py", "tests/e2e/test_resume.py",
+                  "tests/ckpt/test_tiers_replicas.py", "tests/e2e/test_trainer_cli_errors.py",
+                  "tests/ckpt/test_cli_errors.py", "tests/e2e/test_own_loop.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+
+
 @pytest.fixture(autouse=True)
 def _process_determinism_restored():
     """A Trainer built in this process turns deterministic kernels on for the whole process

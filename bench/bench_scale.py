@@ -420,18 +420,22 @@ def _fmt_b(b: float) -> str:
 
 
 def _whole_model(r: dict, r2: dict | None, key: str, model: Model, layers: int) -> float:
-    """``r[key]`` for the whole model: fitted on ``layers`` and ``2 * layers`` (``r2``; what
-    grows with the ranks alone is not multiplied by the layers), else scaled by the layer
-    count (an upper estimate)."""
+    """``r[key]`` for the whole model: fitted on ``layers`` and ``_FIT * layers`` (``r2``;
+    what grows with the ranks alone is not multiplied by the layers), else scaled by the
+    layer count (an upper estimate)."""
     if r2 is None:
         return r[key] * model.n_layers / layers
-    per_layer = max(0.0, (r2[key] - r[key]) / layers)
+    per_layer = max(0.0, (r2[key] - r[key]) / ((_FIT - 1) * layers))
     return r[key] + per_layer * (model.n_layers - layers)
+
+
+_FIT = 4  # --fit-layers measures again at 4x the layers: a 2x fit multiplies CPU-time noise
+# of one layer by the model's 80 layers
 
 
 def run_scale(args) -> None:
     ranks = [int(r) for r in args.ranks.split(",")]
-    est = (f"fitted on {args.layers} and {2 * args.layers} layers" if args.fit_layers else
+    est = (f"fitted on {args.layers} and {_FIT * args.layers} layers" if args.fit_layers else
            f"x n_layers/{args.layers}, an upper estimate")
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs; "
           f"CPU seconds; {args.layers} layer(s) simulated (plus embeddings, output and every "
@@ -454,7 +458,7 @@ def run_scale(args) -> None:
                 tp = args.tp if world >= args.tp else 1
                 r = measure(model, args.layers, world, tp, root, args.per_parameter_optim,
                             args.repeats)
-                r2 = (measure(model, 2 * args.layers, world, tp, root,
+                r2 = (measure(model, _FIT * args.layers, world, tp, root,
                               args.per_parameter_optim, args.repeats)
                       if args.fit_layers else None)
                 whole = {k: _whole_model(r, r2, k, model, args.layers)
@@ -592,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=1,
                     help="transformer layers simulated (results are scaled to the model's)")
     ap.add_argument("--fit-layers", action="store_true",
-                    help="fit the whole model's load bytes on a second run with twice the "
-                         "layers (the root's per-rank entries do not grow with the layers)")
+                    help="fit the whole model's figures on a second run with 4x the layers "
+                         "(what grows with the ranks alone does not grow with the layers)")
     ap.add_argument("--check-layers", action="store_true",
                     help="also measure how cost grows with the layer count")
     ap.add_argument("--per-parameter-optim", action="store_true",

@@ -46,6 +46,9 @@ the last step's quorum, how many groups heartbeat to the lighthouse and whether 
 (polled by the group's rank 0), rejoins of this group and how long after its process
 started, how long the quorum stayed below full (on the groups that stayed), steps committed
 with fewer groups and steps not committed, and whether this group writes the checkpoints.
+
+Size: the exporter: one definition per series, next to the event that updates it, so that
+the series list stays checkable against events.KINDS and the dashboard.
 """
 
 from __future__ import annotations

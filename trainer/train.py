@@ -14,6 +14,9 @@ step starts with torchft's quorum (which may replace this group's state by a pee
 reads the group's share of the data at the position the groups committed, averages
 gradients and loss across the groups after backward, and keeps the step only when torchft
 commits it; durable checkpoints are written by the group that holds the store's lease.
+
+Size: the Trainer, one object whose loop, resume and exit codes share its state; model
+building, data, faults, checkpointing and replica groups are modules of their own.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Each takes the parsed arguments (:func:`ckpt.cli.build_parser`) and returns the exit status;
 errors propagate to :func:`ckpt.cli.main`, which prints them as one line.
+
+Size: the read-only commands (list, show, verify) share their output formats and their one
+way of opening a root.
 """
 
 from __future__ import annotations

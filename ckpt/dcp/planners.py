@@ -8,6 +8,9 @@ holds one value (objects and plain tensors alike), reuse a save's plan while the
 not change (:mod:`ckpt.dcp.plancache`), and check the whole state against the checkpoint
 before reading anything (bringing packed values to the checkpoint's form first:
 :class:`PackedNode`).
+
+Size: DCP's two planner classes and their replica check; the plan cache, coverage check and
+packed optimizer state are modules of their own.
 """
 
 from __future__ import annotations

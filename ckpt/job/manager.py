@@ -28,6 +28,11 @@ the bookkeeping after each (:mod:`ckpt.job._commits`), the claim on the root: le
 and failure history (:mod:`ckpt.job._claim`), the walk to the newest checkpoint that
 verifies (:func:`ckpt.root.walk_newest`, through :func:`ckpt.dcp.api.load_latest`) and the
 private groups (:mod:`ckpt.ranks.groups`).
+
+Size: one object, the manager of one root: its save path (gate, staging, persist), its
+resume path (walk, un-commit newer) and its lease share its fields; the one-caller helpers
+were folded back into it on purpose, and what stands alone is in its own module (gate,
+persist, retention, _claim, _commits, _inflight).
 """
 
 from __future__ import annotations

@@ -46,6 +46,10 @@ node: only when that node is lost too before the part is copied again). So the l
 ``auto`` interval uses the rate of all failures (``mtbf_seconds`` of its ``Auto``), the
 durable tier's the rate of the failures the local tier does not survive; a restart that
 resumed from the local tier is not counted in the durable tier's failure history.
+
+Size: one object composing the two tiers: every decision both tiers must agree on (due,
+busy, layout, resume tier, copies) goes through it; the copies themselves are in _replicas
+and _copy.
 """
 
 from __future__ import annotations

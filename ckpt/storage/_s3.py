@@ -14,6 +14,9 @@ the writer's thread: s3fs runs every request of a process on one event-loop thre
 then signs (SHA-256 over plain HTTP), checksums and sends every body alone while the other
 cores wait. So do whole-object reads (one GET, without s3fs's size request first). Ranged
 reads, listings and deletes stay on s3fs.
+
+Size: one backend, S3 through s3fs: conditional writes, bulk deletes, throttling and its
+error mapping belong to the same client.
 """
 
 from __future__ import annotations

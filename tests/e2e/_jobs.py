@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from tests.dist import free_port as _free_port
+from trainer.ft.local import worker_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -72,32 +73,6 @@ def trainer_argv(*overrides: str, nproc: int | None = None, max_restarts: int = 
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.5", *target, *args]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
-    return out
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
 class Job:
@@ -201,12 +176,7 @@ class Job:
         """``{rank: pid}`` of the live trainer processes (the agent's children under torchrun)."""
         if "torch.distributed.run" not in self.argv:
             return {0: self.proc.pid} if self.proc.poll() is None else {}
-        out = {}
-        for pid in _children(self.proc.pid):
-            rank = _environ(pid).get("RANK")
-            if rank is not None:
-                out[int(rank)] = pid
-        return out
+        return worker_pids(self.proc.pid)
 
     def wait_workers(self, n: int, timeout: float = 60.0,
                      exclude: Iterable[int] = ()) -> dict[int, int]:

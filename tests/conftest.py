@@ -156,8 +156,9 @@ class S3Server:
 
 # -- parallel runs (scripts/test.sh: pytest-xdist, --dist loadfile) -------------------------
 # A test file runs whole on one worker (its module fixtures and cached straight runs are
-# made once). Files are handed out in collection order, so the slowest (the top of
-# `pytest --durations` on 2 cores) come first: a long file started last would be the tail.
+# made once). Files are handed out in collection order (--no-loadscope-reorder), so the
+# slowest (the top of `pytest --durations` on 2 cores) come first: a long file started last
+# would be the tail.
 _SLOWEST_FIRST = ("tests/monitoring/test_alerts_e2e.py", "tests/e2e/test_recipes.py",
                   "tests/e2e/test_ft_replicas.py", "tests/e2e/test_restarts.py",
                   "tests/e2e/test_multinode.py", "tests/e2e/test_tiers_multinode.py",

@@ -506,10 +506,13 @@ class Lifecycle:
         # counts, this holder's own close record must list it too.
         deadline = time.monotonic() + 10.0
         while True:
+            # The record is looked for before the check, so that a "fenced" below was judged
+            # on it: looked for after, it could have landed in between, listing this commit.
+            closed = self.fence.doc(self.lease.generation, "json") is not None
             if not self.is_fenced(manifest):
                 self.lease.committed_ids.add(manifest.save_id)
                 return  # no closer yet (it will list it), or its record lists it
-            if self.fence.doc(self.lease.generation, "json") is not None:
+            if closed:
                 break  # closed without it
             if time.monotonic() > deadline:
                 break

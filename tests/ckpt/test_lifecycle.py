@@ -187,6 +187,61 @@ def test_commit_that_lands_before_the_takeover_listing_counts(where):
     release_lease(job2)
 
 
+def test_a_close_record_written_while_the_writer_checks_is_read_not_guessed(where):
+    """The writer's own verdict after a lost renewal agrees with the readers'.
+
+    Job 2 takes over while job 1's commit of step 3 waits for its renewal: job 2 marks
+    generation 1 closing and lists the manifests (job 1's is there), and its close record
+    lands just after job 1 looked for it and found none. The record lists job 1's commit, so
+    readers accept it; job 1 must say it counts, not that it was fenced off."""
+    url, options = where
+    storage1 = Storage(url, options)
+    storage1.makedirs("")
+    job1 = acquire_lease(storage1, ttl_seconds=TTL, heartbeat=False)
+    storage2 = HoldingStorage(url, options)
+    storage2.hold("_fence/gen_000000001.json")  # job 2's close record of generation 1
+    record_in = threading.Event()
+    original_confirm, original_doc = job1.lease.confirm, job1.fence.doc
+
+    def doc(generation, what):
+        found = original_doc(generation, what)
+        if what == "json" and found is None and not record_in.is_set():
+            storage2.release()  # the record lands between this read and the next
+            deadline = time.monotonic() + 30
+            while not Storage(url, options).exists("_fence/gen_000000001.json"):
+                assert time.monotonic() < deadline, "the close record never landed"
+                time.sleep(0.02)
+            record_in.set()
+        return found
+
+    def confirm(**kwargs):
+        if storage1.exists("step_000000003/manifest.json"):
+            assert storage2.held.wait(30), "job 2 never reached its close record"
+            job1.fence.doc = doc
+        return original_confirm(**kwargs)
+
+    job1.lease.confirm = confirm
+    result: dict = {}
+
+    def take_over():
+        time.sleep(TTL + 0.4)
+        result["job2"] = acquire_lease(storage2, ttl_seconds=30)
+
+    t = threading.Thread(target=take_over)
+    t.start()
+    try:
+        m = _save(job1, 3, 3.0)
+    finally:
+        storage2.release()
+        t.join(60)
+    assert record_in.is_set(), "the race was not staged"
+    store = CheckpointStore(Storage(url, options))
+    assert store.read_manifest(3).save_id == m.save_id  # readers accept it: so did the writer
+    assert m.save_id in job1.lease.committed_ids
+    release_lease(result["job2"])
+    assert store.latest(check="full").step == 3
+
+
 def _foreign(run_id, attempt, fingerprint=None, host="another-host") -> bytes:
     now = time.time()
     return json.dumps({"holder": "feedfacecafe0000", "job": "other", "host": host,

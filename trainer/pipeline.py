@@ -10,6 +10,9 @@ Contract for running a schedule (see ``run_schedule``): every rank of the pp gro
 ``schedule.step`` once per training step with the same number of micro-batches; only the
 rank holding stage 0 passes the input ids and only the rank holding stage ``S - 1``
 passes the targets and receives per-micro-batch losses.
+
+``torch.distributed.pipelining`` is imported only when a pipeline is built: it brings in
+TorchDynamo, about a second of CPU at every start of a rank that has no pipeline.
 """
 
 from __future__ import annotations
@@ -18,12 +21,6 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from trainer.config import ModelConfig
 from trainer.model import Transformer
@@ -103,6 +100,8 @@ def build_pipeline_stages(
     stages work for any micro-batch size. ``modules`` may be FSDP2 modules or DDP
     wrappers; ``PipelineStage`` syncs their gradients once per step, not per micro-batch.
     """
+    from torch.distributed.pipelining import PipelineStage
+
     return [
         PipelineStage(module, stage_id, num_stages, device, group=pp_group)
         for stage_id, module in modules
@@ -121,6 +120,12 @@ def build_schedule(
     of accumulation steps), because the schedule's own scaling divides the *accumulated*
     gradient and would break gradient accumulation across several ``step`` calls.
     """
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     name = schedule.lower()
     if name == "interleaved1f1b":
         return ScheduleInterleaved1F1B(

@@ -159,13 +159,15 @@ class S3Server:
 # made once). Files are handed out in collection order (--no-loadscope-reorder), so the
 # slowest (the top of `pytest --durations` on 2 cores) come first: a long file started last
 # would be the tail.
-_SLOWEST_FIRST = ("tests/monitoring/test_alerts_e2e.py", "tests/e2e/test_recipes.py",
-                  "tests/e2e/test_ft_replicas.py", "tests/e2e/test_restarts.py",
-                  "tests/e2e/test_multinode.py", "tests/e2e/test_tiers_multinode.py",
-                  "tests/trainer/test_parallel_equivalence.py", "tests/trainer/test_hsdp.py",
-                  "tests/e2e/test_torchrun_restarts.py", "tests/e2e/test_resume.py",
-                  "tests/ckpt/test_tiers_replicas.py", "tests/e2e/test_trainer_cli_errors.py",
-                  "tests/ckpt/test_cli_errors.py", "tests/e2e/test_own_loop.py")
+_SLOWEST_FIRST = ("tests/e2e/test_recipes.py", "tests/e2e/test_resume.py",
+                  "tests/e2e/test_torchrun_restarts.py",
+                  "tests/monitoring/test_alerts_e2e.py", "tests/e2e/test_restarts.py",
+                  "tests/e2e/test_trainer_cli_errors.py", "tests/e2e/test_tiers_multinode.py",
+                  "tests/trainer/test_parallel_equivalence.py",
+                  "tests/e2e/test_ft_replicas.py", "tests/e2e/test_multinode.py",
+                  "tests/ckpt/test_parts.py", "tests/ckpt/test_cli_errors.py",
+                  "tests/e2e/test_trainer_cli.py", "tests/ckpt/test_crash.py",
+                  "tests/e2e/test_damaged_resume.py", "tests/e2e/test_own_loop.py")
 
 
 def pytest_collection_modifyitems(config, items):

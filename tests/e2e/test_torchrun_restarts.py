@@ -7,9 +7,9 @@ workers, which must form their groups again (the job's and the CheckpointManager
 from exactly that checkpoint and finish with exit 0 and a final checkpoint. No environment variable helps
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is removed): restarted workers share the dead attempt's
 rendezvous store, and only ``ckpt.init_distributed``'s per-attempt key space keeps them from
-reading its addresses (PLATFORM.md: 10 of 20 plain restarts recovered). Restarts used to be
-flaky, so every job restarts twice and the library's tests launch two jobs in a row
-(``E2E_RESTART_LOOPS=N`` multiplies the jobs, a soak test).
+reading its addresses (PLATFORM.md: 10 of 20 plain restarts recovered). Every job restarts
+twice, under each rendezvous; ``E2E_RESTART_LOOPS=N`` launches N jobs of each in a row (a
+soak test: restarts used to fail one time in two).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_own_loop_recovers_from_killed_workers(tmp_path, rdzv):
     """examples/own_loop.py as written (ckpt.init_distributed, DDP, async saves every 10
     steps): rank 1 dies in the first attempt, rank 0 in the second; both resumes land on the
     checkpoint committed before the kill, and the job finishes."""
-    for run in range((2 if rdzv != "static" else 1) * LOOPS):
+    for run in range(LOOPS):
         root = tmp_path / f"ckpt{run}"
         _run_killed([str(EXAMPLE), str(root), "30"], rdzv, run, tmp_path,
                     plan=[(12, 1), (22, 0)])

@@ -127,9 +127,12 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     for node in (0, 1):
         kept = sorted(p.name for p in (tmp_path / f"local-{node}").glob("step_*"))
         assert len(kept) == 2 and kept[-1] == f"step_{STEPS:09d}", (node, kept)
-        if lost == "node-with-copy":  # and the other node's, copied
+        if lost == "node-with-copy":  # and the other node's, copied: the final one surely
+            # (a round skipped for a newer one leaves an earlier step without its copy)
             copies = tmp_path / f"local-{1 - node}" / f"peer-{node}"
-            assert sorted(p.name for p in copies.glob("step_*")) == kept, (node, kept)
+            copied = sorted(p.name for p in copies.glob("step_*"))
+            assert copied and copied[-1] == kept[-1] and set(copied) <= set(kept), \
+                (node, kept, copied)
     if lost == "node-with-copy":  # (node 1's events are not logged: its log line is)
         assert f"local step {resumed['step']} fetched back from node 0's copy" in \
             again.stderr, again.tails()

@@ -44,6 +44,7 @@ from ckpt.dcp._shards import LocalShards, in_part, refs_by_rank
 from ckpt.dcp.attachments import attachment_bytes
 from ckpt.dcp.layout import buffer_nbytes, tensor_view_bytes
 from ckpt.dcp.savecost import SaveCost
+from ckpt.errors import LeaseLostError
 from ckpt.format import (
     DTYPE_NAMES,
     Attachment,
@@ -186,7 +187,18 @@ class CkptWriter(StorageWriter):
         if isinstance(plan.storage_data, _RankData):
             self.save_id = plan.storage_data.save_id  # the coordinator's
         with self.cost.span():  # its time is in the write/fsync/crc phases
-            results = self._write_data(plan, planner)
+            try:
+                results = self._write_data(plan, planner)
+            except FileNotFoundError as exc:
+                # The step's folder went away under this writer: the new holder of the lease
+                # cleaned up after taking it over. Say so, not "no such file".
+                lease = self.life.lease
+                if lease is not None and not lease.confirm():
+                    raise LeaseLostError(
+                        f"lease lost: another job took over {self.storage.url} while step "
+                        f"{self.step} was being written (its files were removed); not "
+                        f"committed") from exc
+                raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

@@ -153,6 +153,39 @@ def test_commit_delayed_past_the_ttl_does_not_count(where):
     assert store.latest(check="full").step == 2
 
 
+def test_data_written_after_a_takeover_removed_the_folder_says_the_lease_was_lost(tmp_path):
+    """Job 1's data write is held past its lease; job 2 takes over and cleans up the step's
+    folder; the write then lands on nothing. Job 1 is told it lost the lease (as at the
+    commit), not "no such file", and job 2's root is untouched."""
+    url = str(tmp_path / "root")
+    storage1 = HoldingStorage(url)
+    storage1.makedirs("")
+    job1 = acquire_lease(storage1, ttl_seconds=TTL, heartbeat=False)  # stalls: no renewals
+    _save(job1, 1, 1.0)
+    storage1.hold("_0.bin")  # step 2's first data file
+    result: dict = {}
+
+    def slow_save():
+        try:
+            result["manifest"] = _save(job1, 2, 2.0)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            result["error"] = exc
+
+    t = threading.Thread(target=slow_save)
+    t.start()
+    assert storage1.held.wait(30), "the data write was never attempted"
+    time.sleep(TTL + 0.2)
+    job2 = acquire_lease(Storage(url), ttl_seconds=30)
+    assert job2.cleanup() == [2]  # job 1's step 2: an aborted save, folder and all
+    storage1.release()
+    t.join(60)
+    assert isinstance(result.get("error"), LeaseLostError), result
+    assert "another job took over" in str(result["error"])
+    store = CheckpointStore(Storage(url))
+    assert store.committed_steps() == [1]
+    release_lease(job2)
+
+
 def test_commit_that_lands_before_the_takeover_listing_counts(where):
     """The other side of the fence: a commit the new holder saw is kept, and says so."""
     url, options = where

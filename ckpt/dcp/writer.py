@@ -17,6 +17,10 @@ the coordinator ``prepare_global_plan`` (here it also begins the attempt through
 exists, then the attachments); every rank ``write_data`` (data files, then its part); the
 coordinator ``finish`` (commits the root manifest through :mod:`ckpt.root.lifecycle`, which
 fences off a writer that lost the lease).
+
+Size: one class, DCP's StorageWriter contract end to end (plans, the data files with their
+checksums, the rank's part, the root manifest); layout, shards, attachments and save cost
+are modules of their own.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ from ckpt.dcp._shards import LocalShards, in_part, refs_by_rank
 from ckpt.dcp.attachments import attachment_bytes
 from ckpt.dcp.layout import buffer_nbytes, tensor_view_bytes
 from ckpt.dcp.savecost import SaveCost
-from ckpt.errors import LeaseLostError
 from ckpt.format import (
     DTYPE_NAMES,
     Attachment,
@@ -189,15 +192,9 @@ class CkptWriter(StorageWriter):
         with self.cost.span():  # its time is in the write/fsync/crc phases
             try:
                 results = self._write_data(plan, planner)
-            except FileNotFoundError as exc:
-                # The step's folder went away under this writer: the new holder of the lease
-                # cleaned up after taking it over. Say so, not "no such file".
-                lease = self.life.lease
-                if lease is not None and not lease.confirm():
-                    raise LeaseLostError(
-                        f"lease lost: another job took over {self.storage.url} while step "
-                        f"{self.step} was being written (its files were removed); not "
-                        f"committed") from exc
+            except FileNotFoundError:  # the step's folder went away: say why, if fenced off
+                self.life.raise_if_taken_over(
+                    f"step {self.step} was being written (its files were removed)")
                 raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -411,6 +411,14 @@ class Lifecycle:
         self.storage.write_bytes(f"{d}/{marker_name(save_id)}", jsonio.dumps(marker),
                                  durable=durable)
 
+    def raise_if_taken_over(self, during: str) -> None:
+        """Raise ``LeaseLostError`` when a renewal finds the lease taken over, to explain a
+        write refused or gone missing ``during`` something (the new holder cleans up
+        after taking over); return when it is still held, or when there is no lease."""
+        if self.lease is not None and not self.lease.confirm():
+            raise LeaseLostError(f"lease lost: another job took over {self.storage.url} while "
+                                 f"{during}; not committed") from None
+
     def commit(self, manifest: Manifest) -> None:
         """Commit ``manifest`` (the coordinator, after every rank wrote its files).
 
@@ -435,10 +443,7 @@ class Lifecycle:
             except (FileExistsError, FileNotFoundError) as exc:
                 # Refused: find out whether because this writer was fenced off meanwhile
                 # (its folder cleaned up, or the new holder's manifest in place).
-                if self.lease is not None and not self.lease.confirm():
-                    raise LeaseLostError(
-                        f"lease lost: another job took over {self.storage.url} while step "
-                        f"{manifest.step} was being committed; not committed") from None
+                self.raise_if_taken_over(f"step {manifest.step} was being committed")
                 if isinstance(exc, FileNotFoundError):
                     raise
                 self._make_room(manifest.step, replace=False)

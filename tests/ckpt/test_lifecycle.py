@@ -108,6 +108,26 @@ def _loaded(url, options, step: int) -> float:
     return float(state["w"][0, 0])
 
 
+def _save_held_past_the_lease(job: Lifecycle, storage: HoldingStorage, pattern: str):
+    """Start ``job``'s save of step 2 on a thread, its request for ``pattern`` held; return
+    ``(thread, result)`` once the lease's TTL has passed with it held (``result`` gets
+    ``manifest`` or ``error`` when the save ends)."""
+    storage.hold(pattern)
+    result: dict = {}
+
+    def slow_save():
+        try:
+            result["manifest"] = _save(job, 2, 2.0)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            result["error"] = exc
+
+    t = threading.Thread(target=slow_save)
+    t.start()
+    assert storage.held.wait(30), f"the request for {pattern} was never made"
+    time.sleep(TTL + 0.2)
+    return t, result
+
+
 def test_commit_delayed_past_the_ttl_does_not_count(where):
     """Job 1's manifest PUT is held past its lease; job 2 takes over, cleans up, saves."""
     url, options = where
@@ -115,19 +135,7 @@ def test_commit_delayed_past_the_ttl_does_not_count(where):
     storage1.makedirs("")
     job1 = acquire_lease(storage1, ttl_seconds=TTL, heartbeat=False)  # stalls: no renewals
     _save(job1, 1, 1.0)
-    storage1.hold("step_000000002/manifest.json")
-    result: dict = {}
-
-    def slow_save():
-        try:
-            result["manifest"] = _save(job1, 2, 2.0)
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            result["error"] = exc
-
-    t = threading.Thread(target=slow_save)
-    t.start()
-    assert storage1.held.wait(30), "the commit was never attempted"
-    time.sleep(TTL + 0.2)
+    t, result = _save_held_past_the_lease(job1, storage1, "step_000000002/manifest.json")
     storage2 = Storage(url, options)
     job2 = acquire_lease(storage2, ttl_seconds=30)  # takes over, fences generation 1
     assert job2.lease.took_over is not None and job2.lease.generation == 2
@@ -162,19 +170,7 @@ def test_data_written_after_a_takeover_removed_the_folder_says_the_lease_was_los
     storage1.makedirs("")
     job1 = acquire_lease(storage1, ttl_seconds=TTL, heartbeat=False)  # stalls: no renewals
     _save(job1, 1, 1.0)
-    storage1.hold("_0.bin")  # step 2's first data file
-    result: dict = {}
-
-    def slow_save():
-        try:
-            result["manifest"] = _save(job1, 2, 2.0)
-        except BaseException as exc:  # noqa: BLE001 - inspected below
-            result["error"] = exc
-
-    t = threading.Thread(target=slow_save)
-    t.start()
-    assert storage1.held.wait(30), "the data write was never attempted"
-    time.sleep(TTL + 0.2)
+    t, result = _save_held_past_the_lease(job1, storage1, "_0.bin")  # step 2's first data
     job2 = acquire_lease(Storage(url), ttl_seconds=30)
     assert job2.cleanup() == [2]  # job 1's step 2: an aborted save, folder and all
     storage1.release()

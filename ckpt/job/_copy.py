@@ -6,10 +6,13 @@ A version goes as messages (``ckpt.ranks.swap_bytes``): a header (step, the send
 its root, every file with its size, the steps its owner keeps), the manifest, then each
 file in chunks of at most ``CHUNK_BYTES``. The receiver trusts none of it: the header and the
 manifest are parsed strictly, the files must be those the manifest lists, and each one's
-size and CRC32C are checked as it arrives, before it is written (``fsync``, on a thread of
-its own while the next file arrives: one file waits at most); only then is the manifest
-re-issued under the receiving root's lease (``Lifecycle.commit_copy``). A copy that
-fails is abandoned (its files removed); one torn by a crash has no manifest. Failures on
+size and CRC32C are checked as it arrives; only then is the manifest re-issued under the
+receiving root's lease (``Lifecycle.commit_copy``). On local disk (a local tier's home) a
+file is written chunk by chunk as its chunks arrive, on a thread of its own (one chunk
+waits at most: the receiver holds two chunks, whatever the file's size), and synced after
+its last; elsewhere a file is held until its last chunk and then written, while the next
+one arrives. A copy that fails is abandoned (its files removed, a file written before its
+checksum failed included); one torn by a crash has no manifest. Failures on
 either side never break the step of messages: a file the sender cannot read goes as an empty
 message (which the receiver refuses), and a receiver that refused a copy still takes every
 message that follows.
@@ -18,6 +21,7 @@ message that follows.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
@@ -27,7 +31,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import Manifest, crc32c_of, jsonio, step_dirname
 from ckpt.ranks import CHUNK_BYTES, swap_bytes
 from ckpt.root import Lifecycle
-from ckpt.storage import Storage
+from ckpt.storage import Storage, fsync_dir
 
 __all__ = ["Outgoing", "Incoming", "swap_versions"]
 
@@ -127,11 +131,14 @@ class Incoming:
         self.nbytes = 0
         self._keep: list[int] | None = None
         self._files: list[tuple[str, int]] = []
-        self._plan: list[tuple[int, int, bool]] = []  # per data message: file, length, last
+        self._plan: list[tuple[int, int, bool, bool]] = []  # per data message: file,
+        # length, whether it is the file's first chunk, its last
         self._taken = 0
-        self._chunks: list[torch.Tensor] = []
+        self._chunks: list[torch.Tensor] = []  # a file's chunks so far (not on local disk)
+        self._crc = 0  # of the file arriving, so far
+        self._file = None  # the local file being written, chunk by chunk
         self._writer: ThreadPoolExecutor | None = None
-        self._writing: Future | None = None  # the file being written
+        self._writing: Future | None = None  # the chunk (or file) being written
 
     def take(self, msg: torch.Tensor) -> None:
         i, self._taken = self._taken, self._taken + 1
@@ -148,7 +155,7 @@ class Incoming:
     def _fail(self, why: str) -> None:
         if self.error is None:
             self.error = why
-        self._chunks = []
+        self._chunks, self._crc = [], 0
 
     def _header(self, msg: torch.Tensor) -> None:
         doc = jsonio.loads(msg.numpy().tobytes(), f"copy header from {self.source}",
@@ -169,7 +176,8 @@ class Incoming:
         self._files = [(name, size) for name, size in files]
         for index, (_, size) in enumerate(self._files):
             sizes = _chunk_sizes(size)
-            self._plan += [(index, length, k == len(sizes) - 1) for k, length in enumerate(sizes)]
+            self._plan += [(index, length, k == 0, k == len(sizes) - 1)
+                           for k, length in enumerate(sizes)]
         self.expected = 2 + len(self._plan)
 
     def _manifest(self, msg: torch.Tensor) -> None:
@@ -195,36 +203,69 @@ class Incoming:
         self.life.begin(self.step, m.save_id)
         self.began = True
 
-    def _data(self, index: int, length: int, last: bool, msg: torch.Tensor) -> None:
+    def _data(self, index: int, length: int, first: bool, last: bool,
+              msg: torch.Tensor) -> None:
         name, size = self._files[index]
         if self.error is not None or self.held:
             return  # drained: the sender does not know, and the rounds must stay in step
         if msg.numel() != length:
             raise CheckpointError(f"{name} from {self.source} arrived short ({msg.numel()} of "
                                   f"{length} bytes: the sender could not read it)")
-        self._chunks.append(msg)
+        self._crc = crc32c_of([msg.numpy()], 0 if first else self._crc)
+        rel = f"{step_dirname(self.step)}/{name}"
+        streamed = self.storage.local_path(rel) is not None
+        if streamed:
+            # Written on a thread of its own while the next chunk arrives: a receiver's disk
+            # must not hold up the sender (in a ring, every node). One chunk waits at most.
+            self._wait_written()
+            if self.error is None:
+                self._write(self._write_chunk, rel, msg, first, last)
+        else:
+            self._chunks.append(msg)
         if not last:
             return
+        crc, self._crc = self._crc, 0
         chunks, self._chunks = self._chunks, []
         record = self.manifest.files[name]
-        crc = crc32c_of([c.numpy() for c in chunks])
         if crc != record.crc32c:
             raise CheckpointError(
                 f"{self.root}/{step_dirname(self.step)}/{name}: checksum mismatch "
                 f"(expected crc32c {record.crc32c:08x}, got {crc:08x}); the copy is refused")
-        # Written on a thread of its own while the next file arrives: a receiver's disk
-        # must not hold up the sender (in a ring, every node). One file waits at most.
-        self._wait_written()
-        if self.error is None:
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy-write")
-            self._writing = self._writer.submit(
-                self.storage.write_buffers, f"{step_dirname(self.step)}/{name}",
-                [c.numpy() for c in chunks])
-            self.nbytes += size
+        if not streamed:
+            self._wait_written()  # one file waits at most
+            if self.error is None:
+                self._write(self.storage.write_buffers, rel, [c.numpy() for c in chunks])
+        self.nbytes += size
+
+    def _write(self, fn, *args) -> None:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy-write")
+        self._writing = self._writer.submit(fn, *args)
+
+    def _write_chunk(self, rel: str, msg: torch.Tensor, first: bool, last: bool) -> None:
+        """On the writer thread: one chunk into the local file (a new one for the first);
+        after the last, the file and its folder synced."""
+        if first:
+            self._close_file()
+            self._file = self.storage.create_local(rel)
+        self._file.write(memoryview(msg.numpy()))
+        if last:
+            f, self._file = self._file, None
+            with f:
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(os.path.dirname(self.storage.local_path(rel)))
+
+    def _close_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
 
     def _wait_written(self) -> None:
-        """Wait for the file being written (if any); its failure fails the copy."""
+        """Wait for the chunk (or file) being written, if any; its failure fails the copy."""
         writing, self._writing = self._writing, None
         if writing is not None:
             try:
@@ -240,6 +281,7 @@ class Incoming:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        self._close_file()  # a file left open by a copy that failed in its middle
         if self.step is None:
             return None
         if self.error is None and not self.held:

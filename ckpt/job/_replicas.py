@@ -19,16 +19,17 @@ rounds in the same order)::
             ─► swap: my version to the successor while the predecessor's comes in:
                header (step, files, sizes, the steps its owner keeps), manifest, then each
                file in chunks of at most 64 MiB
-    receiver:  begin (marker, the version's own save id) ─► each file's size and CRC32C
-               checked as it arrives, then written (fsync) ─► all verified: commit_copy
+    receiver:  begin (marker, the version's own save id) ─► each file written as it
+               arrives, its size and CRC32C checked, synced ─► all verified: commit_copy
                (the manifest re-issued under the peer root's lease) ─► the steps the owner
                no longer keeps are deleted     | anything wrong: abandon (files removed)
     ack ─► the sender learns its step is held on two nodes (``replica_committed``)
 
 A copy is complete or invisible: its manifest is created last, and a copy torn by a crash
 has none (the next holder of the peer root removes its files). Memory per coordinator, in
-host memory: the file it sends, and the file arriving plus the one being written (a file is
-written once all its chunks are in, while the next one arrives).
+host memory: the chunk it sends, and the chunk arriving plus the one being written (on local
+disk a file is written chunk by chunk as it arrives; on other storage a file is held until
+its last chunk, then written while the next one arrives).
 
 Resume (:meth:`Replicas.restore`, every rank, on the training thread, before the two-tier
 walk): a local step counts when every node holds it, itself or through its successor's

@@ -221,6 +221,15 @@ class Storage:
         return os.fdopen(self._guard("open", rel, lambda: backend.open_fd(rel)), "rb",
                          buffering=0)
 
+    def create_local(self, rel: str):
+        """A binary file object writing new local file ``rel`` (created exclusively, never
+        through a link: ``FileExistsError`` if anything is there). For writers that stream
+        a file as its bytes arrive; the caller syncs it and its folder (``fsync_dir``)."""
+        backend = self.backend
+        if not isinstance(backend, LocalBackend):
+            raise ValueError(f"{self.describe(rel)} is not on a local file system")
+        return os.fdopen(self._guard("create", rel, lambda: backend.create_fd(rel)), "wb")
+
     def listdir(self, rel: str = "") -> list[tuple[str, str, int]]:
         """Entries directly under ``rel`` as ``(name, "file"|"directory", size)``; [] if absent."""
         return self._wrap("list", rel, lambda: self.backend.listdir(rel))

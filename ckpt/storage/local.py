@@ -91,6 +91,12 @@ class LocalBackend(FsspecBackend):
                 f.write(view)
         replace_file(self.path(rel), write, durable=durable)
 
+    def create_fd(self, rel: str) -> int:
+        """A descriptor to write new file ``rel``: created exclusively, never through a
+        link, inside the root (``FileExistsError`` if anything is there)."""
+        self._check_inside_root(rel)
+        return _create_file(self.path(rel))
+
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Write a fsync'd temporary file and hard-link it into place (``link`` fails if the
         target exists, unlike ``rename``); False if ``rel`` already exists."""

@@ -76,19 +76,32 @@ def train_body(rank: int, world: int, root: str, local_root: str, last: int,
 
 
 def _die_while_copying(step: int) -> None:
+    """Die (SIGKILL) once the first chunk of a data file of ``step``'s copy is written, its
+    file not yet synced or closed: a copy torn in the middle of a file."""
     from ckpt.format import step_dirname
     from ckpt.root import data_file_id
     from ckpt.storage import Storage
 
-    write = Storage.write_buffers
+    create = Storage.create_local
 
-    def dying(self, rel, buffers, **kw):
-        write(self, rel, buffers, **kw)
+    class Dying:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            n = self.f.write(data)
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+            return n
+
+    def dying(self, rel):
+        f = create(self, rel)
         if "/peer-" in self.url and rel.startswith(step_dirname(step) + "/") \
                 and data_file_id(rel.rsplit("/", 1)[-1]):
-            os.kill(os.getpid(), signal.SIGKILL)
+            return Dying(f)
+        return f
 
-    Storage.write_buffers = dying
+    Storage.create_local = dying
 
 
 def resume_body(rank: int, world: int, root: str, local_root: str, total: int,

@@ -125,8 +125,8 @@ def test_a_damaged_copy_is_detected_and_the_fall_back_goes_on(crashed, tmp_path)
 def test_a_node_killed_while_it_receives_a_copy_leaves_no_torn_copy(tmp_path):
     root, local = _roots(tmp_path)
     # No durable checkpoint (interval 100): only the local tier can resume the job. Node 2
-    # dies (SIGKILL) while it writes node 1's copy of step 6: after a data file, before
-    # the manifest. The job is torn down with it.
+    # dies (SIGKILL) while it writes node 1's copy of step 6: in the middle of a data file,
+    # long before the manifest. The job is torn down with it.
     with pytest.raises(AssertionError, match=r"--- rank 2 ---\nprocess exited with code -9"):
         run_ranks(w.train_body, NODES, root, local, LAST, "100", (2, 6), timeout=240,
                   kill_all_on_death=True)

@@ -88,6 +88,27 @@ def test_open_local_never_follows_a_link(tmp_path):
         storage.open_local("d/absent.bin")
 
 
+def test_create_local_never_writes_through_a_link_or_over_a_file(tmp_path):
+    storage = Storage(str(tmp_path / "root"))
+    storage.makedirs("d")
+    with storage.create_local("d/x.bin") as f:
+        f.write(b"abc")
+    assert storage.read_bytes("d/x.bin") == b"abc"
+    with pytest.raises(FileExistsError):
+        storage.create_local("d/x.bin")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "root" / "d" / "y.bin")
+    with pytest.raises(FileExistsError):
+        storage.create_local("d/y.bin")
+    os.symlink(tmp_path, tmp_path / "root" / "out")  # a folder leading outside the root
+    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint root"):
+        storage.create_local("out/z.bin")
+    assert victim.read_text() == "precious" and not (tmp_path / "z.bin").exists()
+    with pytest.raises(ValueError, match="not on a local file system"):
+        Storage(f"memory://create-local-{os.getpid()}").create_local("x.bin")
+
+
 def test_a_linked_manifest_or_folder_leading_outside_is_refused(tmp_path):
     root, other = tmp_path / "root", tmp_path / "other"
     _save_steps(str(root), [1])

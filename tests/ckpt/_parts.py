@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -92,7 +93,10 @@ def save_chunked(root: str | Storage, step: int, state: dict[str, Any],
     writer = CkptWriter(storage, step, step_dirname(step),
                         manifest_extra={"world_size": 1, "layout": {}, "versions": {},
                                         "user_metadata": {}})
-    dcp.save(state, storage_writer=writer, planner=_ChunkedSavePlanner(chunks), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns of one process even when asked for one
+        warnings.filterwarnings("ignore", message=".*assuming the intent is")
+        dcp.save(state, storage_writer=writer, planner=_ChunkedSavePlanner(chunks),
+                 no_dist=True)
     return writer.manifest
 
 

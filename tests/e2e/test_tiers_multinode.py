@@ -53,11 +53,14 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     # Copies can lag rounds behind under load: node 0 keeps enough of its own local steps
     # that the copied step waited for below is still one it holds at the kill.
     keep = 4 if lost == "node-with-copy" else 2
+    # Copies run behind the steps; paced steps let one land well before the next durable
+    # commit (the kill must come while the copied local step is the newest).
+    copies = ["--checkpoint.local_replicas=2", "--fault.inject_step_delay_seconds=0.25"]
     overrides = (*COMMON, *DDP, "--checkpoint.interval=10", f"--checkpoint.root={root}",
                  f"--checkpoint.local_root={local}", "--checkpoint.local_interval=3",
                  f"--metrics.jsonl_path={jsonl}",
                  f"--checkpoint.local_keep_last={keep}",
-                 *(["--checkpoint.local_replicas=2"] if lost == "node-with-copy" else []))
+                 *(copies if lost == "node-with-copy" else []))
 
     def launch(addr: str, is_host: bool, name: str) -> Job:
         return Job(node_argv(*overrides, nnodes=2, port=port, run_id=run_id, local_addr=addr,
@@ -71,17 +74,21 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
         # commits, and the kill must come after it (the local tier is then the newer one).
         host.wait_event(lambda e: e["kind"] == "save_committed" and e["step"] == 10,
                         timeout=120, what="the durable commit of step 10")
-        if lost == "node-with-copy":
-            # A copy round of a step after durable 10 that node 0 saw acknowledged: in the
-            # same round node 1's copy of that step came to node 0. (Under load a round can
-            # be skipped for a newer one, so not every local step gets its copy.)
-            committed = host.wait_event(
-                lambda e: e["kind"] == "replica_committed" and 11 <= e["step"] < 20,
-                timeout=120, what="a copied local step after durable 10")
-        else:
-            committed = host.wait_event(
-                lambda e: e["kind"] == "local_save_committed" and 11 <= e["step"] < 20,
-                timeout=120, what="a local commit after durable 10")
+        # Node 0's commit of a local step newer than every durable commit so far, at least
+        # 4 steps before the next one, so that the kill comes while that step is the
+        # newest. With copies: a copy round that node 0 saw acknowledged (in the same round
+        # node 1's copy of that step came to node 0); under load a round can be skipped for
+        # a newer one, so not every local step gets its copy.
+        kind = "replica_committed" if lost == "node-with-copy" else "local_save_committed"
+        newest_durable = [10]
+
+        def ahead(e: dict) -> bool:
+            if e["kind"] == "save_committed":
+                newest_durable[0] = max(newest_durable[0], e["step"])
+            return e["kind"] == kind and newest_durable[0] < e["step"] and e["step"] % 10 <= 6
+
+        committed = host.wait_event(ahead, timeout=120,
+                                    what=f"a {kind} step ahead of the durable tier")
         # A local step counts only when every node committed it: wait for the second
         # node's own commit of that step (its events are not logged) before the kill.
         theirs = tmp_path / "local-1" / f"step_{committed['step']:09d}" / "manifest.json"

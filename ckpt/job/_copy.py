@@ -136,6 +136,7 @@ class Incoming:
         self._taken = 0
         self._chunks: list[torch.Tensor] = []  # a file's chunks so far (not on local disk)
         self._crc = 0  # of the file arriving, so far
+        self._streamed = self.storage.local_path() is not None  # files written as they come
         self._file = None  # the local file being written, chunk by chunk
         self._writer: ThreadPoolExecutor | None = None
         self._writing: Future | None = None  # the chunk (or file) being written
@@ -155,7 +156,7 @@ class Incoming:
     def _fail(self, why: str) -> None:
         if self.error is None:
             self.error = why
-        self._chunks, self._crc = [], 0
+        self._chunks = []
 
     def _header(self, msg: torch.Tensor) -> None:
         doc = jsonio.loads(msg.numpy().tobytes(), f"copy header from {self.source}",
@@ -213,8 +214,7 @@ class Incoming:
                                   f"{length} bytes: the sender could not read it)")
         self._crc = crc32c_of([msg.numpy()], 0 if first else self._crc)
         rel = f"{step_dirname(self.step)}/{name}"
-        streamed = self.storage.local_path(rel) is not None
-        if streamed:
+        if self._streamed:
             # Written on a thread of its own while the next chunk arrives: a receiver's disk
             # must not hold up the sender (in a ring, every node). One chunk waits at most.
             self._wait_written()
@@ -224,14 +224,14 @@ class Incoming:
             self._chunks.append(msg)
         if not last:
             return
-        crc, self._crc = self._crc, 0
         chunks, self._chunks = self._chunks, []
         record = self.manifest.files[name]
-        if crc != record.crc32c:
+        if self._crc != record.crc32c:
             raise CheckpointError(
                 f"{self.root}/{step_dirname(self.step)}/{name}: checksum mismatch "
-                f"(expected crc32c {record.crc32c:08x}, got {crc:08x}); the copy is refused")
-        if not streamed:
+                f"(expected crc32c {record.crc32c:08x}, got {self._crc:08x}); the copy is "
+                f"refused")
+        if not self._streamed:
             self._wait_written()  # one file waits at most
             if self.error is None:
                 self._write(self.storage.write_buffers, rel, [c.numpy() for c in chunks])
@@ -246,7 +246,6 @@ class Incoming:
         """On the writer thread: one chunk into the local file (a new one for the first);
         after the last, the file and its folder synced."""
         if first:
-            self._close_file()
             self._file = self.storage.create_local(rel)
         self._file.write(memoryview(msg.numpy()))
         if last:

@@ -13,6 +13,14 @@ keeps freed blocks for itself until its cache is emptied. Should registering fai
 comes from that allocator after all (copies stay asynchronous) and ``release()`` empties its
 cache. Without CUDA nothing is pinned and everything else is the same code.
 
+Device: an arena is pinned for one CUDA device (``pin_on``: the device of the tensors copied
+into it), and every CUDA call it makes (register, unregister, the fallback allocation,
+emptying the cache) runs under ``torch.cuda.device(pin_on)``, on whichever thread calls:
+the runtime binding has no device guard of its own, so on a thread that never selected a
+device (a fresh worker thread starts on device 0) it would create a CUDA context on GPU 0,
+in every rank's process. The registration is portable, so the page lock holds for every
+context of the process all the same.
+
 Memory is returned when the last view of the block is gone: ``release()`` drops the arena's
 own references (and the page lock, first), views handed out earlier keep their bytes alive.
 """
@@ -40,24 +48,29 @@ def aligned_bytes(nbytes: int, alignment: int = ALIGN_BYTES) -> int:
     return -(-int(nbytes) // alignment) * alignment
 
 
-def release_host_cache() -> None:
+def release_host_cache(device: torch.device) -> None:
     """Give the pinned blocks that torch's host caching allocator keeps but nobody uses
-    back to the system, where this torch offers it (a no-op elsewhere, e.g. without CUDA)."""
+    back to the system, where this torch offers it (a no-op elsewhere, e.g. without CUDA).
+    The frees run under ``device`` (a CUDA device this process uses), not the calling
+    thread's current one."""
     if not torch.cuda.is_available():
         return
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
         or getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         try:
-            empty()
+            with torch.cuda.device(device):
+                empty()
         except RuntimeError as exc:  # no accelerator initialised after all
             log.debug("emptying the host cache failed: %s", exc)
 
 
-def _register(ptr: int, nbytes: int) -> bool:
-    """Page-lock ``nbytes`` at ``ptr`` in place; False (logged) when CUDA refuses."""
+def _register(ptr: int, nbytes: int, device: torch.device) -> bool:
+    """Page-lock ``nbytes`` at ``ptr`` in place, under ``device``; False (logged) when CUDA
+    refuses."""
     try:
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
+        with torch.cuda.device(device):
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _REGISTER_PORTABLE))
     except (RuntimeError, AttributeError, TypeError) as exc:
         log.warning("cudaHostRegister unavailable (%s): staging buffers use torch's pinned "
                     "allocator", exc)
@@ -69,8 +82,9 @@ def _register(ptr: int, nbytes: int) -> bool:
     return True
 
 
-def _unregister(ptr: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+def _unregister(ptr: int, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if err != 0:
         log.warning("cudaHostUnregister failed (cudaError %d)", err)
 
@@ -79,11 +93,12 @@ class HostArena:
     """``sum(aligned_bytes(n) for n in sizes)`` bytes of host memory in one allocation,
     sliced into one slot per size (``slot(i)``, ``view(i, shape, dtype)``).
 
-    ``pin``: page-lock it (only where CUDA is available). Not thread-safe: its owner
+    ``pin_on``: page-lock it for this CUDA device (only where CUDA is available; see the
+    module docstring); None: not pinned. Not thread-safe: its owner
     (``ckpt.dcp.staging.StagingBuffers``) serialises every use.
     """
 
-    def __init__(self, sizes: Sequence[int], pin: bool):
+    def __init__(self, sizes: Sequence[int], pin_on: torch.device | None = None):
         self.offsets: list[int] = []
         self.sizes = [int(n) for n in sizes]
         offset = 0
@@ -95,28 +110,34 @@ class HostArena:
         self.from_pinned_cache = False  # came from torch's pinned caching allocator
         self._unpin: weakref.finalize | None = None
         self._base: torch.Tensor | None = None  # the allocation ``data`` lies in
-        self.data = self._allocate(pin and torch.cuda.is_available())
+        if pin_on is not None and pin_on.type != "cuda":
+            raise ValueError(f"HostArena(pin_on={pin_on}): pinning is for a CUDA device; "
+                             f"pass a cuda device, or None for an unpinned arena")
+        self.device = pin_on if torch.cuda.is_available() else None  # pinned for it
+        self.data = self._allocate()
 
-    def _allocate(self, pin: bool) -> torch.Tensor:
+    def _allocate(self) -> torch.Tensor:
         """The block, page-aligned, touched once per page (so the first save does not pay
-        the page faults), and pinned if asked."""
+        the page faults), and pinned for ``device`` if set."""
         if self.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         locked = aligned_bytes(self.nbytes, _PAGE_BYTES)  # whole pages: no neighbour's
         base = self._base = torch.empty(locked + _PAGE_BYTES, dtype=torch.uint8)
         start = -base.data_ptr() % _PAGE_BYTES
         data = base[start:start + self.nbytes]
-        if pin:
+        if self.device is not None:
             ptr = base.data_ptr() + start
-            if _register(ptr, locked):
+            if _register(ptr, locked, self.device):
                 self.pinned = True
-                # Unlocked by release(), or when this arena is collected: before the memory
-                # can be freed in any case, since the arena holds ``base`` until then.
-                self._unpin = weakref.finalize(self, _unregister, ptr)
+                # Unlocked by release(), or when this arena is collected (on whichever
+                # thread collects it: hence the device): before the memory can be freed in
+                # any case, since the arena holds ``base`` until then.
+                self._unpin = weakref.finalize(self, _unregister, ptr, self.device)
                 self._unpin.atexit = False  # the CUDA context may be gone by then
             else:
                 self._base = None
-                data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                with torch.cuda.device(self.device):
+                    data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
                 self.pinned = self.from_pinned_cache = True
         data[::_PAGE_BYTES].zero_()  # fault in
         return data
@@ -133,10 +154,14 @@ class HostArena:
 
     def release(self) -> None:
         """Drop the arena's hold on its memory: unlock it now and free it with its last
-        view (views still referenced elsewhere keep working, as ordinary memory)."""
+        view (views still referenced elsewhere keep working, as ordinary memory). A block
+        from torch's pinned cache goes back to that cache, which is then emptied."""
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
         self._base = None
         self.data = torch.empty(0, dtype=torch.uint8)
+        if self.from_pinned_cache:
+            release_host_cache(self.device)  # its block went back to torch's cache
         self.offsets, self.sizes, self.nbytes, self.pinned = [], [], 0, False
+        self.from_pinned_cache = False

@@ -19,13 +19,24 @@ the host buffer itself, so ``torch.distributed.checkpoint`` plans the same chunk
 the live state, and nothing of it is moved back to the device.
 
 The buffers are typed views into one host arena (:mod:`ckpt.dcp._host_arena`): one allocation
-of the sum of this rank's shards, each slot aligned to 512 bytes, pinned on CUDA (page-locked
-in place: not rounded up to a power of two as torch's pinned allocator rounds each block).
+of the sum of this rank's shards, each slot aligned to 512 bytes, pinned when the state has
+CUDA tensors (page-locked in place: not rounded up to a power of two as torch's pinned
+allocator rounds each block; a state of CPU tensors only is copied synchronously and gains
+nothing from pinned memory).
 It is reused by every later save while the state keeps its tensors (same paths, shapes and
 dtypes), so a save in steady state allocates nothing; it is built anew, once, when they
 change; ``close()`` frees it. Host memory: about one copy of this rank's shard. ``prepare``
 allocates (and touches) the arena ahead of time, e.g. on a background thread right after
 the model is built, so even the first save's stall is only the copy.
+
+Device: the buffers remember the CUDA device of the tensors they hold (``device``, the first
+one's where there are several), and every CUDA call they make off the training thread runs
+under ``torch.cuda.device`` of its device: the arena's page locking and unlocking (the
+first ``prepare`` may run on the manager's persist thread) and ``CopyReady``'s event waits
+(the persist thread waits for the copies). A thread that never selected a device starts on
+device 0, and these calls have no device guard of their own: without it every rank would
+create a CUDA context (hundreds of MB) on GPU 0. ``stage`` itself runs on the training
+thread and names the device of every stream and event it uses.
 
 Loads borrow the same memory (``borrow``) as scratch to read into before the checksums are
 verified: one copy of the shard that exists anyway, already touched, instead of fresh
@@ -40,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ckpt.dcp._host_arena import HostArena, aligned_bytes, release_host_cache
+from ckpt.dcp._host_arena import HostArena, aligned_bytes
 
 __all__ = ["StagingBuffers", "CopyReady"]
 
@@ -57,21 +68,32 @@ def _dtensor_cls():
 class CopyReady:
     """The device-to-host copies of one ``stage``: ``wait()`` blocks the calling thread
     until they are done and returns their duration on the device, in seconds (the slowest
-    device's, measured between two CUDA events around the copies)."""
+    device's, measured between two CUDA events around the copies).
 
-    def __init__(self, events: list[tuple[Any, Any]]):
-        self._events = events  # (start, end) CUDA events, one pair per device
+    ``events``: (device, start, end) per device. Any thread may call ``done`` and ``wait``:
+    each event is queried and waited for under ``torch.cuda.device(device)``, never under
+    the calling thread's current device (see the module docstring)."""
+
+    def __init__(self, events: list[tuple[torch.device, Any, Any]]):
+        self._events = events
         self._seconds: float | None = None
 
     def done(self) -> bool:
         """True when every copy has finished (never blocks)."""
-        return all(end.query() for _, end in self._events)
+        for device, _, end in self._events:
+            with torch.cuda.device(device):
+                if not end.query():
+                    return False
+        return True
 
     def wait(self) -> float:
         if self._seconds is None:
-            for _, end in self._events:
-                end.synchronize()
-            self._seconds = max(start.elapsed_time(end) for start, end in self._events) / 1e3
+            slowest_ms = 0.0
+            for device, start, end in self._events:
+                with torch.cuda.device(device):
+                    end.synchronize()
+                    slowest_ms = max(slowest_ms, start.elapsed_time(end))
+            self._seconds = slowest_ms / 1e3
         return self._seconds
 
 
@@ -80,6 +102,8 @@ class StagingBuffers:
 
     Used by one saving thread at a time: ``stage``, ``borrow`` and ``close`` wait for the
     previous stage's copies; ``prepare`` may run on another thread (it takes the lock).
+    ``pin_memory`` (default: whether CUDA is available): pin the buffers when the state has
+    CUDA tensors.
     """
 
     def __init__(self, pin_memory: bool | None = None):
@@ -122,8 +146,14 @@ class StagingBuffers:
             end = torch.cuda.Event(enable_timing=True)
             end.record(side)
             torch.cuda.current_stream(device).wait_event(end)
-            events.append((start, end))
+            events.append((device, start, end))
         return CopyReady(events)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The CUDA device the buffers are pinned for: that of the state's (first) CUDA
+        tensor; None when not pinned."""
+        return self._arena.device if self._arena is not None and self._arena.pinned else None
 
     @property
     def nbytes(self) -> int:
@@ -148,8 +178,9 @@ class StagingBuffers:
         if layout == self._layout and self._arena is not None:
             return
         self._release()  # the old arena first: never two of them at once, as far as it can
+        cuda = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
         arena = HostArena([t.numel() * t.element_size() for _, t in tensors],
-                          pin=self.pin_memory)
+                          pin_on=cuda if self.pin_memory else None)
         self.num_allocations += arena.nbytes > 0
         self._arena, self._layout = arena, layout
         self._buffers = {path: arena.view(i, t.shape, t.dtype)
@@ -159,9 +190,7 @@ class StagingBuffers:
         arena, self._arena = self._arena, None
         self._buffers, self._layout = {}, {}
         if arena is not None:
-            arena.release()
-            if arena.from_pinned_cache:
-                release_host_cache()  # its block went back to torch's cache: give it back
+            arena.release()  # under its own device, whichever thread this is
 
     def close(self) -> None:
         """Free the buffers (``nbytes`` and ``arena_bytes`` become 0): the page lock now,

@@ -37,6 +37,7 @@ persist, retention, _claim, _commits, _inflight).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -49,7 +50,7 @@ from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interva
 from ckpt.dcp import PlanCache, StagingBuffers, api, check_attachments
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
-from ckpt.format import Manifest, step_dirname
+from ckpt.format import Lineage, Manifest, new_run_id, parent_of, step_dirname
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
@@ -64,7 +65,7 @@ from ckpt.job.gate import (
 from ckpt.job.persist import Persister
 from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy, record_retention
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
-from ckpt.root import CheckpointStore, Lease, Lifecycle
+from ckpt.root import CheckpointStore, Lease, Lifecycle, record_run
 from ckpt.storage import Storage
 
 __all__ = ["CheckpointManager"]
@@ -178,6 +179,12 @@ class CheckpointManager:
         if self.rank == 0 and (self.lease is None or self.lease.held):
             record_retention(self.store, retention)  # for `ckpt list` (best-k reasons)
         self._gate = SaveGate(self._ctl, self.life, self.rank == 0)
+        # The run this manager saves as (:mod:`ckpt.root.lineage`): a fresh one, until a
+        # load begins another (``start_run``). The same id on every rank.
+        self._run_base = self._ctl.broadcast(new_run_id() if self.rank == 0 else None)
+        self._num_runs = 0
+        self.life.lineage = Lineage(self._run_base)
+        self.job_name = job_name
 
     # -- the claim on the root and the commits, as callers see them ---------------------------
     @property
@@ -444,14 +451,19 @@ class CheckpointManager:
                     raise_if_all_damaged: bool = False,
                     extra_state: Callable[[Manifest], dict[str, Any]] | None = None,
                     uncommit_newer: bool = True) -> Manifest | None:
-        """Resume: load ``step`` if given, else the newest checkpoint that verifies.
+        """Resume: load ``step`` if given, else the newest checkpoint that verifies and
+        belongs to the current trajectory (``ckpt.root.lineage``: never one a resume went
+        back past).
 
         Returns the manifest loaded, or None when there is nothing to resume from
         (``raise_if_all_damaged``, ``extra_state``: see :func:`ckpt.dcp.api.load_latest`).
         Then, unless ``uncommit_newer`` is False, the run continues from the step loaded:
         committed steps newer than it (damaged ones the walk fell back past, or all newer
         ones when ``step`` rewinds) are un-committed (:meth:`uncommit_newer`), so that this
-        run saves those steps again and the next resume does not jump onto them.
+        run saves those steps again and the next resume does not jump onto them; before
+        that a new run is recorded (:meth:`start_run`), so that those steps cannot be
+        taken for this trajectory's even when they cannot be un-committed. False: the
+        caller does both (a two-tier job, once for both tiers).
         """
         if self._closed:
             raise RuntimeError("CheckpointManager.load_latest() called after close()")
@@ -478,9 +490,12 @@ class CheckpointManager:
                                        extra_state=extra_state, **options)
         self.resumed_tier = "durable" if manifest is not None else None
         if manifest is None:
+            if uncommit_newer:
+                self.start_run(None)
             return None
         self.resumed_step = manifest.step
         if uncommit_newer:
+            self.start_run(manifest, tier="durable")
             self.uncommit_newer(manifest.step)
         # Resumed at a step, the cadence counts the next interval from there (a resumed run
         # saves at 40 and 50 after resuming at 30 with a cadence of 10).
@@ -491,6 +506,60 @@ class CheckpointManager:
                          bytes_per_second=manifest.total_bytes / seconds if seconds > 0
                          else 0.0, num_fallbacks=len(fallbacks))
         return manifest
+
+    @property
+    def lineage(self) -> Lineage:
+        """The lineage the versions this manager saves now record (the same on every rank)."""
+        return self.life.lineage
+
+    def start_run(self, parent: Manifest | None, *, tier: str | None = None,
+                  lineage: Lineage | None = None, record: bool = True) -> Lineage:
+        """Begin a new run (``ckpt.root.lineage``): the state was just loaded from ``parent``
+        (None: a fresh start). Collective over the manager's group.
+
+        Every version saved from now on records the new run and ``parent``. With ``record``
+        the coordinator first appends the run to the root's run log, naming the committed
+        steps newer than ``parent`` that this run goes back past (``abandoned``): from then
+        on no resume takes them, whether or not they can be un-committed or deleted.
+        ``lineage``: adopt this one (a two-tier job's, the same for both tiers) instead of
+        deriving one. A failure to record raises on every rank: a run whose versions could
+        not be told from an abandoned trajectory's must not save.
+        """
+        if lineage is None:
+            self._num_runs += 1
+            run = hashlib.sha256(f"{self._run_base}:{self._num_runs}".encode()).hexdigest()[:16]
+            lineage = Lineage(run, None if parent is None
+                              else parent_of(parent.step, parent.save_id, parent.lineage))
+        self.life.lineage = lineage
+        if not record:
+            return lineage
+        failed: Exception | None = None
+        if self.rank == 0:
+            try:
+                record_run(self.storage, {
+                    "run": lineage.run, "parent": lineage.parent, "job": self.job_name,
+                    "tier": tier, "abandoned": self._abandoned_by(parent)})
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                failed = exc
+        if self._ctl.any(failed is not None):
+            raise failed or CheckpointError(
+                f"rank 0 could not record the run in {self.storage.url} (its log says why)")
+        return lineage
+
+    def _abandoned_by(self, parent: Manifest | None, limit: int = 64) -> list[dict[str, Any]]:
+        """Coordinator: the committed versions newer than ``parent`` (for the run log; a
+        manifest that cannot be read is named by its step alone)."""
+        since = parent.step if parent is not None else -1
+        out = []
+        for step in [s for s in self.store.committed_steps() if s > since][-limit:]:
+            try:
+                m = self.store.read_manifest(step)
+                out.append({"step": step, "save_id": m.save_id,
+                            "run": m.lineage.run if m.lineage is not None else None})
+            except CheckpointError as exc:
+                out.append({"step": step, "save_id": None, "run": None,
+                            "problem": str(exc)[:300]})
+        return out
 
     def uncommit_newer(self, step: int) -> list[int]:
         """Un-commit every committed step newer than ``step`` (-1: all of them, a deliberate

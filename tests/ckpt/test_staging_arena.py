@@ -8,6 +8,7 @@ path (and the page locking is checked against a stand-in for the CUDA runtime).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -235,11 +236,17 @@ def cudart(monkeypatch):
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    # The arena's calls run under its device (tests/ckpt/test_staging_device.py checks
+    # which); here only what they do counts.
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     return fake
 
 
+_GPU = torch.device("cuda", 0)
+
+
 def test_a_pinned_arena_locks_exactly_its_pages_in_place_and_unlocks_on_release(cudart):
-    arena = HostArena([10, 5000, 0, 3], pin=True)
+    arena = HostArena([10, 5000, 0, 3], pin_on=_GPU)
     assert arena.pinned and not arena.from_pinned_cache
     ((_, ptr, nbytes, _),) = cudart.calls
     assert ptr == arena.data.data_ptr() and ptr % 4096 == 0
@@ -252,7 +259,7 @@ def test_a_pinned_arena_locks_exactly_its_pages_in_place_and_unlocks_on_release(
 
 
 def test_a_pinned_arena_dropped_without_release_is_unlocked_first(cudart):
-    arena = HostArena([100], pin=True)
+    arena = HostArena([100], pin_on=_GPU)
     view = arena.view(0, (25,), torch.float32)
     del arena
     gc.collect()
@@ -260,11 +267,7 @@ def test_a_pinned_arena_dropped_without_release_is_unlocked_first(cudart):
     view.fill_(1.0)
 
 
-def test_staging_buffers_pin_through_the_arena(cudart):
-    staging = StagingBuffers()  # pin_memory defaults to CUDA being available
-    staged, _ = staging.stage({"w": torch.arange(6.0)})
-    assert staging.pinned and len(cudart.registered) == 1
-    assert torch.equal(staged["w"], torch.arange(6.0))  # CPU sources: copied synchronously
-    del staged
-    staging.close()
-    assert not cudart.registered
+def test_an_arena_is_pinned_for_a_cuda_device_only(cudart):
+    with pytest.raises(ValueError, match="pin_on=cpu"):
+        HostArena([100], pin_on=torch.device("cpu"))
+    assert not HostArena([100]).pinned and not cudart.calls

@@ -68,28 +68,6 @@ def test_cpu_staging_is_synchronous_and_has_nothing_to_wait_for():
     assert not torch.equal(staged["model"]["w"], state["model"]["w"])
 
 
-def test_copy_ready_waits_on_every_device_and_reports_the_slowest():
-    class Event:
-        def __init__(self, ms: float = 0.0):
-            self.ms, self.synced = ms, False
-
-        def synchronize(self):
-            self.synced = True
-
-        def query(self):
-            return self.synced
-
-        def elapsed_time(self, end):
-            return end.ms - self.ms
-
-    pairs = [(Event(0.0), Event(40.0)), (Event(10.0), Event(130.0))]
-    ready = CopyReady(pairs)
-    assert not ready.done()
-    assert ready.wait() == pytest.approx(0.12)
-    assert ready.done() and all(end.synced for _, end in pairs)
-    assert ready.wait() == pytest.approx(0.12)  # idempotent
-
-
 def test_persist_waits_for_the_copies_before_writing(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
     mgr.staging = _LateStaging(pin_memory=False)

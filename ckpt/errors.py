@@ -19,6 +19,7 @@ __all__ = [
     "StorageUnavailableError",
     "RankFailuresError",
     "FencedCheckpointError",
+    "AbandonedCheckpointError",
     "SaveAbandoned",
     "missing_file_error",
     "size_mismatch_error",
@@ -159,6 +160,12 @@ class LeaseLostError(CheckpointError, RuntimeError):
 
 class FencedCheckpointError(CheckpointNotFoundError):
     """A manifest exists but was created by a writer that had lost the lease: no checkpoint."""
+
+
+class AbandonedCheckpointError(CheckpointNotFoundError):
+    """A committed version of a trajectory that a later resume went back past
+    (:mod:`ckpt.root.lineage`): never resumed from, nor combined with the current
+    trajectory's versions."""
 
 
 class SaveAbandoned(CheckpointError):

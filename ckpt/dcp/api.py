@@ -42,7 +42,9 @@ from ckpt.root import (
     Candidate,
     CheckpointStore,
     Lifecycle,
+    Trajectory,
     acquire_for_ranks,
+    read_runs,
     release_lease,
     walk_newest,
 )
@@ -344,8 +346,10 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
     agreement = Agreement(group)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     store = CheckpointStore(storage)
-    # Every rank must walk the same candidate list: the first rank's.
-    steps = agreement.broadcast(store.committed_steps())
+    # Every rank must walk the same candidate list and judge it by the same run log: the
+    # first rank's.
+    steps, runs = agreement.broadcast(
+        (store.committed_steps(), read_runs(storage)) if agreement.is_first else None)
 
     def load_one(_: Candidate, manifest: Manifest) -> None:
         load_with_extra(state, storage, manifest, extra_state, verify=verify, strict=strict,
@@ -357,7 +361,7 @@ def load_latest(state: dict[str, Any], root: str | Storage, *, verify: str = "fu
         # A cheap whole-checkpoint size check first: it catches truncated files this rank
         # would not read. The load checks the checksums (``verify``) of what it reads.
         check="size" if verify in ("full", "size") else "none", load=load_one,
-        agreement=agreement,
+        agreement=agreement, trajectory=Trajectory(runs),
         on_fallback=None if on_fallback is None else lambda c, why: on_fallback(c.step, why))
     if raise_if_all_damaged:
         walked.raise_if_all_damaged(storage.describe())

@@ -53,12 +53,14 @@ from ckpt.format import (
     Attachment,
     FileRecord,
     ItemLocation,
+    Lineage,
     Manifest,
     Part,
     PartRecord,
     crc32c_combine,
     crc32c_of,
     dtype_from_name,
+    new_run_id,
     dtype_name,
     part_name,
     part_sha256,
@@ -373,6 +375,7 @@ class CkptWriter(StorageWriter):
                             planner_data=planner_data, attachments=dict(self._attached),
                             parts=parts,
                             complete=not any(t["sharded"] for t in tensors.values()),
+                            lineage=self.life.lineage or Lineage(new_run_id()),
                             **self.extra)
         if self.before_commit is not None:
             self.before_commit()  # raises to abandon; the attempt stays uncommitted

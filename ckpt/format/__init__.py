@@ -36,6 +36,7 @@ from ckpt.format._schema import (
 from ckpt.format.checksums import crc32c_combine, crc32c_of
 from ckpt.format.codec import UnsupportedValueError, decode_object, encode_object
 from ckpt.format.coverage import MAX_GRID_CELLS, coverage_problem
+from ckpt.format.lineage import Lineage, new_run_id, parent_of, parse_lineage, same_run
 from ckpt.format.manifest import Manifest
 from ckpt.format.part import (
     MAX_PART_BYTES,
@@ -57,5 +58,5 @@ __all__ = [
     "dtype_name", "dtype_from_name", "is_packed",
     "crc32c_of", "crc32c_combine",
     "encode_object", "decode_object", "UnsupportedValueError",
-    "jsonio", "codec",
+    "jsonio", "codec", "Lineage", "new_run_id", "parent_of", "parse_lineage", "same_run",
 ]

@@ -43,6 +43,7 @@ from ckpt.format._schema import (
     part_name,
 )
 from ckpt.format.coverage import coverage_problem
+from ckpt.format.lineage import parse_lineage
 
 __all__ = [
     "DIGEST_KEY",
@@ -342,4 +343,4 @@ def _parse(doc: Any, source: str) -> dict[str, Any]:
         layout=doc.get("layout", {}), user_metadata=doc.get("user_metadata", {}),
         versions=doc.get("versions", {}), writer=doc.get("writer", {}),
         planner_data=planner_data, format_version=version, attachments=attachments,
-        parts=parts)
+        parts=parts, lineage=parse_lineage(doc.get("lineage"), source))

@@ -38,6 +38,7 @@ from ckpt.format._check import (
     manifest_bytes,
     read_manifest_fields,
 )
+from ckpt.format.lineage import Lineage
 from ckpt.format._schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -79,6 +80,7 @@ class Manifest:
     attachments: dict[str, Attachment] = field(default_factory=dict)
     parts: dict[str, PartRecord] = field(default_factory=dict)
     complete: bool = True
+    lineage: Lineage | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -111,6 +113,8 @@ class Manifest:
         }
         if self.format_version >= 2:
             doc["parts"] = {name: rec.to_json() for name, rec in sorted(self.parts.items())}
+        if self.lineage is not None:  # optional: absent in versions written before it
+            doc["lineage"] = self.lineage.to_json()
         if self.attachments:  # optional: manifests without attachments stay as they were
             doc["attachments"] = {name: a.to_json()
                                   for name, a in sorted(self.attachments.items())}

@@ -57,7 +57,7 @@ from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.job._copy import Incoming, Outgoing, swap_versions
-from ckpt.job._tier_layout import peer_root, ring_neighbours
+from ckpt.job._tier_layout import peer_root, ring_neighbours, runs_of_steps
 from ckpt.job.manager import CheckpointManager
 from ckpt.ranks import Agreement, destroy_groups, swap_bytes
 from ckpt.root import CheckpointStore, Lifecycle, acquire_lease, release_lease
@@ -212,13 +212,14 @@ class Replicas:
                                                      f"(its log says why)")
 
     # -- resume (every rank, training thread) -------------------------------------------------
-    def listing(self) -> list[int] | None:
-        """The committed steps of the predecessor's copies held here (coordinator; None
-        elsewhere, or when the peer root cannot be read: then none count)."""
+    def listing(self) -> list[tuple[int, str | None]] | None:
+        """``(step, run)`` of the predecessor's copies held here (coordinator; None
+        elsewhere, or when the peer root cannot be read: then none count). A copy keeps
+        the lineage of the version it copies."""
         if self.peer_store is None:
             return None
         try:
-            return [int(s) for s in self.peer_store.committed_steps()]
+            return runs_of_steps(self.peer_store)
         except Exception as exc:  # noqa: BLE001 - an unreadable copy is no copy
             log.warning("copies in %s unreadable, not used: %s", self.peer_store.storage.url,
                         exc)
@@ -298,15 +299,25 @@ class Replicas:
 
     def drop_newer(self, step: int) -> None:
         """Coordinator: delete the copies of steps newer than ``step`` (resumed there: the
-        owner deletes its own, and will save those steps again)."""
+        owner deletes its own, and will save those steps again). Step by step: a copy that
+        cannot be deleted is reported and the others still go; what is left is of an
+        abandoned run, never combined with the current one's (the same-run rule)."""
         if self.peer_store is None:
             return
         try:
-            for newer in [s for s in self.peer_store.committed_steps() if s > step]:
-                self.peer_store.delete(newer)
-        except Exception as exc:  # noqa: BLE001 - a later copy of that step replaces it
-            log.warning("could not delete copies newer than step %d in %s: %s", step,
+            newer_steps = [s for s in self.peer_store.committed_steps() if s > step]
+        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
+            log.warning("could not list copies newer than step %d in %s: %s", step,
                         self.peer_store.storage.url, exc)
+            return
+        for newer in newer_steps:
+            try:
+                self.peer_store.delete(newer)
+            except Exception as exc:  # noqa: BLE001 - the others still go
+                log.warning("could not delete the copy of step %d (newer than step %d) in "
+                            "%s: %s; it belongs to an abandoned run and is never combined "
+                            "with the current one", newer, step, self.peer_store.storage.url,
+                            exc)
 
     def close(self) -> None:
         """Finish the rounds queued, release the peer root's lease, free the group."""

@@ -6,7 +6,9 @@ a state whose tensor is sharded across nodes is refused on every rank alike (a n
 checkpoint must hold whole tensors, or it could never be loaded on its own). With
 ``local_replicas=2`` each node also keeps the copies of its predecessor's local checkpoints
 (nodes in a ring by index) in ``peer-{node}`` under its own local root (:func:`peer_root`),
-a root of its own. Used by :class:`ckpt.job.tiers.TieredCheckpointManager`.
+a root of its own. The versions a resume may combine across nodes and copies come from one
+run (:func:`runs_of_steps`, :func:`mixed_steps`; ``ckpt.root.lineage``). Used by
+:class:`ckpt.job.tiers.TieredCheckpointManager`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ckpt.ranks import Agreement
 from ckpt.storage import Storage
 
 __all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local", "peer_root",
-           "ring_neighbours"]
+           "ring_neighbours", "runs_of_steps", "mixed_steps", "UNREADABLE"]
 
 PEER_ROOT = "peer-{node}"
 """The folder, under a node's local root, holding the copies of node ``{node}``'s local
@@ -116,3 +118,33 @@ def check_node_local(state: Any, node_of_rank: list[int], world: Agreement) -> N
             f"the local tier needs every tensor whole within a node, but a tensor is "
             f"sharded across nodes{where}: shard within a node (HSDP: replicate across "
             f"nodes) or leave local_root unset (checkpoint.local_root)")
+
+
+UNREADABLE = "!"
+"""The run of a version whose manifest cannot be read (in :func:`runs_of_steps`)."""
+
+
+def runs_of_steps(store) -> list[tuple[int, str | None]]:
+    """``(step, run)`` for each committed step of ``store`` (``run``: None for a version
+    written before lineage existed, ``"!"`` when its manifest cannot be read: the walk
+    refuses it on its own, with its reason)."""
+    out: list[tuple[int, str | None]] = []
+    for step in store.committed_steps():
+        try:
+            lineage = store.read_manifest(step).lineage
+        except Exception:  # noqa: BLE001 - damaged, fenced, gone: judged by the walk
+            out.append((int(step), UNREADABLE))
+            continue
+        out.append((int(step), lineage.run if lineage is not None else None))
+    return out
+
+
+def mixed_steps(listings: list[list[tuple[int, str | None]]]) -> dict[int, list]:
+    """The steps whose versions across ``listings`` (each node's, each copy's) come from
+    more than one run, with those runs (an unreadable one does not count here)."""
+    runs: dict[int, set] = {}
+    for listing in listings:
+        for step, run in listing:
+            if run != UNREADABLE:
+                runs.setdefault(int(step), set()).add(run)
+    return {s: sorted(r, key=str) for s, r in runs.items() if len(r) > 1}

@@ -65,13 +65,20 @@ from ckpt.cadence import CadencePolicy
 from ckpt.dcp import api
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
+from ckpt.format.lineage import Lineage
 from ckpt.job._replicas import MAX_REPLICAS, Replicas
-from ckpt.job._tier_layout import check_node_local, node_groups, same_root
+from ckpt.job._tier_layout import (
+    check_node_local,
+    mixed_steps,
+    node_groups,
+    runs_of_steps,
+    same_root,
+)
 from ckpt.job.gate import DueAgreement
 from ckpt.job.manager import CheckpointManager
 from ckpt.job.retention import KeepLast, RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed
-from ckpt.root import Candidate, walk_newest
+from ckpt.root import Candidate, Trajectory, read_runs, walk_newest
 from ckpt.storage import Storage
 
 __all__ = ["TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP"]
@@ -198,6 +205,9 @@ class TieredCheckpointManager:
             bool(times) and times[-1] >= t_start - 1.0))
         self._lent_to_local = False  # the local tier persists from the durable's buffers
         self.resumed_tier: str | None = None  # "local" or "durable" after load_latest
+        # One run for the whole job (:mod:`ckpt.root.lineage`): every node's local versions
+        # and the durable ones record the durable tier's (the same on every rank).
+        self.local.start_run(None, lineage=self.durable.lineage, record=False)
 
     def _forward_local(self, ev: Event) -> None:
         """The local tier's events, renamed ``local_<kind>`` (with ``tier="local"``): the
@@ -362,8 +372,12 @@ class TieredCheckpointManager:
             manifest = self.durable.load_latest(state, step=step, **options)
             self._after_load(manifest, "durable", set(), {step})
             return manifest
-        durable_steps = set(self._world.broadcast(
-            [int(s) for s in self.durable.store.committed_steps()] if self.rank == 0 else None))
+        # The durable root's listing and run log (rank 0's): the job's current trajectory
+        # judges the versions of both tiers.
+        listed, runs = self._world.broadcast(
+            ([int(s) for s in self.durable.store.committed_steps()],
+             read_runs(self.durable.storage)) if self.rank == 0 else None)
+        durable_steps, trajectory = set(listed), Trajectory(runs)
         local_steps = set(self._common_local_steps(max(durable_steps, default=None)))
         tiers = {"local": self.local, "durable": self.durable}
         walked = walk_newest(
@@ -374,7 +388,7 @@ class TieredCheckpointManager:
             + [Candidate(s, self.durable.store, "durable") for s in sorted(durable_steps)],
             check="size" if self.durable.verify in ("full", "size") else "none",
             load=lambda c, _: tiers[c.tier].load_latest(state, step=c.step, **options),
-            agreement=self._world,
+            agreement=self._world, trajectory=trajectory,
             on_fallback=lambda c, message: self.events.emit("load_fallback", c.step,
                                                             reason=message, tier=c.tier))
         if raise_if_all_damaged:
@@ -385,30 +399,45 @@ class TieredCheckpointManager:
         return walked.manifest
 
     def _common_local_steps(self, newest_durable: int | None) -> list[int]:
-        """Local steps committed on every node (the same list on every rank): each node's
-        coordinator lists its root once (and, with copies on the next node, the copies it
-        holds), the lists are gathered over the tier group. With copies, a node lacking a
-        step that every node holds, itself or through its successor, gets it back first
-        (``Replicas.restore``: the newest such step not older than ``newest_durable``)."""
+        """Local steps committed on every node by one run (the same list on every rank):
+        each node's coordinator lists its root once with the run of each step (and, with
+        copies on the next node, the copies it holds), the lists are gathered over the tier
+        group. A step whose versions on different nodes (or copies) come from different
+        runs is no candidate (:func:`ckpt.format.lineage.same_run`): a node whose newer
+        steps could not be deleted after a resume went back past them still holds the
+        abandoned trajectory's, and must never be combined with the current one's. With
+        copies, a node lacking a step that every node holds, itself or through its
+        successor, gets it back first (``Replicas.restore``: the newest such step not older
+        than ``newest_durable``)."""
         mine: dict[str, Any] | None = None  # None: not a node's coordinator, no listing
         if self.local.rank == 0:
             try:
-                own = [int(s) for s in self.local.store.committed_steps()]
+                own = runs_of_steps(self.local.store)
             except Exception as exc:  # noqa: BLE001 - an unreadable local tier is an empty one
                 log.warning("local tier %s unreadable, not used: %s", self.local_root, exc)
                 own = []
             mine = {"node": self.node_rank, "own": own,
                     "copies": self._replicas.listing() if self._replicas else None}
         if not self.distributed:
-            return mine["own"] if mine else []
+            return [s for s, _ in mine["own"]] if mine else []
         lists: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(lists, mine, group=self._group)  # live peers' lists, no storage
         nodes = [d for d in lists if d is not None]
-        own_steps = {d["node"]: set(d["own"]) for d in nodes}
+        mixed = mixed_steps([d["own"] for d in nodes]
+                            + [d["copies"] for d in nodes if d["copies"] is not None])
+        for step in sorted(mixed, reverse=True):
+            message = (f"checkpoint step {step} of the local tier is not usable (its versions "
+                       f"on the nodes come from different runs: {mixed[step]}; a resume "
+                       f"went back past one of them); falling back to an earlier one")
+            log.warning("%s", message)
+            self.events.emit("load_fallback", step, reason=message, tier="local")
+        own_steps = {d["node"]: {s for s, _ in d["own"]} - set(mixed) for d in nodes}
         if self._replicas is not None:
             own_steps = self._replicas.restore(
-                own_steps, {d["node"]: d["copies"] for d in nodes}, newest_durable,
-                on_failed=self._restore_failed)
+                own_steps, {d["node"]: None if d["copies"] is None
+                            else [s for s, _ in d["copies"] if s not in mixed]
+                            for d in nodes},
+                newest_durable, on_failed=self._restore_failed)
         return sorted(set.intersection(*own_steps.values()))
 
     def _restore_failed(self, step: int, message: str) -> None:
@@ -429,6 +458,11 @@ class TieredCheckpointManager:
             self._durable_failure_now = False
             self.events.emit("failure_reclassified", step, tier="durable",
                              reason="local tier intact: not a node loss")
+        # A new run begins, for both tiers: recorded in the durable root before anything
+        # newer than ``step`` is un-committed or deleted (so that what cannot be is still
+        # never taken for this trajectory's, on any node).
+        lineage = self.durable.start_run(manifest, tier=tier)
+        self.local.start_run(manifest, lineage=lineage, record=False)
         if manifest is not None:
             # Both tiers hold this run's state at ``step`` now (a forced save of it is done).
             self.durable.resumed_step = self.local.resumed_step = step
@@ -451,17 +485,28 @@ class TieredCheckpointManager:
 
     def _drop_newer_local(self, step: int) -> None:
         """Each node's coordinator deletes its local steps newer than ``step``: they could
-        not be saved again, and the next resume would jump onto them."""
+        not be saved again, and the next resume would jump onto them. Step by step: one
+        that cannot be deleted (a damaged manifest, a storage error) is reported and the
+        others still go; what is left is of an abandoned run, which the run log and the
+        same-run rule keep from ever being resumed from."""
         if self.local.rank != 0:
             return
         try:
-            for newer in [s for s in self.local.store.committed_steps() if s > step]:
-                self.local.store.delete(newer)
-                self.events.emit("local_retention_deleted", newer, tier="local",
-                                 reason=f"newer than the resumed step {step}")
-        except Exception as exc:  # noqa: BLE001 - a later save of that step is refused
-            log.warning("could not delete local steps newer than %d in %s: %s", step,
+            newer_steps = [s for s in self.local.store.committed_steps() if s > step]
+        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
+            log.warning("could not list local steps newer than %d in %s: %s", step,
                         self.local_root, exc)
+            return
+        for newer in newer_steps:
+            try:
+                self.local.store.delete(newer)
+            except Exception as exc:  # noqa: BLE001 - the others still go
+                log.warning("could not delete local step %d (newer than the resumed step "
+                            "%d) in %s: %s; it belongs to an abandoned run and is never "
+                            "resumed from", newer, step, self.local_root, exc)
+                continue
+            self.events.emit("local_retention_deleted", newer, tier="local",
+                             reason=f"newer than the resumed step {step}")
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

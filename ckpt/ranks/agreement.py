@@ -74,6 +74,11 @@ class Agreement:
         """True if some rank says ``flag``."""
         return bool(self.max(int(flag))[0])
 
+    @property
+    def is_first(self) -> bool:
+        """Is this the group's first rank (whose value ``broadcast`` hands out)?"""
+        return not self.distributed or dist.get_rank(self.group) == 0
+
     def broadcast(self, value: Any) -> Any:
         """The group's first rank's ``value``, on every rank (JSON-like values only)."""
         self._check_open()

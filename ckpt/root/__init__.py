@@ -4,7 +4,8 @@
 ``fence``: which manifests count once the lease has changed hands. ``lifecycle``
 (:class:`Lifecycle`): every transition of a checkpoint folder (begin, commit, abandon,
 cleanup, uncommit, restore, delete) and every file name in it, made by the lease holder.
-``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and
+``lineage``: the run log and the rule saying which versions belong to the current
+trajectory (:class:`Trajectory`). ``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and
 (:func:`walk_newest`) the one walk to the newest checkpoint that verifies, which every
 resume uses. ``parts``: reading a version's parts (a loading rank's few, or all of them).
 """
@@ -27,6 +28,7 @@ from ckpt.root.lifecycle import (
     parse_marker,
     release_lease,
 )
+from ckpt.root.lineage import LINEAGE_NAME, Trajectory, read_runs, record_restore, record_run
 from ckpt.root.parts import (
     complete_parts,
     parts_for_rank,
@@ -42,4 +44,5 @@ __all__ = [
     "attachment_file", "data_file_id", "marker_name", "parse_marker",
     "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
     "read_part", "read_parts", "parts_for_rank", "complete_parts",
+    "LINEAGE_NAME", "Trajectory", "read_runs", "record_run", "record_restore",
 ]

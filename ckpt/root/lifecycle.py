@@ -33,7 +33,7 @@ Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
     manifest.json           the commit: created exclusively, never overwritten
     rolled-back-<id>.json   an un-committed manifest, kept and restorable
     fenced-<id>.json        a fenced-off writer's late manifest, moved aside
-    damaged-manifest-<hex>.json  a damaged manifest moved aside by ``restore(replace=True)``
+    damaged-manifest-<hex>.json  a damaged manifest moved aside before its step is committed again
 
 The fence files under ``_fence/`` (which manifests count once the lease changed hands)
 are :mod:`ckpt.root.fence`'s; the life-cycle asks it (``is_fenced``) and a new writer closes
@@ -65,12 +65,21 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedCheckpointError,
+    FormatVersionError,
     LeaseHeldError,
     LeaseLostError,
 )
-from ckpt.format import MANIFEST_NAME, Manifest, jsonio, parse_step_dirname, step_dirname
+from ckpt.format import (
+    MANIFEST_NAME,
+    Lineage,
+    Manifest,
+    jsonio,
+    parse_step_dirname,
+    step_dirname,
+)
 from ckpt.root.fence import Fence
 from ckpt.root.lease import Lease
+from ckpt.root.lineage import record_restore
 from ckpt.root.verify import verify_files
 from ckpt.storage import Storage
 
@@ -192,6 +201,9 @@ class Lifecycle:
         # step -> save id of the manifest this holder committed there and proved (the
         # renewal after it succeeded): ``delete`` needs not read it back.
         self._proven: dict[int, str] = {}
+        # The lineage the versions saved through this life-cycle record (the run saving
+        # them: :mod:`ckpt.root.lineage`); None: none recorded (``ckpt.save``).
+        self.lineage: Lineage | None = None
 
     def is_fenced(self, manifest: Manifest) -> bool:
         """True when ``manifest`` was created after its writer lost the lease (see
@@ -398,8 +410,13 @@ class Lifecycle:
         if self.may_hold_manifest(step) and self.has_manifest(step):
             try:
                 self.read_committed(step)
+            except FormatVersionError as exc:
+                raise FileExistsError(
+                    f"checkpoint {self.storage.describe(d)} was committed by a newer ckpt "
+                    f"({exc}); it is never touched by this one: upgrade ckpt, or save under "
+                    f"another step") from None
             except (FencedCheckpointError, CorruptCheckpointError):
-                pass  # moved aside at commit, or refused there (corrupt)
+                pass  # moved aside at commit
             else:
                 raise FileExistsError(
                     f"checkpoint {self.storage.describe(d)} is already committed; checkpoints "
@@ -528,8 +545,11 @@ class Lifecycle:
             f"(readers ignore it) and the new holder's checkpoints stand")
 
     def _make_room(self, step: int, *, replace: bool) -> None:
-        """``manifest.json`` exists: move a fenced one aside (or, with ``replace``, un-commit a
-        valid one); otherwise raise ``FileExistsError``."""
+        """``manifest.json`` exists: move a fenced one aside, or a damaged one (it fails its
+        digest or a rule of the format: ``damaged-manifest-<hex>.json``, kept for the
+        operator, never deleted by a save), or, with ``replace``, un-commit a valid one;
+        otherwise raise ``FileExistsError``. A manifest of a newer format is never touched
+        by this reader: ``FileExistsError`` too."""
         try:
             m = self.read_committed(step)
         except FencedCheckpointError:
@@ -538,12 +558,31 @@ class Lifecycle:
             return
         except CheckpointNotFoundError:
             return  # gone meanwhile: try again
+        except FormatVersionError as exc:
+            raise FileExistsError(
+                f"checkpoint {self.storage.describe(step_dirname(step))} was committed by a "
+                f"newer ckpt ({exc}); it is never touched by this one: upgrade ckpt, or save "
+                f"under another step") from None
+        except CorruptCheckpointError as exc:
+            aside = self.move_damaged_aside(step)
+            log.warning("%s; moved aside to %s so that step %d can be committed again",
+                        exc, aside, step)
+            return
         if replace:
             self.uncommit(step)
             return
         raise FileExistsError(
             f"checkpoint {self.storage.describe(step_dirname(step))} is already committed "
             f"(id {m.save_id}); checkpoints are never overwritten")
+
+    def move_damaged_aside(self, step: int) -> str:
+        """Move ``step``'s damaged ``manifest.json`` to ``damaged-manifest-<hex>.json``
+        (kept and listed, ``ckpt list --all``; never deleted but by ``ckpt gc --damaged``).
+        Returns the new name. The lease holder only."""
+        aside = f"damaged-manifest-{os.urandom(6).hex()}.json"
+        self._move(step, MANIFEST_NAME, aside)
+        self._note(step, False)
+        return aside
 
     def _rel(self, step: int, name: str = MANIFEST_NAME) -> str:
         return f"{step_dirname(step)}/{name}"
@@ -611,15 +650,13 @@ class Lifecycle:
             except FileExistsError as exc:
                 raise FileExistsError(f"{exc}. Pass --replace to roll it back and restore "
                                       f"{save_id} in its place.") from None
-            except CorruptCheckpointError:
-                if not replace:
-                    raise
-                self._move(entry.step, MANIFEST_NAME, f"damaged-manifest-{os.urandom(6).hex()}"
-                                                      f".json")
         m = entry.manifest
         m.writer = {**m.writer, "restored_unix": time.time()}
         self.commit(m)
         self.storage.delete(self._rel(entry.step, entry.name))
+        # An operator's choice: live again whatever its run (a resume may have gone back
+        # past it: ``ckpt.root.lineage``).
+        record_restore(self.storage, m.step, m.save_id)
         return m
 
     def delete(self, step: int) -> None:

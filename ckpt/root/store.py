@@ -41,6 +41,7 @@ from ckpt.root.lifecycle import (
     Entry,
     Lifecycle,
 )
+from ckpt.root.lineage import Trajectory, read_runs
 from ckpt.root.parts import complete_parts
 from ckpt.root.verify import verify_files
 from ckpt.storage import Storage
@@ -176,12 +177,18 @@ class CheckpointStore:
         """Every committed step as a candidate of :func:`walk_newest` (``tier``: as there)."""
         return [Candidate(step, self, tier) for step in self.committed_steps()]
 
+    def trajectory(self) -> Trajectory:
+        """The root's current trajectory, from its run log (:mod:`ckpt.root.lineage`)."""
+        return Trajectory(read_runs(self.storage))
+
     def latest(self, *, check: str = "size") -> Manifest | None:
-        """The newest committed checkpoint that passes ``check``; older ones are tried in turn.
+        """The newest committed checkpoint that passes ``check`` and was not abandoned by a
+        resume; older ones are tried in turn.
 
         Every checkpoint skipped on the way is logged with the reason (:func:`walk_newest`).
         """
-        return walk_newest(self.candidates(), check=check).manifest
+        return walk_newest(self.candidates(), check=check,
+                           trajectory=self.trajectory()).manifest
 
     # -- changes (through the life-cycle) -------------------------------------------------
     def delete(self, step: int) -> None:
@@ -259,7 +266,8 @@ def _falls_back(exc: BaseException, candidate: Candidate, damage: tuple[type, ..
 def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
                 load: Callable[[Candidate, Manifest], Any] | None = None,
                 agreement: Agreement | None = None,
-                on_fallback: Callable[[Candidate, str], None] | None = None) -> Walked:
+                on_fallback: Callable[[Candidate, str], None] | None = None,
+                trajectory: Trajectory | None = None) -> Walked:
     """Find the newest usable checkpoint among ``candidates``.
 
     Order: newest step first; candidates of one step in the order given (a faster tier
@@ -276,6 +284,10 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
     With an ``agreement`` the walk is collective over its group: every rank passes the same
     candidates, and each verdict (usable, loaded) is agreed, so one rank's failure passes a
     candidate over on every rank. Without one, this process decides alone.
+
+    ``trajectory``: the job's current trajectory (:mod:`ckpt.root.lineage`); a version it
+    says was abandoned (a resume went back past it) is passed over as not usable, whichever
+    root or tier holds it. None: no version is judged by its lineage.
     """
     walked = Walked()
     for candidate in sorted(candidates, key=lambda c: -c.step):  # stable: tier order kept
@@ -283,6 +295,9 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
         manifest = None
         try:
             manifest = candidate.store.read_manifest(candidate.step)
+            if trajectory is not None:
+                trajectory.check(manifest.step, manifest.save_id, manifest.lineage,
+                                 candidate.describe())
             if check != "none":
                 candidate.store.verify_manifest(manifest, full=(check == "full"))
         except Exception as exc:  # noqa: BLE001 - _falls_back decides, the rest is raised

@@ -1,0 +1,45 @@
+"""Bodies of the lineage tests on two ranks as two nodes (module-level: run_ranks pickles
+them by name). Each phase is one job: it constructs the manager, acts, closes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _value(rank: int, step: int, run: str) -> float:
+    return float(step + 1000 * rank + {"A": 0, "B": 500, "C": 700}[run])
+
+
+def _mgr(base: str, rank: int):
+    from ckpt.job import KeepLast, TieredCheckpointManager
+
+    return TieredCheckpointManager(f"{base}/durable", f"{base}/local{{node}}", node_rank=rank,
+                                   local_retention=[KeepLast(10)], lease_ttl_seconds=5.0)
+
+
+def tier_phase(rank: int, world: int, base: str, phase: str) -> dict:
+    """``run1``: trajectory A saves local 10..50. ``run2``: resume, then B saves 40, 50.
+    ``run3``: resume; returns the step, tier and which trajectory each rank got."""
+    mgr = _mgr(base, rank)
+    state = {"w": torch.zeros(4)}
+    out: dict = {}
+    try:
+        if phase == "run1":
+            for step in (10, 20, 30, 40, 50):
+                state["w"].fill_(_value(rank, step, "A"))
+                mgr.save(step, state, local=True, durable=False, block=True)
+        elif phase == "run2":
+            m = mgr.load_latest(state)
+            out["resumed"] = m.step if m else None
+            for step in (40, 50):
+                state["w"].fill_(_value(rank, step, "B"))
+                mgr.save(step, state, local=True, durable=False, block=True)
+        else:
+            m = mgr.load_latest(state)
+            w = state["w"][0].item()
+            out["resumed"], out["tier"] = (m.step if m else None), mgr.resumed_tier
+            out["trajectory"] = next((t for t in "ABC" if m and w == _value(rank, m.step, t)),
+                                     None if m else "none")
+    finally:
+        mgr.close()
+    return out

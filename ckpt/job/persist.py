@@ -108,6 +108,15 @@ class Persister:
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
                                       persist_seconds=time.monotonic() - t0, cost=cost)
             except FileExistsError:
+                landed = self.life.committed_by(step, attempt_ids[:-1])  # every rank reads
+                if landed is not None:
+                    # An earlier attempt did commit (its failure came after the manifest
+                    # existed): read back, it counts; not "already committed" by another.
+                    log.warning("checkpoint step %d: attempt %s had committed after all "
+                                "(read back)", step, landed.save_id)
+                    return PersistOutcome(True, landed if self.rank == 0 else None,
+                                          attempts=attempt - 1, retries=retries(),
+                                          persist_seconds=time.monotonic() - t0, cost=cost)
                 self.events.emit("save_skipped", step, reason="already committed",
                                  outcome="skipped")
                 return PersistOutcome(False, already_committed=True, attempts=attempt)

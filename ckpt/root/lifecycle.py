@@ -463,6 +463,8 @@ class Lifecycle:
                 self.raise_if_taken_over(f"step {manifest.step} was being committed")
                 if isinstance(exc, FileNotFoundError):
                     raise
+                if self._committed_id(manifest.step) == manifest.save_id:
+                    break  # this very create landed (a request retried after it had)
                 self._make_room(manifest.step, replace=False)
         else:
             raise FileExistsError(f"{self.storage.describe(rel)} kept reappearing; another "
@@ -513,13 +515,51 @@ class Lifecycle:
         except Exception as exc:  # noqa: BLE001
             log.warning("could not remove attempt markers %s: %s", markers, exc)
 
-    def _confirm_after_commit(self, manifest: Manifest) -> None:
+    def committed_by(self, step: int, save_ids: Iterable[str]) -> Manifest | None:
+        """The manifest that counts at ``step`` when one of ``save_ids`` (attempts of one
+        save) committed it, read back as readers read it (and then known to this
+        life-cycle as committed); None otherwise. For an attempt whose failure came after
+        its manifest existed: it counts, it must not be reported as not committed."""
+        ids = set(save_ids)
+        if not ids:
+            return None
         try:
-            ok = self.lease.confirm()
-        except Exception as exc:  # noqa: BLE001 - storage down: fall back to the record
-            log.warning("could not renew the lease after committing step %d: %s",
-                        manifest.step, exc)
-            ok = False
+            manifest = self.read_committed(step)
+        except (CheckpointNotFoundError, CorruptCheckpointError, OSError):
+            return None
+        if manifest.save_id not in ids:
+            return None
+        self._note(step, True)
+        return manifest
+
+    def _committed_id(self, step: int) -> str | None:
+        """The save id of the manifest that counts at ``step`` now, read back as readers
+        read it (None: none, or unreadable)."""
+        try:
+            return self.read_committed(step).save_id
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            return None
+
+    def _confirm_after_commit(self, manifest: Manifest) -> None:
+        """The manifest exists: learn whether it counts, by reading back (a renewal of the
+        lease, else the readers' fence rule), never by failing the attempt: a storage
+        error on the way is retried for up to half the lease's TTL, since a second attempt
+        would find the step committed and report it as not. Raises ``LeaseLostError`` only
+        when it does not count."""
+        deadline = time.monotonic() + max(1.0, self._recent_seconds())
+        delay = 0.05
+        while True:
+            try:
+                ok = self.lease.confirm()
+                break
+            except Exception as exc:  # noqa: BLE001 - storage trouble: read back again
+                if time.monotonic() > deadline:
+                    log.warning("could not renew the lease after committing step %d: %s; "
+                                "judging the commit by the fence", manifest.step, exc)
+                    ok = False
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
         if ok:
             self.lease.committed_ids.add(manifest.save_id)
             return
@@ -530,8 +570,17 @@ class Lifecycle:
         while True:
             # The record is looked for before the check, so that a "fenced" below was judged
             # on it: looked for after, it could have landed in between, listing this commit.
-            closed = self.fence.doc(self.lease.generation, "json") is not None
-            if not self.is_fenced(manifest):
+            try:
+                closed = self.fence.doc(self.lease.generation, "json") is not None
+                fenced = self.is_fenced(manifest)
+            except (OSError, CheckpointNotFoundError) as exc:  # storage trouble: again
+                log.warning("could not read the fence of step %d's commit: %s", manifest.step,
+                            exc)
+                closed = fenced = None
+                unread = True
+            else:
+                unread = False
+            if fenced is False:
                 self.lease.committed_ids.add(manifest.save_id)
                 return  # no closer yet (it will list it), or its record lists it
             if closed:
@@ -539,6 +588,12 @@ class Lifecycle:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        if unread:
+            raise LeaseLostError(
+                f"step {manifest.step} at {self.storage.describe(step_dirname(manifest.step))}: "
+                f"the commit could not be confirmed (the storage did not answer the lease or "
+                f"fence reads for {self._recent_seconds() + 10:.0f} s); whether it counts is "
+                f"decided by readers (the fence), and this job writes no more under it")
         raise LeaseLostError(
             f"step {manifest.step} at {self.storage.describe(step_dirname(manifest.step))}: "
             f"lease lost while committing (another job took it over); the manifest does not count "

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import Callable
 
-from ckpt.errors import LeaseHeldError
+from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus
 from ckpt.job import CheckpointManager
 from ckpt.ranks import Agreement
@@ -140,7 +140,7 @@ class WriterRole:
         while True:
             done = None
             if self.coordinator:
-                done = step in store.committed_steps()
+                done = _committed(store, step)
             if self.agreement.broadcast(done):
                 return True
             if self.try_acquire(step, now=True):
@@ -149,3 +149,16 @@ class WriterRole:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.5)
+
+
+def _committed(store: CheckpointStore, step: int) -> bool:
+    """Is ``step`` committed as readers judge it: its manifest reads (digest, format) and
+    counts (not fenced off, not abandoned by a resume)? A manifest file that merely exists
+    is not enough: a fenced-off writer's late manifest exists too."""
+    try:
+        manifest = store.read_manifest(step)
+        store.trajectory().check(step, manifest.save_id, manifest.lineage,
+                                 f"checkpoint step {step}")
+    except CheckpointError:
+        return False
+    return True

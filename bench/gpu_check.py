@@ -6,7 +6,7 @@ skipped and exits 0 at once::
 
     bash scripts/gpu_check.sh            # = python bench/gpu_check.py [--sizes 1,4 ...]
 
-Sections, in this order (``--only train,dtensor,stall``):
+Sections, in this order (``--only train,dtensor,devices,stall``):
 
 * **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2, ``training.deterministic`` at
   its default, on) under torchrun on 1 GPU with checkpoints: an uninterrupted run, and a
@@ -24,6 +24,14 @@ Sections, in this order (``--only train,dtensor,stall``):
   staged DTensor the source's mesh, placements and global shape around a local tensor on
   the host, the GPU memory allocated must not grow by the staged copy (1 MiB or 1 % of it
   at most), and the loaded checkpoint must equal the saved state bit for bit.
+* **devices** (bench/_gpu_devices.py, under torchrun on 2 ranks, every GPU visible to each;
+  skipped, and said so, on a machine with one GPU): each rank selects its own GPU and saves
+  a state on it through a ``CheckpointManager``, once without ``prepare()`` (the first
+  ``maybe_save`` allocates and page-locks the staging buffers on the persist thread) and
+  once with it, each in fresh processes. After the buffers are allocated, after the save
+  committed and after ``close``, a rank's process must hold no CUDA context on the other
+  GPU (asked of the driver) and NVML must list no memory of its pid there (rank 1: none on
+  GPU 0).
 * **stall** (1 and 4 GiB, bf16 and fp32 tensors on the GPU; a warm-up round, then
   ``--repeats`` interleaved rounds, every ratio the median of per-round ratios; cases that
   would start after 390 s are skipped, to stay within the 8 minutes):
@@ -37,13 +45,13 @@ Sections, in this order (``--only train,dtensor,stall``):
   (time until it returns) and asynchronous staging (until its staging completes, which a
   loop must wait for before the next optimizer step).
 
-``--train-device cpu`` and ``--dtensor-device cpu`` run those two sections' harness on CPU
-(gloo everywhere, 1 and 2 ranks for dtensor, no GPU memory measured);
-tests/test_gpu_check_harness.py does.
+``--train-device cpu``, ``--dtensor-device cpu`` and ``--devices-device cpu`` run those
+sections' harness on CPU (gloo everywhere, 1 and 2 ranks for dtensor, 2 for devices, no GPU
+memory measured); tests/test_gpu_check_harness.py does.
 
 Results: ``bench/results/gpu_check.json`` and ``gpu_check.md`` (``--out``). Exit status 1
 when a check fails (resume not bit for bit, a wrong backend, a staged copy that differs or
-holds GPU memory), 0 otherwise.
+holds GPU memory, a rank's context or memory on another GPU), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -286,40 +294,78 @@ def _train_check(work: Path, steps: int, interval: int, device: str = "cuda") ->
     return out
 
 
-# -- dtensor: staged FSDP2 and TP shards --------------------------------------------------------
-def _dtensor_check(work: Path, device: str, world_sizes: list[int],
-                   timeout: float = 240.0) -> list[dict[str, Any]]:
-    """bench/_gpu_dtensor.py under torchrun, once per world size; one entry each."""
+# -- the sections whose ranks run under torchrun ----------------------------------------------
+def _launch_ranks(script: str, run_dir: Path, world: int, *args: str,
+                  timeout: float = 240.0) -> dict[str, Any]:
+    """``bench/<script> RUN_DIR ARGS...`` under torchrun on ``world`` ranks (every GPU
+    visible to each): its exit status, time and the ``rank*.json`` its ranks wrote; ``ok``
+    when it exited 0 with every rank's file saying ok (else the log's tail too)."""
     import signal
     import subprocess
 
     from tests.e2e._jobs import base_env
 
-    out = []
-    for world in world_sizes:
-        run_dir = work / f"ranks_{world}"
-        run_dir.mkdir(parents=True)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(world), str(ROOT / "bench" / "_gpu_dtensor.py"),
-                str(run_dir), device]
-        t0 = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            log, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
-            log, _ = proc.communicate()
-            log += f"\n(killed after {timeout:.0f} s)"
-        ranks = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
-        entry: dict[str, Any] = {"world": world, "device": device, "exit": proc.returncode,
-                                 "seconds": round(time.monotonic() - t0, 1), "ranks": ranks}
-        entry["ok"] = (proc.returncode == 0 and len(ranks) == world
-                       and all(r["ok"] for r in ranks))
-        if not entry["ok"]:
-            entry["log_tail"] = log[-4000:]
-        out.append(entry)
-    return out
+    run_dir.mkdir(parents=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(world), str(ROOT / "bench" / script), str(run_dir), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        log, _ = proc.communicate()
+        log += f"\n(killed after {timeout:.0f} s)"
+    ranks = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]
+    entry: dict[str, Any] = {"world": world, "exit": proc.returncode,
+                             "seconds": round(time.monotonic() - t0, 1), "ranks": ranks}
+    entry["ok"] = proc.returncode == 0 and len(ranks) == world and all(r["ok"] for r in ranks)
+    if not entry["ok"]:
+        entry["log_tail"] = log[-4000:]
+    return entry
+
+
+# -- dtensor: staged FSDP2 and TP shards --------------------------------------------------------
+def _dtensor_check(work: Path, device: str, world_sizes: list[int]) -> list[dict[str, Any]]:
+    """bench/_gpu_dtensor.py under torchrun, once per world size; one entry each."""
+    return [{"device": device, **_launch_ranks("_gpu_dtensor.py", work / f"ranks_{world}",
+                                               world, device)}
+            for world in world_sizes]
+
+
+# -- devices: a rank's save stays on its own GPU ----------------------------------------------
+def _devices_check(work: Path, device: str) -> dict[str, Any]:
+    """bench/_gpu_devices.py on 2 ranks, once per scenario (a fresh process each: a context
+    one scenario left on GPU 0 would hide the other's); skipped below 2 GPUs."""
+    from _gpu_devices import SCENARIOS
+
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, this machine has {torch.cuda.device_count()}",
+                "ok": True, "scenarios": []}
+    scenarios = [{"scenario": name, "device": device,
+                  **_launch_ranks("_gpu_devices.py", work / name, 2, device, name)}
+                 for name in SCENARIOS]
+    return {"skipped": None, "ok": all(e["ok"] for e in scenarios), "scenarios": scenarios}
+
+
+def _devices_rows(results: dict[str, Any]) -> list[str]:
+    lines = ["A rank's save on its own GPU: what each rank of 2 left on the other GPU (a CUDA "
+             "context of its process, or memory NVML lists for its pid) after the buffers "
+             "were allocated, the save committed and the manager closed; without `prepare()` "
+             "(the first `maybe_save` allocates on the persist thread) and with it.", ""]
+    if results.get("skipped"):
+        return lines + [f"Skipped: {results['skipped']}.", ""]
+    lines += ["| scenario | rank | device | result |", "|---|---|---|---|"]
+    for entry in results["scenarios"]:
+        for rank in entry["ranks"]:
+            verdict = "PASS" if rank["ok"] else "FAIL: " + "; ".join(rank["problems"])[:300]
+            lines.append(f"| {entry['scenario']} | {rank['rank']} | {rank.get('device', '-')} "
+                         f"| {verdict} |")
+        if len(entry["ranks"]) < entry["world"] or entry["exit"] != 0:
+            lines.append(f"| {entry['scenario']} | - | - | **FAIL** (exit {entry['exit']}): "
+                         f"{entry.get('log_tail', '')[-300:]!r} |")
+    return lines + [""]
 
 
 def _dtensor_rows(entry: dict[str, Any]) -> list[str]:
@@ -396,6 +442,8 @@ def _markdown(results: dict[str, Any]) -> str:
         for entry in results["dtensor"]:
             lines += _dtensor_rows(entry)
         lines.append("")
+    if results.get("devices"):
+        lines += _devices_rows(results["devices"])
     t = results.get("train")
     if t:
         lines += [f"Trainer, bf16 FSDP2, torchrun with 1 rank on {t['device']}, SIGKILL after "
@@ -417,8 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,4", help="state sizes in GiB (default 1,4)")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds after a warm-up")
-    p.add_argument("--only", default="train,dtensor,stall", help="sections to run "
-                   "(default train,dtensor,stall)")
+    p.add_argument("--only", default="train,dtensor,devices,stall", help="sections to run "
+                   "(default train,dtensor,devices,stall)")
     p.add_argument("--steps", type=int, default=300, help="trainer steps per run")
     p.add_argument("--interval", type=int, default=25, help="trainer checkpoint interval")
     p.add_argument("--dir", default=None, help="work folder (default: /dev/shm if large "
@@ -428,11 +476,14 @@ def main(argv: list[str] | None = None) -> int:
                    "harness without a GPU (gloo expected instead of NCCL)")
     p.add_argument("--dtensor-device", default="cuda", help="'cpu' checks the dtensor "
                    "section's harness without a GPU (on 1 and 2 gloo ranks)")
+    p.add_argument("--devices-device", default="cuda", help="'cpu' checks the devices "
+                   "section's harness without a GPU (2 gloo ranks, nothing to measure)")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    harness = (only <= {"train", "dtensor"}
+    harness = (only <= {"train", "dtensor", "devices"}
                and ("train" not in only or args.train_device == "cpu")
-               and ("dtensor" not in only or args.dtensor_device == "cpu"))
+               and ("dtensor" not in only or args.dtensor_device == "cpu")
+               and ("devices" not in only or args.devices_device == "cpu"))
     if not harness and not torch.cuda.is_available():
         _log(f"gpu_check: skipped: no CUDA device here (torch {torch.__version__}, "
              f"cuda {torch.version.cuda})")
@@ -448,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, Any] = {"device": device, "torch": torch.__version__,
                                "work_dir": str(work), "stall": [], "train": None,
-                               "dtensor": []}
+                               "dtensor": [], "devices": None}
     t_start = time.monotonic()
     ok = True
     try:
@@ -469,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
             results["dtensor"] = _dtensor_check(work / "dtensor", args.dtensor_device, worlds)
             ok &= all(e["ok"] for e in results["dtensor"])
             _log(json.dumps(results["dtensor"], indent=1, default=str)[:20000])
+        if "devices" in only:
+            _log(f"== devices: a rank's save leaves nothing on another GPU, 2 ranks on "
+                 f"{args.devices_device}")
+            results["devices"] = d = _devices_check(work / "devices", args.devices_device)
+            if d["skipped"]:
+                _log(f"== devices: skipped: {d['skipped']}")
+            ok &= d["ok"]
+            _log(json.dumps(d, indent=1, default=str)[:20000])
         if "stall" in only:
             for size in sizes:
                 for name in args.dtypes.split(","):

@@ -1,9 +1,11 @@
-"""bench/gpu_check.py's train and dtensor sections, run on CPU (gloo) as their own harness.
+"""bench/gpu_check.py's train, dtensor and devices sections, run on CPU (gloo) as their own
+harness.
 
 Without a GPU only the harness can be checked: the trainer killed after its first commit and
 resumed bit for bit under torchrun, every process group on the backend it should have (the
-checkpoint store's found wherever the package creates them), and the staged FSDP2 and TP
-shards of 1 and 2 ranks equal to the live ones. The GPU run is docs/performance.md's "GPU".
+checkpoint store's found wherever the package creates them), the staged FSDP2 and TP
+shards of 1 and 2 ranks equal to the live ones, and the 2-rank saves of the devices section
+(with and without ``prepare()``) committed. The GPU run is docs/performance.md's "GPU".
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(420)
 
 
-def test_train_and_dtensor_sections_pass_on_cpu(tmp_path):
+def test_train_dtensor_and_devices_sections_pass_on_cpu(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--only", "train,dtensor",
-         "--train-device", "cpu", "--dtensor-device", "cpu", "--steps", "20",
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--only", "train,dtensor,devices",
+         "--train-device", "cpu", "--dtensor-device", "cpu", "--devices-device", "cpu",
+         "--steps", "20",
          "--interval", "5", "--dir", str(tmp_path), "--out", str(tmp_path / "results")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     report = (tmp_path / "results" / "gpu_check.json")
@@ -41,4 +44,11 @@ def test_train_and_dtensor_sections_pass_on_cpu(tmp_path):
         assert entry["ok"] and len(entry["ranks"]) == entry["world"]
         for rank in entry["ranks"]:
             assert set(rank["layouts"]) == {"fsdp2", "tp"}
-    assert "| 2 | 1 | tp |" in (tmp_path / "results" / "gpu_check.md").read_text()
+    devices = results["devices"]
+    assert devices["ok"] and devices["skipped"] is None
+    assert [e["scenario"] for e in devices["scenarios"]] == ["maybe_save", "prepare"]
+    for entry in devices["scenarios"]:
+        assert [r["rank"] for r in entry["ranks"]] == [0, 1]
+        assert all(r["ok"] and not r["problems"] for r in entry["ranks"]), entry
+    md = (tmp_path / "results" / "gpu_check.md").read_text()
+    assert "| 2 | 1 | tp |" in md and "| maybe_save | 1 | cpu | PASS |" in md

@@ -12,13 +12,25 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
+from ckpt.errors import CorruptCheckpointError
 from ckpt.storage._retry import RetryPolicy, error_code
 
-__all__ = ["Backend", "FsspecBackend"]
+__all__ = ["Backend", "FsspecBackend", "too_large_error"]
 
 # Makes check-then-write atomic for filesystems without conditional writes, within this
 # process only (what ``memory://`` needs; a shared filesystem needs a backend of its own).
 _PROCESS_LOCK = threading.Lock()
+
+
+def too_large_error(where: str, max_bytes: int, size: int | None = None
+                    ) -> CorruptCheckpointError:
+    """``where`` holds more than ``max_bytes``, the most its kind of file may hold (``size``:
+    how much, when known): refused before it is read."""
+    holds = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+    return CorruptCheckpointError(
+        f"{where} holds {holds}, more than the {max_bytes} such a file may hold; it is "
+        f"damaged or was not written by ckpt, and is not read. Restore or delete it (for a "
+        f"checkpoint: load an earlier step).", path=where, expected=max_bytes, actual=size)
 
 
 class Backend(ABC):
@@ -99,6 +111,13 @@ class Backend(ABC):
     def read(self, rel: str, start: int | None, end: int | None) -> bytes:
         """Bytes ``[start, end)`` of ``rel`` (the whole object when both are None; negative
         offsets count from the end)."""
+
+    def read_at_most(self, rel: str, max_bytes: int) -> bytes:
+        """The whole of ``rel`` when it holds at most ``max_bytes``; otherwise at most
+        ``max_bytes + 1`` bytes of it (one ranged read), or ``too_large_error`` where the
+        backend knows the size before reading. Memory is bounded by ``max_bytes`` whatever
+        the file's size."""
+        return self.read(rel, 0, max_bytes + 1)
 
     @abstractmethod
     def listdir(self, rel: str) -> list[tuple[str, str, int]]:

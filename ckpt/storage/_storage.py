@@ -18,8 +18,12 @@ Errors that retrying cannot fix (unreachable endpoint after the last attempt, ba
 credentials, a missing bucket) become :class:`~ckpt.errors.StorageUnavailableError` with a
 message that names the URL and what to check.
 
-Links (local disk): reads never follow a symbolic link out of the root and writes never go
-through one (see ``ckpt/storage/local.py``).
+Links (local disk): nothing is read, written, listed or deleted through a symbolic link
+inside a root, nor inside a root's :meth:`Storage.child` (see ``ckpt/storage/local.py``).
+
+Sizes: a whole-file read of a record (manifest, marker, part, control file) names the most
+it may hold (``read_bytes(..., max_bytes=)``): a larger file is refused, naming it, with
+memory bounded by that limit, never by what the file holds.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.errors import StorageUnavailableError
-from ckpt.storage._base import Backend, FsspecBackend
+from ckpt.storage._base import Backend, FsspecBackend, too_large_error
 from ckpt.storage._retry import (
     RetryPolicy,
     error_code,
@@ -65,7 +69,7 @@ class Storage:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, *, within: str | None = None):
         if url is None or not str(url).strip():
             raise ValueError("checkpoint root is empty: give a local path or a URL such as "
                              "s3://bucket/prefix")
@@ -78,7 +82,10 @@ class Storage:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.retry = retry or RetryPolicy()
-        self.backend: Backend = open_backend(self.url, self.storage_options, self.retry)
+        # The root this one was made inside by ``child`` (None: a root of its own).
+        self.within = within
+        self.backend: Backend = open_backend(self.url, self.storage_options, self.retry,
+                                             within)
 
     def __getstate__(self):
         # The backend is rebuilt on the other side from the URL and options.
@@ -86,7 +93,8 @@ class Storage:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.backend = open_backend(self.url, self.storage_options, self.retry)
+        self.backend = open_backend(self.url, self.storage_options, self.retry,
+                                    state.get("within"))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -98,6 +106,24 @@ class Storage:
     @property
     def root(self) -> str:
         return self.backend.root
+
+    def child(self, rel: str) -> "Storage":
+        """The folder ``rel`` (plain names, ``/``-separated) below this root as a root of
+        its own, created when absent: a root a tier keeps inside another (``peer-{node}``).
+
+        On local disk neither ``rel`` nor any folder on its way may be a symbolic link, now
+        or later: the child refuses every access through one as its parent does below
+        itself (``CorruptCheckpointError`` naming the link), so that a link planted where
+        the child lives cannot lead its writes into another root."""
+        rel = rel.strip("/")
+        if not rel or any(p in ("", ".", "..") for p in rel.split("/")):
+            raise ValueError(f"child root {rel!r} must be plain folder names below "
+                             f"{self.url}")
+        self.makedirs(rel)
+        child = Storage(f"{self.url}/{rel}", self.storage_options, self.retry,
+                        within=self.within or self.url)
+        child.listdir("")  # refuses a link put there since
+        return child
 
     # -- what the backend can do ------------------------------------------------------------
     def local_path(self, rel: str = "") -> str | None:
@@ -206,8 +232,20 @@ class Storage:
     def size(self, rel: str) -> int:
         return self._wrap("stat", rel, lambda: self.backend.size(rel))
 
-    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of ``rel`` (the whole object when both are None)."""
+    def read_bytes(self, rel: str, start: int | None = None, end: int | None = None, *,
+                   max_bytes: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``rel`` (the whole object when both are None).
+
+        ``max_bytes`` (a whole read only): the most ``rel`` may hold; a larger file is
+        refused (``CorruptCheckpointError`` naming it) having read at most ``max_bytes + 1``
+        bytes (none on local disk, where its size is known first)."""
+        if max_bytes is not None:
+            if start is not None or end is not None:
+                raise ValueError("max_bytes bounds a whole read, not a range")
+            data = self._wrap("read", rel, lambda: self.backend.read_at_most(rel, max_bytes))
+            if len(data) > max_bytes:
+                raise too_large_error(self.describe(rel), max_bytes)
+            return data
         if start is not None and end is not None and end <= start:
             return b""
         return self._wrap("read", rel, lambda: self.backend.read(rel, start, end))
@@ -331,12 +369,15 @@ def _byte_view(buf: Any) -> memoryview:
     return view
 
 
-def open_backend(url: str, options: dict[str, Any], retry: RetryPolicy) -> Backend:
+def open_backend(url: str, options: dict[str, Any], retry: RetryPolicy,
+                 within: str | None = None) -> Backend:
     """The backend for checkpoint root ``url`` (already normalised by ``Storage``).
 
     ``options`` are fsspec's ``storage_options``; ``retry`` is the policy the backend's
-    multi-request writes use. A URL that cannot be opened (unknown protocol, missing
-    package, bad options, no bucket) raises ``ValueError`` naming it."""
+    multi-request writes use; ``within``: the root ``url`` was made inside
+    (``Storage.child``), below which no folder may be a link. A URL that cannot be opened
+    (unknown protocol, missing package, bad options, no bucket) raises ``ValueError``
+    naming it."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
     is_s3 = protocol in S3_PROTOCOLS
     try:
@@ -346,5 +387,6 @@ def open_backend(url: str, options: dict[str, Any], retry: RetryPolicy) -> Backe
     if is_s3:
         return S3Backend(url, fs, root, retry, options)
     if isinstance(fs, LocalFileSystem):
-        return LocalBackend(url, fs, root, retry)
+        anchor = fsspec.core.url_to_fs(within)[1] if within is not None else None
+        return LocalBackend(url, fs, root, retry, anchor)
     return FsspecBackend(url, fs, root, retry)

@@ -1,11 +1,14 @@
 """Local disk (plain paths and ``file://``): durable writes, exclusive creates, no links.
 
-A checkpoint root is untrusted input, so reads never follow a symbolic link out of it: a
-file that is itself a link, or one whose folder resolves outside the root, is refused with
-:class:`~ckpt.errors.CorruptCheckpointError` naming it. Writes never go through a planted
-link or hard link either: a file is written to a fresh temporary name in the same folder
+A checkpoint root is untrusted input, so nothing is read, written, listed or deleted
+through a symbolic link inside it: a folder on the way to a file that is a link (below the
+root, or below the root a root lies inside: ``Storage.child``) is refused with
+:class:`~ckpt.errors.CorruptCheckpointError` naming the link, and a file that is itself a
+link is never opened (``O_NOFOLLOW``). Writes never go through a planted link or hard link
+either: a file is written to a fresh temporary name in the same folder
 (``O_CREAT|O_EXCL|O_NOFOLLOW``), fsync'd and renamed over the target (the rename replaces a
-link, it does not follow it).
+link, it does not follow it); a link in the way of a delete is removed itself, never what
+it points to; folders are created one at a time, each checked to be a folder.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
+import stat
 import time
 import uuid
 from typing import Any, Callable, Sequence
 
 from ckpt.errors import CorruptCheckpointError
-from ckpt.storage._base import FsspecBackend
+from ckpt.storage._base import FsspecBackend, too_large_error
 
 __all__ = ["LocalBackend", "replace_file", "write_new_file", "fsync_dir"]
 
@@ -28,22 +33,55 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 class LocalBackend(FsspecBackend):
-    """Files under a local folder. Listing, folder creation and deletion are fsspec's;
-    everything that reads or writes a file is done here with ``os`` calls."""
+    """Files under a local folder. Everything that reads, writes, lists or deletes is done
+    here with ``os`` calls, never through a link (see the module docstring).
+
+    ``anchor``: the folder (the root as the user gave it, or the root it lies inside:
+    :meth:`ckpt.storage.Storage.child`) below which no folder may be a link; the anchor
+    itself may be one (a root placed on another disk by its owner)."""
+
+    def __init__(self, url: str, fs: Any, root: str, retry: Any, anchor: str | None = None):
+        super().__init__(url, fs, root, retry)
+        self.anchor = (anchor or self.root).rstrip(os.sep) or os.sep
 
     def local_path(self, rel: str) -> str:
         return self.path(rel)
 
-    def _check_inside_root(self, rel: str) -> None:
-        """Refuse ``rel`` when its folder resolves outside the root (a linked folder)."""
-        root = os.path.realpath(self.root)
-        folder = os.path.realpath(os.path.dirname(self.path(rel)))
-        if folder != root and not folder.startswith(root.rstrip(os.sep) + os.sep):
-            where = self.describe(rel)
-            raise CorruptCheckpointError(
-                f"{where} lies outside the checkpoint root {self.url} (its folder is a "
-                f"symbolic link to {folder}); ckpt does not follow links out of a root. "
-                f"Replace the link with the folder itself or delete it.", path=where)
+    def _below_anchor(self, path: str) -> list[str]:
+        """The names from the anchor down to ``path`` (empty for the anchor itself)."""
+        relative = os.path.relpath(path, self.anchor)
+        if relative == os.curdir:
+            return []
+        parts = relative.split(os.sep)
+        assert os.pardir not in parts, (path, self.anchor)  # names are plain: never above
+        return parts
+
+    def _check_inside_root(self, rel: str, *, itself: bool = False) -> None:
+        """Refuse ``rel`` when a folder on its way from the anchor (and, with ``itself``,
+        ``rel`` itself) is a symbolic link: ``CorruptCheckpointError`` naming the link.
+        Checked with ``lstat`` one name at a time; a name that does not exist ends the
+        check (nothing below it can be a link yet)."""
+        path = self.path(rel)
+        current = self.anchor
+        for name in self._below_anchor(path if itself else os.path.dirname(path)):
+            current = os.path.join(current, name)
+            try:
+                mode = os.lstat(current).st_mode
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(mode):
+                raise self._link_error(rel, current)
+
+    def _link_error(self, rel: str, link: str) -> CorruptCheckpointError:
+        where = self.describe(rel)
+        target = os.path.realpath(link)
+        anchor = os.path.realpath(self.anchor)
+        inside = target == anchor or target.startswith(anchor.rstrip(os.sep) + os.sep)
+        lies = "behind a link" if inside else f"outside the checkpoint root {self.url}"
+        return CorruptCheckpointError(
+            f"{where} lies {lies}: {link} is a symbolic link (to {target}); ckpt never "
+            f"reads or writes through links in a checkpoint root. Replace the link with the "
+            f"folder itself or delete it.", path=where)
 
     def open_fd(self, rel: str) -> int:
         """A read-only file descriptor of ``rel``, never through a link
@@ -76,6 +114,61 @@ class LocalBackend(FsspecBackend):
                 return b""
             f.seek(lo)
             return f.read(hi - lo)
+
+    def read_at_most(self, rel: str, max_bytes: int) -> bytes:
+        """The file's size is known once it is open: a larger one is refused unread."""
+        with os.fdopen(self.open_fd(rel), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise too_large_error(self.describe(rel), max_bytes, size)
+            return f.read(max_bytes + 1)
+
+    def listdir(self, rel: str) -> list[tuple[str, str, int]]:
+        """As fsspec lists it (a link inside is listed as a file, never followed), after
+        refusing a folder that is, or lies behind, a link."""
+        self._check_inside_root(rel, itself=True)
+        return super().listdir(rel)
+
+    def makedirs(self, rel: str) -> None:
+        """The anchor as fsspec makes it, then each folder below it one at a time, each
+        checked to be a folder and not a link (a planted one is refused, never followed)."""
+        os.makedirs(self.anchor, exist_ok=True)
+        current = self.anchor
+        for name in self._below_anchor(self.path(rel)):
+            current = os.path.join(current, name)
+            try:
+                os.mkdir(current)
+            except FileExistsError:
+                pass
+            mode = os.lstat(current).st_mode
+            if stat.S_ISLNK(mode):
+                raise self._link_error(rel, current)
+            if not stat.S_ISDIR(mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"{self.describe(rel)}: {current} is "
+                                         f"a file, not a folder")
+
+    def delete(self, rel: str, recursive: bool) -> None:
+        """A link is removed itself, never what it leads to; a folder only ``recursive``
+        (``shutil.rmtree``, which does not follow the links inside either)."""
+        self._check_inside_root(rel)
+        path = self.path(rel)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        try:
+            if not stat.S_ISDIR(mode):
+                os.unlink(path)
+            elif recursive:
+                shutil.rmtree(path)
+            else:
+                raise IsADirectoryError(errno.EISDIR, f"{self.describe(rel)} is a folder")
+        except FileNotFoundError:
+            pass
+
+    def rmdir(self, rel: str) -> None:
+        self._check_inside_root(rel)
+        os.rmdir(self.path(rel))
 
     def write(self, rel: str, views: Sequence[memoryview], *, durable: bool, part_bytes: int,
               max_concurrency: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
+from ckpt.cli._lineage import branch_of
 from ckpt.cli._common import (
     Progress,
     UsageError,
@@ -63,12 +64,15 @@ def cmd_rollback(args) -> int:
     with writer(args, "rollback", force=args.force) as life:
         store = CheckpointStore(life.storage, lifecycle=life)
         store.verify(args.step, full=True)
+        branch = branch_of(store, [s for s in store.committed_steps() if s > args.step])
         for s, kept, exc in store.uncommit_newer(args.step):
             if exc is not None:
                 print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
                 continue
             print(f"step {s}: rolled back (id {kept}; `ckpt restore {args.url} --id {kept}` "
                   f"re-commits it)")
+    if branch:
+        print(f"abandons the branch: {branch} (`ckpt history {args.url}` shows the tree)")
     print(f"step {args.step} is now the latest checkpoint; a resumed job starts from it")
     return 0
 

@@ -7,7 +7,8 @@
     ckpt diff URL A B [--json]      (A, B: steps or ids; tensor by tensor; exit 0 when
                                      identical, 1 when they differ, 2 on trouble: a
                                      missing or corrupt checkpoint too)
-    ckpt history URL [--json]       (the job's failures, the MTBF `auto` uses, the lease)
+    ckpt history URL [--json]       (the job's failures, the MTBF `auto` uses, the lease, the
+                                    trajectories: a tree of runs, live and abandoned versions)
     ckpt export URL [--step N] --out FILE(.pt|.safetensors) [--select PREFIX ...]
                     [--dtype bf16] [--attachments DIR]
     ckpt export URL [--step N] --format hf --out DIR [--select PREFIX] [--dtype bf16]
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--progress", action="store_true", help="show progress even when piped")
     sp.add_argument("--json", action="store_true", help="print a JSON object")
     sp.set_defaults(fn=cmd_diff)
-    sp = add("history", "the job's failure history, the MTBF the auto cadence uses, the lease")
+    sp = add("history", "the job's failure history, the MTBF the auto cadence uses, the lease, "
+                        "and the trajectories (each run, where it resumed from, what is live)")
     sp.add_argument("--mtbf-hours", type=float, default=24.0,
                     help="the prior MTBF, as the job's checkpoint.mtbf_hours (default: 24)")
     sp.add_argument("--json", action="store_true", help="print a JSON object")

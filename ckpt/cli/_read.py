@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from ckpt.cli import inspection
+from ckpt.cli._lineage import print_trajectories, trajectories
 from ckpt.cli._common import (
     Progress,
     UsageError,
@@ -357,6 +358,7 @@ def cmd_history(args) -> int:
         raise
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    info["trajectories"] = trajectories(store)
     if args.json:
         print(jsonio.dumps(info, indent=1).decode())
         return 0
@@ -384,6 +386,7 @@ def cmd_history(args) -> int:
               f"{lease.get('holder', '-')} (job {lease.get('job', '-')}, host "
               f"{lease.get('host', '-')}, pid {lease.get('pid', '-')}), last heartbeat "
               f"{fmt_time(lease.get('heartbeat_unix'))}")
+    print_trajectories(info["trajectories"])
     return 0
 
 

@@ -65,7 +65,6 @@ from ckpt.cadence import CadencePolicy
 from ckpt.dcp import api
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
-from ckpt.format.lineage import Lineage
 from ckpt.job._replicas import MAX_REPLICAS, Replicas
 from ckpt.job._tier_layout import (
     check_node_local,

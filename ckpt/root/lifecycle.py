@@ -84,20 +84,21 @@ from ckpt.root.verify import verify_files
 from ckpt.storage import Storage
 
 __all__ = [
-    "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
+    "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED", "MOVED_ASIDE",
     "Entry", "Lifecycle", "acquire_lease", "release_lease",
     "parse_marker", "acquire_for_ranks",
 ]
 
 log = logging.getLogger(__name__)
 
-COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED = (
-    "committed", "incomplete", "corrupt", "rolled-back", "fenced")
+COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED, MOVED_ASIDE = (
+    "committed", "incomplete", "corrupt", "rolled-back", "fenced", "moved-aside")
 
 _ID = r"[0-9a-f]{6,64}"
 _MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
 _ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
 _FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
+_DAMAGED_RE = re.compile(r"^damaged-manifest-[0-9a-f]{6,64}\.json$")
 _DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
 _PART_RE = re.compile(rf"^part-r\d{{5}}_({_ID})\.json$")
 _ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -341,6 +342,13 @@ class Lifecycle:
             out.append(Entry(step, m.save_id, ROLLED_BACK, name, m, bytes=m.total_bytes,
                              problem="un-committed (rollback); `ckpt restore --id "
                                      f"{m.save_id}` re-commits it"))
+        for name in sorted(folder.files):
+            if _DAMAGED_RE.match(name):
+                out.append(Entry(step, None, MOVED_ASIDE, name, bytes=folder.files[name],
+                                 problem="a damaged manifest, moved aside so that this step "
+                                         "could be committed again; kept for inspection, "
+                                         "never removed by a save, retention or a job's "
+                                         "start"))
         known = {e.id for e in out}
         for name in sorted(folder.files):
             m = _MARKER_RE.match(name)

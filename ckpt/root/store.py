@@ -37,6 +37,7 @@ from ckpt.root.lifecycle import (
     CORRUPT,
     FENCED,
     INCOMPLETE,
+    MOVED_ASIDE,
     ROLLED_BACK,
     Entry,
     Lifecycle,
@@ -133,7 +134,8 @@ class CheckpointStore:
         if not entries:
             return CheckpointInfo(step, INCOMPLETE, self.storage.describe(step_dirname(step)),
                                   0, problem="no manifest: not committed")
-        order = {COMMITTED: 0, CORRUPT: 1, FENCED: 2, ROLLED_BACK: 3, INCOMPLETE: 4}
+        order = {COMMITTED: 0, CORRUPT: 1, FENCED: 2, ROLLED_BACK: 3, INCOMPLETE: 4,
+                 MOVED_ASIDE: 5}
         return self._checked(min(entries, key=lambda e: order.get(e.status, 9)), check)
 
     def _checked(self, e: Entry, check: str) -> CheckpointInfo:

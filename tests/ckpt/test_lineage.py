@@ -178,3 +178,66 @@ def test_two_nodes_never_resume_a_mix_of_two_trajectories(tmp_path):
     shutil.copytree(keep, tmp_path / "local0" / "step_000000050")
     out = _phase(base, "run3")
     assert [(o["resumed"], o["trajectory"]) for o in out] == [(40, "B"), (40, "B")], out
+
+
+# -- the operator's view -----------------------------------------------------------------------
+def test_history_shows_the_tree_and_rollback_names_the_branch_it_abandons(tmp_path, capsys):
+    from tests.ckpt.test_cli import cli
+
+    root = str(tmp_path)
+    kw = dict(async_save=False, retention=[])
+    with CheckpointManager(root, **kw) as a:
+        a.load_latest({"w": torch.zeros(3)})
+        for s in (10, 20, 30, 40, 50):
+            _save(a, s)
+        run_a = a.lineage.run
+    with CheckpointManager(root, **kw) as b:
+        b.load_latest({"w": torch.zeros(3)}, step=30)
+        _save(b, 40)
+        run_b = b.lineage.run
+    rc, out, _ = cli(capsys, "history", root)
+    assert rc == 0
+    tree = out[out.index("trajectories"):].splitlines()
+    assert tree[1].startswith(f"* run {run_a}: fresh start")
+    assert tree[2].split() == ["live:", "10,", "20,", "30"]
+    assert tree[3].split()[:5] == ["abandoned:", "40", "rolled", "back,", "50"]
+    assert tree[4].startswith(f"  * run {run_b}: resumed from step 30 of run {run_a}")
+    assert tree[4].endswith("<- current") and tree[5].split() == ["live:", "40"]
+    rc, out, _ = cli(capsys, "history", root, "--json")
+    info = json.loads(out)["trajectories"]
+    assert info["tip"] == run_b and info["roots"] == [run_a]
+    by_run = {r["run"]: r for r in info["runs"]}
+    assert by_run[run_a]["children"] == [run_b]
+    assert [v["step"] for v in by_run[run_a]["abandoned"]] == [40, 50]
+    assert sorted(x["step"] for x in by_run[run_b]["left_behind"]) == [40, 50]
+    rc, out, _ = cli(capsys, "rollback", root, "--step", "20")
+    assert rc == 0
+    assert f"abandons the branch: run {run_a} steps 30; run {run_b} steps 40" in out
+
+
+def test_a_damaged_manifest_never_blocks_its_step(tmp_path, capsys):
+    """A manifest that fails its digest (a resume falls back past it) is moved aside when
+    its step is saved again: the save commits (it used to fail at every attempt), and
+    `ckpt list --all` shows what was moved aside and why."""
+    from tests.ckpt.test_cli import cli
+
+    root = str(tmp_path)
+    kw = dict(async_save=False, retention=[], retry_backoff_seconds=0.01)
+    with CheckpointManager(root, **kw) as a:
+        _save(a, 10)
+        _save(a, 20)
+    p = tmp_path / "step_000000020" / "manifest.json"
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0xFF
+    p.write_bytes(bytes(data))
+    st = {"w": torch.zeros(3)}
+    with CheckpointManager(root, **kw) as b:
+        assert b.load_latest(st).step == 10
+        _save(b, 20)
+        assert b.newest_committed_step == 20
+    assert CheckpointStore(root).read_manifest(20).lineage.parent["step"] == 10
+    aside = list((tmp_path / "step_000000020").glob("damaged-manifest-*.json"))
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(data)
+    rc, out, _ = cli(capsys, "list", root, "--all")
+    row = [line for line in out.splitlines() if "damaged manifest" in line]
+    assert rc == 0 and len(row) == 1 and row[0].split()[:3] == ["20", "-", "moved-aside"]

@@ -28,7 +28,7 @@ from ckpt.dcp.attachments import (
     read_attachment,
     read_from,
 )
-from ckpt.dcp.optim_state import pack_optimizer_state, unpack_optimizer_state
+from ckpt.dcp.optim_state import pack_optimizer_state, saved_groups, unpack_optimizer_state
 from ckpt.dcp.plancache import PlanCache
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import VERIFY_MODES, CkptReader
@@ -44,7 +44,7 @@ __all__ = [
     "SafeSavePlanner", "SafeLoadPlanner", "PlanCache",
     "StagingBuffers", "CopyReady",
     "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
-    "pack_optimizer_state", "unpack_optimizer_state",
+    "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
     "check_attachments", "read_attachment", "list_attachments", "read_from",
     "SaveCost", "PHASES",
 ]

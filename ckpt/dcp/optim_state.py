@@ -8,50 +8,85 @@ holds them all alike, so each was a write item per rank per save that the coordi
 deduplicated: 13 of a parameter's 16 items under AdamW. Packed, a rank saves its shards
 plus a constant:
 
-* ``groups``: one entry per param group, keyed by the group's first parameter name (the
-  key is the same on every rank of a pipeline stage and differs between stages, whose groups
-  differ): ``hyper``, the group's hyperparameters with its ``params`` (parameter names), one
-  value; ``steps``, the group's step counters, one tensor (a counter per parameter, in
-  ``params`` order), when every parameter of the group has a tensor counter of one dtype and
-  device (else the counters stay per parameter, ``state.<fqn>.step``). One tensor whatever
-  the values: counters that differ (a parameter skipped by some steps) change no key, so
-  they neither plan a save again nor change what a load asks for.
+* ``groups``: one entry per group, keyed by the group's first parameter name (the key is
+  the same on every rank of a pipeline stage and differs between stages, whose groups
+  differ): ``hyper``, the pair (the group's hyperparameters with its ``params``, the
+  parameter names; the group's index in its optimizer, or None), one value; ``steps``,
+  the group's step counters, one tensor (a counter per parameter, in ``params`` order),
+  when every parameter of the group has a tensor counter of one dtype and device (else the
+  counters stay per parameter, ``state.<fqn>.step``). One tensor whatever the values:
+  counters that differ (a parameter skipped by some steps) change no key, so they neither
+  plan a save again nor change what a load asks for.
 * everything else (the per-parameter moments, which are the shards) as before.
 
+What a group is depends on the form. Unflattened, the state dict holds the optimizer's
+param groups: an entry is one of them, with its index. Flattened, it holds
+hyperparameters per parameter and no groups (``set_optimizer_state_dict`` gives each of the
+optimizer's groups the values of its first parameter): an entry is the parameters whose
+values are equal, index None, and loading gives every parameter its own values back,
+whatever the groups of the optimizer loaded into.
+
 Loading takes any form: this layout's packing, another layout's (another pipeline split:
-other groups, found by their ``params``), or the expanded one of checkpoints written before
-packing. :class:`PackedGroups` is a :class:`ckpt.dcp.planners.PackedNode`: before the load
-is planned it asks for the keys the checkpoint has (``match_checkpoint``), and
+other groups, found by their ``params``), packing written before groups had an index
+(``hyper`` a 1-tuple), or the expanded one of checkpoints written before packing.
+:class:`PackedGroups` is a :class:`ckpt.dcp.planners.PackedNode`: before the load is
+planned it asks for the keys the checkpoint has (``match_checkpoint``), and
 :func:`unpack_optimizer_state` rebuilds the form the optimizer's ``set_*_state_dict`` wants,
-each step counter a tensor of its own with the dtype and device the optimizer had.
+each step counter a tensor of its own with the dtype and device the optimizer had. A
+checkpoint that does not fit the optimizer (a parameter without hyperparameters, a
+hyperparameter one side has and the other has not, one group here holding parameters the
+checkpoint gives different values) is a :class:`ckpt.errors.StateMismatchError` naming the
+group and the key. :func:`saved_groups` reads the groups of any form (for an export into
+torch's own form: :func:`ckpt.export.to_torch_optimizer_state`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckpt.dcp.planners import PackedNode, placeholder
+from ckpt.errors import CorruptCheckpointError, StateMismatchError
 
-__all__ = ["PackedGroups", "pack_optimizer_state", "unpack_optimizer_state", "GROUPS"]
+__all__ = ["PackedGroups", "LiveGroup", "SavedGroup", "pack_optimizer_state",
+           "unpack_optimizer_state", "saved_groups", "GROUPS"]
 
 GROUPS = "groups"  # the packed node's key in an optimizer state dict
 _HYPER, _STEPS, _STEP, _PARAMS = "hyper", "steps", "step", "params"
 _PG, _STATE = "param_groups", "state"
 
 
+class LiveGroup(NamedTuple):
+    """A group of the optimizer a state dict was packed from (see the module docstring for
+    what a group is in each form)."""
+
+    params: tuple[str, ...]  # parameter names, in the group's order
+    step: Any  # a step counter of the optimizer's (dtype and device to restore), or None
+    names: frozenset[str]  # the group's hyperparameter names
+    index: int | None  # the group's index in its optimizer; None: flattened, no groups
+
+
+class SavedGroup(NamedTuple):
+    """A group of an optimizer state read from a checkpoint (:func:`saved_groups`)."""
+
+    params: tuple[str, ...]  # parameter names, in the group's order
+    hyper: dict[str, Any]  # its hyperparameters, without ``params``
+    index: int | None  # its index in its optimizer; None: not known (flattened, or older)
+    steps: Any  # the group's step counters (one tensor, in ``params`` order), or None
+    key: str  # where it is in the optimizer state dict, for messages
+
+
 class PackedGroups(PackedNode):
     """An optimizer state's param groups, packed (see the module docstring).
 
-    ``members``: this rank's groups as (parameter names, step template: a step tensor of the
-    optimizer, or None), which :func:`unpack_optimizer_state` rebuilds; ``nested``: whether
-    the optimizer state dict is the unflattened one (``state``/``param_groups``)."""
+    ``members``: the groups packed (:class:`LiveGroup`), which :func:`unpack_optimizer_state`
+    rebuilds; ``nested``: whether the optimizer state dict is the unflattened one
+    (``state``/``param_groups``)."""
 
-    def __init__(self, entries: dict[str, dict], members: list[tuple[tuple[str, ...], Any]],
-                 nested: bool):
+    def __init__(self, entries: dict[str, dict], members: list[LiveGroup], nested: bool):
         super().__init__(entries)
         self.members = members
         self.nested = nested
@@ -62,7 +97,7 @@ class PackedGroups(PackedNode):
         keys of this rank's parameters."""
         saved = metadata.state_dict_metadata
         parent, n = path[:-1], len(path)
-        mine = {f for fqns, _ in self.members for f in fqns}
+        mine = {f for group in self.members for f in group.params}
         own = {".".join(map(str, path + (first, sub))): value for first, entry in self.items()
                for sub, value in entry.items()}
         in_node, expanded = [], []
@@ -130,8 +165,8 @@ def pack_optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
     if GROUPS in osd:
         return osd
     if nested:
-        groups = [([str(f) for f in g[_PARAMS]], {k: v for k, v in g.items() if k != _PARAMS})
-                  for g in osd[_PG]]
+        groups = [([str(f) for f in g[_PARAMS]], {k: v for k, v in g.items() if k != _PARAMS},
+                   i) for i, g in enumerate(osd[_PG])]
 
         def step_of(fqn: str) -> Any:
             return osd[_STATE].get(fqn, {}).get(_STEP)
@@ -145,27 +180,27 @@ def pack_optimizer_state(osd: dict[str, Any]) -> dict[str, Any]:
         for fqn, hyper in per_param.items():
             same = next((g for g in groups if g[1] == hyper), None)
             if same is None:
-                groups.append(([fqn], hyper))
+                groups.append(([fqn], hyper, None))
             else:
                 same[0].append(fqn)
 
         def step_of(fqn: str) -> Any:
             return osd.get(f"{_STATE}.{fqn}.{_STEP}")
-    if not groups or any(not fqns for fqns, _ in groups) or any(
-            isinstance(v, torch.Tensor) for _, hyper in groups for v in hyper.values()):
+    if not groups or any(not fqns for fqns, _, _ in groups) or any(
+            isinstance(v, torch.Tensor) for _, hyper, _ in groups for v in hyper.values()):
         return osd
     entries: dict[str, dict] = {}
     members = []
     packed_steps: set[str] = set()
-    for fqns, hyper in groups:
+    for fqns, hyper, index in groups:
         steps = [step_of(f) for f in fqns]
         template = next((s for s in steps if isinstance(s, torch.Tensor)), None)
-        entry: dict[str, Any] = {_HYPER: ({**hyper, _PARAMS: list(fqns)},)}
+        entry: dict[str, Any] = {_HYPER: ({**hyper, _PARAMS: list(fqns)}, index)}
         if _stackable(steps):
             entry[_STEPS] = torch.stack([s.detach() for s in steps])
             packed_steps.update(fqns)
         entries[fqns[0]] = entry
-        members.append((tuple(fqns), template))
+        members.append(LiveGroup(tuple(fqns), template, frozenset(hyper), index))
     if nested:
         out = {k: v for k, v in osd.items() if k != _PG}
         out[_STATE] = {fqn: ({k: v for k, v in st.items() if k != _STEP}
@@ -186,77 +221,124 @@ def _stackable(steps: list[Any]) -> bool:
                and s.device == first.device for s in steps)
 
 
-def unpack_optimizer_state(loaded: dict[str, Any]) -> dict[str, Any]:
-    """The loaded form of :func:`pack_optimizer_state`'s result back in the optimizer's
-    form (unflattened or flattened, as packed), whichever form the checkpoint held.
-    ``loaded`` not packed: returned as is. Raises ``ValueError`` when the checkpoint has
-    no hyperparameters for a parameter, or different ones within one of this rank's groups."""
-    node = loaded.get(GROUPS)
-    if not isinstance(node, PackedGroups):
-        return loaded
-    hypers: dict[str, dict] = {}
-    steps: dict[str, Any] = {}
-    for entry in node.values():  # a packed checkpoint: this layout's groups or another's
-        hyper = dict(entry[_HYPER][0])
-        params = hyper.pop(_PARAMS)
-        counters = entry.get(_STEPS)
-        for i, fqn in enumerate(params):
-            hypers[fqn] = hyper
-            if counters is not None:
-                steps[fqn] = counters[i]
-    # The expanded form (checkpoints written before packing).
-    groups = loaded.get(_PG)
-    for group in (groups.values() if isinstance(groups, dict) else groups or ()):
+def saved_groups(osd: dict[str, Any]) -> list[SavedGroup]:
+    """The param groups of an optimizer state dict as a checkpoint holds it, in any form:
+    packed (``groups``; each with its index, or None where it has none), unflattened
+    (``param_groups``, a list, or a dict by index as a load builds it) or flattened
+    (``param_groups.<fqn>.<name>``: a group per parameter, index None). Raises
+    ``CorruptCheckpointError`` naming the key of a packed entry that is none of the
+    forms written."""
+    out = []
+    for first, entry in (osd.get(GROUPS) or {}).items():
+        key = f"{GROUPS}.{first}.{_HYPER}"
+        value = entry.get(_HYPER) if isinstance(entry, dict) else None
+        # (group,): packed before groups had an index; (group, index) since.
+        if not (isinstance(value, (tuple, list)) and len(value) in (1, 2)
+                and isinstance(value[0], dict) and isinstance(value[0].get(_PARAMS), list)
+                and (len(value) == 1 or value[1] is None or isinstance(value[1], int))):
+            raise CorruptCheckpointError(
+                f"optimizer param group {key} holds {str(value)[:120]}, not (hyperparameters "
+                f"with 'params', group index); the checkpoint is damaged or from another "
+                f"writer: load an earlier step", path=key)
+        hyper = dict(value[0])
+        params = tuple(str(f) for f in hyper.pop(_PARAMS))
+        out.append(SavedGroup(params, hyper, value[1] if len(value) == 2 else None,
+                              entry.get(_STEPS), key))
+    groups = osd.get(_PG)  # the expanded form (checkpoints written before packing)
+    items = groups.items() if isinstance(groups, dict) else enumerate(groups or ())
+    for index, group in items:
         hyper = dict(group)
-        for fqn in hyper.pop(_PARAMS, ()):
-            hypers[fqn] = hyper
+        params = tuple(str(f) for f in hyper.pop(_PARAMS, ()))
+        out.append(SavedGroup(params, hyper, int(index), None, f"{_PG}.{index}"))
     flat: dict[str, dict] = {}
-    for key, value in loaded.items():
+    for key, value in osd.items():
         if isinstance(key, str) and key.startswith(_PG + "."):
             fqn, _, name = key[len(_PG) + 1:].rpartition(".")
             flat.setdefault(fqn, {})[name] = value
-    hypers.update(flat)
+    out.extend(SavedGroup((fqn,), hyper, None, None, f"{_PG}.{fqn}")
+               for fqn, hyper in flat.items())
+    return out
+
+
+def unpack_optimizer_state(loaded: dict[str, Any]) -> dict[str, Any]:
+    """The loaded form of :func:`pack_optimizer_state`'s result back in the optimizer's
+    form (unflattened or flattened, as packed), whichever form the checkpoint held.
+    ``loaded`` not packed: returned as is. Raises ``StateMismatchError`` (naming the group
+    and the key) when the checkpoint has no hyperparameters for a parameter, when its
+    hyperparameter names differ from the optimizer's, or (unflattened) when it gives the
+    parameters of one of this optimizer's groups different values."""
+    node = loaded.get(GROUPS)
+    if not isinstance(node, PackedGroups):
+        return loaded
+    by_param: dict[str, SavedGroup] = {}
+    steps: dict[str, Any] = {}
+    for group in saved_groups(loaded):
+        for i, fqn in enumerate(group.params):
+            by_param[fqn] = group
+            if group.steps is not None:
+                steps[fqn] = group.steps[i]
     state = ({fqn: dict(st) for fqn, st in loaded.get(_STATE, {}).items()}
              if node.nested else None)
     out = {k: v for k, v in loaded.items()
            if k != GROUPS and k != _PG and not (isinstance(k, str) and k.startswith(_PG + "."))}
     param_groups = []
-    for fqns, template in node.members:
-        hyper = _group_hyper(fqns, hypers)
-        for fqn in fqns:
+    for live in node.members:
+        hyper = _group_hyper(live, by_param, node.nested)
+        for fqn in live.params:
             step = steps.get(fqn)
             if node.nested:
                 step = state.get(fqn, {}).get(_STEP) if step is None else step
                 if step is not None:
-                    state.setdefault(fqn, {})[_STEP] = _counter(step, template)
+                    state.setdefault(fqn, {})[_STEP] = _counter(step, live.step)
             else:
                 key = f"{_STATE}.{fqn}.{_STEP}"
                 step = loaded.get(key) if step is None else step
                 if step is not None:
-                    out[key] = _counter(step, template)
-                for name, value in hyper.items():
+                    out[key] = _counter(step, live.step)
+                for name, value in by_param[fqn].hyper.items():  # each its own values
                     out[f"{_PG}.{fqn}.{name}"] = value
-        param_groups.append({**hyper, _PARAMS: list(fqns)})
+        param_groups.append({**hyper, _PARAMS: list(live.params)})
     if node.nested:
         out[_STATE] = state
         out[_PG] = param_groups
     return out
 
 
-def _group_hyper(fqns: tuple[str, ...], hypers: dict[str, dict]) -> dict:
-    missing = [f for f in fqns if f not in hypers]
+def _group_hyper(live: LiveGroup, by_param: dict[str, SavedGroup], nested: bool) -> dict:
+    """The checkpoint's hyperparameters for the optimizer group ``live``, checked."""
+    first = live.params[0]
+    what = (f"param group {live.index} (first parameter {first})" if live.index is not None
+            else f"parameter {first}")
+    missing = [f for f in live.params if f not in by_param]
     if missing:
-        raise ValueError(f"the checkpoint holds no optimizer hyperparameters for parameter(s) "
-                         f"{', '.join(missing[:10])}: it was saved without them or for another "
-                         f"model; load with the optimizer it was saved with")
-    first = hypers[fqns[0]]
-    for fqn in fqns[1:]:
-        if hypers[fqn] != first:
-            raise ValueError(f"the checkpoint holds different optimizer hyperparameters for "
-                             f"{fqns[0]} and {fqn}, which are in one param group here "
-                             f"({first} vs {hypers[fqn]}); build the optimizer's param groups "
-                             f"as when it was saved")
-    return first
+        raise StateMismatchError(
+            f"the checkpoint holds no optimizer hyperparameters for parameter(s) "
+            f"{', '.join(missing[:10])} ({what}): it was saved without them or for another "
+            f"model; load with the optimizer it was saved with", missing=missing)
+    for fqn in live.params:
+        saved = by_param[fqn]
+        extra, lacking = set(saved.hyper) - live.names, live.names - set(saved.hyper)
+        if extra or lacking:
+            name = sorted(extra or lacking)[0]
+            has, has_not = ("the checkpoint", "this optimizer") if extra else \
+                ("this optimizer", "the checkpoint")
+            raise StateMismatchError(
+                f"{what}: {has} has the hyperparameter {name!r} and {has_not} has not "
+                f"(checkpoint group {saved.key}); it was saved from another optimizer class, "
+                f"torch version or LR scheduler: build the optimizer (and its scheduler) as "
+                f"when it was saved", mismatched=[f"{saved.key}.{name}"])
+    hyper = by_param[first].hyper
+    for fqn in live.params[1:] if nested else ():
+        other = by_param[fqn].hyper
+        if other != hyper:
+            name = next(k for k in sorted(hyper) if hyper[k] != other[k])
+            raise StateMismatchError(
+                f"the checkpoint holds different optimizer hyperparameters for {first} and "
+                f"{fqn}, which are in one param group here ({what}): {name!r} is "
+                f"{hyper[name]!r} in {by_param[first].key} and {other[name]!r} in "
+                f"{by_param[fqn].key}; build the optimizer's param groups as when it was saved",
+                mismatched=[f"{by_param[fqn].key}.{name}"])
+    return dict(hyper)
 
 
 def _counter(step: Any, template: Any) -> Any:

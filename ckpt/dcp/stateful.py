@@ -148,30 +148,115 @@ class PerRankState:
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state now, exactly as its first step would, counting no step.
+    """Create the optimizer's state now, as its own first step would, changing nothing else.
 
-    ``torch.distributed.checkpoint``'s ``get_state_dict`` initialises the state of an
-    optimizer that has none by taking a step with zero gradients and lr 0, which leaves
-    AdamW's step counter at 1 before training starts: its bias correction is then one step
-    behind, and a run with checkpoints (whose first ``prepare``/``load`` triggers that) would
-    train differently from the same run without. Here the same zero step is taken (no
-    parameter moves: lr 0 scales both the update and the decoupled weight decay; the moments
-    stay zero) and the counters are put back to 0, the state a fresh AdamW creates.
+    ``torch.distributed.checkpoint``'s ``get_state_dict``/``set_state_dict`` initialise an
+    optimizer without state by stepping it with zero gradients and lr 0: a step that counts
+    (AdamW's bias correction is then one step behind) and, where weight decay enters the
+    gradient (Adam, SGD with momentum, RMSprop, Adagrad ...), moves the moments. A job that
+    checkpoints would train differently from the same job without. ``ModelState.state_dict``
+    (every save and load through it) and the trainer call this first, so that DCP finds
+    the state made.
+
+    Contract, for an optimizer that has no state yet (one that has some is left as it is):
+    every parameter that requires a gradient gets the state its optimizer's lazy
+    initialisation gives it at the first step, with that initialisation's values (moments
+    zero, ``step`` 0, Adagrad's sum ``initial_accumulator_value``, NAdam's ``mu_product``
+    and ASGD's ``mu`` 1, Rprop's step sizes and ASGD's ``eta`` the group's lr now), and
+    nothing else changes: no parameter, gradient, hyperparameter, step hook or LR-scheduler
+    counter is touched. The first real step then does exactly what it would have done
+    without this call, bit for bit (``tests/ckpt/test_optim_state.py`` checks every
+    optimizer of ``torch.optim``), with one exception: SGD with momentum and
+    ``dampening`` > 0 starts its buffer at the first step as the gradient itself, and a
+    zero buffer makes that step take ``1 - dampening`` of it.
+
+    How: the optimizer's own step (hooks left out) creates each parameter's state on a
+    stand-in, a zero tensor like the parameter with a zero gradient, one parameter at a
+    time (memory: two copies of the largest parameter); the state then goes to the
+    parameter with its values reset as above. An optimizer that keeps no state (SGD
+    without momentum) gets none; for an optimizer outside ``torch.optim`` the values are
+    those its step with zero gradients leaves, step counters 0 (exact for moments of the
+    gradient). ``LBFGS`` is refused (``ValueError``): it makes its state from its closure's
+    loss, at its first step.
     """
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if optimizer.state or any(p.grad is not None for p in params):
+    if optimizer.state:
         return
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-    for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"].zero_()
-        elif "step" in state:
-            state["step"] = 0
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS makes its state from the loss its closure returns, at its first "
+                         "step; take that step before saving or loading its state")
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # torch's wrapper that runs the step hooks
+        step = step.__wrapped__
+    groups = optimizer.param_groups
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    initial = _initial_values(optimizer)
+    try:
+        for group in groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                stand_in = torch.zeros_like(p)
+                grad = torch.zeros_like(p)
+                stand_in.grad = grad.to_sparse() if sparse else grad
+                optimizer.param_groups = [{**group, "params": [stand_in]}]
+                step(optimizer)
+                state = optimizer.state.pop(stand_in, None)
+                if state:
+                    for key, value in state.items():
+                        state[key] = _reset(key, value, initial.get(key), optimizer, group, p)
+                    optimizer.state[p] = state
+    except BaseException:
+        optimizer.state.clear()  # all or nothing: it had none
+        raise
+    finally:
+        optimizer.param_groups = groups
+
+
+def _lr(_: Any, group: dict, p: torch.Tensor) -> Any:
+    lr = group["lr"]
+    lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+    return complex(lr, lr) if p.is_complex() else lr
+
+
+def _accumulator(optimizer: Any, _: dict, p: torch.Tensor) -> Any:
+    value = optimizer.defaults["initial_accumulator_value"]  # as Adagrad reads it
+    return complex(value, value) if p.is_complex() else value
+
+
+# The values torch's optimizers give their state at the first step (besides ``step``: 0);
+# a key not listed keeps what the stand-in's step left. Found along the optimizer's MRO.
+_INITIAL: dict[type, dict[str, Any]] = {
+    torch.optim.SGD: {"momentum_buffer": 0},
+    torch.optim.Adam: {"exp_avg": 0, "exp_avg_sq": 0, "max_exp_avg_sq": 0},
+    torch.optim.AdamW: {"exp_avg": 0, "exp_avg_sq": 0, "max_exp_avg_sq": 0},
+    torch.optim.Adamax: {"exp_avg": 0, "exp_inf": 0},
+    torch.optim.NAdam: {"exp_avg": 0, "exp_avg_sq": 0, "mu_product": 1},
+    torch.optim.RAdam: {"exp_avg": 0, "exp_avg_sq": 0},
+    torch.optim.Adagrad: {"sum": _accumulator},
+    torch.optim.Adadelta: {"square_avg": 0, "acc_delta": 0},
+    torch.optim.RMSprop: {"square_avg": 0, "momentum_buffer": 0, "grad_avg": 0},
+    torch.optim.Rprop: {"prev": 0, "step_size": _lr},
+    torch.optim.ASGD: {"eta": _lr, "mu": 1, "ax": 0},
+    torch.optim.SparseAdam: {"exp_avg": 0, "exp_avg_sq": 0},
+    torch.optim.Adafactor: {"row_var": 0, "col_var": 0, "variance": 0},
+    torch.optim.Muon: {"momentum_buffer": 0},
+}
+
+
+def _initial_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return next((_INITIAL[cls] for cls in type(optimizer).__mro__ if cls in _INITIAL), {})
+
+
+def _reset(key: str, value: Any, initial: Any, optimizer: Any, group: dict,
+           p: torch.Tensor) -> Any:
+    """``value`` (a state entry the stand-in's step made) set to its initial value."""
+    if key == "step":
+        initial = 0
+    elif initial is None or not isinstance(value, torch.Tensor):
+        return value
+    if callable(initial):
+        initial = initial(optimizer, group, p)
+    if not isinstance(value, torch.Tensor):
+        return type(value)(initial)
+    with torch.no_grad():
+        return value.zero_() if initial == 0 else value.fill_(initial)

@@ -64,9 +64,10 @@ def test_consolidate_fsdp2_sharded_to_full(fsdp_checkpoint):
     assert_same(snapshot(full["app"]["optim"]["state"]), state["app"]["optim"]["state"],
                 "optim")
     assert state["step"] == 11
-    # ModelState saves the param groups once each, keyed by their first parameter.
-    (group,) = state["app"]["optim"]["groups"]["0.weight"]["hyper"]
-    assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999)
+    # ModelState saves the param groups once each, keyed by their first parameter, with
+    # their index in the optimizer.
+    group, index = state["app"]["optim"]["groups"]["0.weight"]["hyper"]
+    assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999) and index == 0
     # The newest step by default.
     assert consolidate(root)[1].step == 11
 

@@ -11,6 +11,12 @@ other form still loading bit for bit.
   a checkpoint bit for bit.
 * Pipeline stages (each rank its own parameters and groups, flattened as the trainer saves
   them) save under different group keys and load into one process, and back.
+* Packed groups are the optimizer's (with their index), not parameters with equal values:
+  groups whose lrs diverged load into groups that start equal, flattened and not; what does
+  not fit the optimizer is a StateMismatchError naming group and key, also from
+  load_latest; checkpoints packed before groups had an index still load.
+* ``init_optimizer_state`` (and a save before the first step) changes no step of any
+  ``torch.optim`` optimizer, bit for bit, and touches no parameter, gradient or hook.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ import ckpt
 from ckpt.dcp import (
     ModelState,
     SafeSavePlanner,
+    init_optimizer_state,
     pack_optimizer_state,
     resolve_state,
     unpack_optimizer_state,
 )
+from ckpt.errors import CorruptCheckpointError, StateMismatchError
+from ckpt.export import consolidate
 from ckpt.root import CheckpointStore
 from tests.ckpt._helpers import assert_same, pack, unpack
 from tests.dist import run_ranks
@@ -324,3 +333,273 @@ def test_a_trainer_checkpoint_written_before_packing_resumes_bit_for_bit(tmp_pat
         resumed = trainer(6, f"--checkpoint.root={root}")
         assert resumed.fit() == 0
         assert resumed.losses == straight.losses[3:], root
+
+
+# -- init_optimizer_state: the state a first step makes, and nothing else ---------------------
+_O = torch.optim
+# Every optimizer of torch.optim, with weight decay (in the gradient, or decoupled), momentum,
+# amsgrad, maximize, foreach and fused where they exist. Left out: SGD with dampening, whose
+# first step takes the whole gradient as its buffer, which a zero buffer cannot reproduce
+# (documented); LBFGS, whose state comes from its closure's loss (refused, tested below).
+_OPTIMIZERS = {
+    "SGD": lambda p: _O.SGD(p, lr=0.1),
+    "SGD-wd-maximize": lambda p: _O.SGD(p, lr=0.1, weight_decay=0.1, maximize=True),
+    "SGD-momentum-wd-nesterov": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
+                                                 nesterov=True),
+    "SGD-momentum-wd-foreach": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
+                                                foreach=True),
+    "SGD-momentum-wd-fused": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
+                                              fused=True),
+    "Adam-wd": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1),
+    "Adam-wd-amsgrad-maximize-foreach": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1,
+                                                          amsgrad=True, maximize=True,
+                                                          foreach=True),
+    "Adam-wd-fused": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "Adam-tensor-lr": lambda p: _O.Adam(p, lr=torch.tensor(1e-2), weight_decay=0.1),
+    "AdamW-amsgrad": lambda p: _O.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "Adamax-wd": lambda p: _O.Adamax(p, lr=1e-2, weight_decay=0.1),
+    "Adamax-wd-foreach": lambda p: _O.Adamax(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "NAdam-wd": lambda p: _O.NAdam(p, lr=1e-2, weight_decay=0.1),
+    "NAdam-decoupled-foreach": lambda p: _O.NAdam(p, lr=1e-2, weight_decay=0.1, foreach=True,
+                                                  decoupled_weight_decay=True),
+    "RAdam-wd": lambda p: _O.RAdam(p, lr=1e-2, weight_decay=0.1),
+    "RAdam-decoupled-foreach": lambda p: _O.RAdam(p, lr=1e-2, weight_decay=0.1, foreach=True,
+                                                  decoupled_weight_decay=True),
+    "Adagrad-wd-initial-decay": lambda p: _O.Adagrad(p, lr=1e-2, weight_decay=0.1,
+                                                     initial_accumulator_value=0.3,
+                                                     lr_decay=0.01),
+    "Adagrad-wd-fused": lambda p: _O.Adagrad(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "Adadelta-wd": lambda p: _O.Adadelta(p, lr=1.0, weight_decay=0.1),
+    "Adadelta-wd-maximize-foreach": lambda p: _O.Adadelta(p, lr=1.0, weight_decay=0.1,
+                                                          maximize=True, foreach=True),
+    "RMSprop-wd": lambda p: _O.RMSprop(p, lr=1e-2, weight_decay=0.1),
+    "RMSprop-momentum-centered-wd-foreach": lambda p: _O.RMSprop(
+        p, lr=1e-2, weight_decay=0.1, momentum=0.9, centered=True, foreach=True),
+    "Rprop": lambda p: _O.Rprop(p, lr=1e-2),
+    "Rprop-maximize-foreach": lambda p: _O.Rprop(p, lr=1e-2, maximize=True, foreach=True),
+    "Rprop-lr-below-min-step": lambda p: _O.Rprop(p, lr=1e-7),
+    "ASGD-wd": lambda p: _O.ASGD(p, lr=1e-2, weight_decay=0.1, t0=1),
+    "ASGD-wd-foreach": lambda p: _O.ASGD(p, lr=1e-2, weight_decay=0.1, t0=1, foreach=True),
+    "Adafactor": lambda p: _O.Adafactor(p, lr=1e-2),
+    "Adafactor-wd-foreach": lambda p: _O.Adafactor(p, lr=1e-2, weight_decay=0.1, foreach=True),
+    "Muon": lambda p: _O.Muon([q for q in p if q.dim() == 2], lr=1e-2),
+}
+
+
+def _run(make, how: str, root: str | None = None, steps: int = 4):
+    """Params and optimizer state after ``steps`` steps; ``how``: "plain", "init" (after
+    init_optimizer_state) or "saved" (a manager saves ModelState before every step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = make(model.parameters())
+    state = {"app": ModelState(model, optim)}
+    mgr = ckpt.CheckpointManager(root, async_save=False, use_lease=False, retention=[]) \
+        if how == "saved" else None
+    if how == "init":
+        init_optimizer_state(optim)
+    for i in range(steps):
+        if mgr is not None:
+            mgr.save(i, state, force=True)
+        model(torch.ones(2, 4) * (i + 1) - 2.5).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+    if mgr is not None:
+        mgr.close()
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optim.state_dict())
+
+
+def _assert_bit_equal(a, b, where: str) -> None:
+    (params_a, sd_a), (params_b, sd_b) = a, b
+    for i, (x, y) in enumerate(zip(params_a, params_b)):
+        assert torch.equal(x, y), f"{where}: parameter {i}, max |diff| {(x - y).abs().max()}"
+    assert sd_a["param_groups"] == sd_b["param_groups"], where
+    assert sd_a["state"].keys() == sd_b["state"].keys(), where
+    for i, st in sd_a["state"].items():
+        assert st.keys() == sd_b["state"][i].keys(), (where, i)
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_b["state"][i][k])), \
+                f"{where}: state {i}.{k}"
+
+
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_init_optimizer_state_and_a_save_before_the_first_step_change_no_step(name, tmp_path):
+    plain = _run(_OPTIMIZERS[name], "plain")
+    _assert_bit_equal(plain, _run(_OPTIMIZERS[name], "init"), f"{name}, init_optimizer_state")
+    _assert_bit_equal(plain, _run(_OPTIMIZERS[name], "saved", str(tmp_path / "root")),
+                      f"{name}, saved through a CheckpointManager")
+
+
+def test_init_optimizer_state_makes_the_first_steps_state_and_touches_nothing_else():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.bias[0] = -0.0  # a stepped parameter would come back +0.0 (maximize, lr 0)
+    optim = _O.Adam(model.parameters(), lr=1e-2, weight_decay=0.1, amsgrad=True,
+                    maximize=True)
+    calls = []
+    optim.register_step_pre_hook(lambda *a: calls.append("pre"))
+    optim.register_step_post_hook(lambda *a: calls.append("post"))
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 3)).sum().backward()  # gradients there already: kept as they are
+    grads = [p.grad.clone() for p in model.parameters()]
+    init_optimizer_state(optim)
+    assert calls == []
+    for p, b, g in zip(model.parameters(), before, grads):
+        assert torch.equal(p, b) and torch.equal(p.signbit(), b.signbit())
+        assert torch.equal(p.grad, g)
+    for p in model.parameters():
+        st = optim.state[p]
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+        assert float(st["step"]) == 0.0 and st["step"].dtype == torch.float32
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert torch.equal(st[k], torch.zeros_like(p)) and not st[k].signbit().any(), k
+    # Initial values other than zero, as the optimizers' own first steps make them.
+    optim = _O.Rprop(model.parameters(), lr=3e-3)
+    init_optimizer_state(optim)
+    assert torch.equal(optim.state[model.weight]["step_size"], torch.full((2, 3), 3e-3))
+    optim = _O.Adagrad(model.parameters(), initial_accumulator_value=0.25, weight_decay=0.1)
+    init_optimizer_state(optim)
+    assert torch.equal(optim.state[model.weight]["sum"], torch.full((2, 3), 0.25))
+    optim = _O.NAdam(model.parameters(), weight_decay=0.1)
+    init_optimizer_state(optim)
+    assert float(optim.state[model.weight]["mu_product"]) == 1.0
+    # Frozen parameters get no state, as no step gives them any; a second call does nothing.
+    model.bias.requires_grad_(False)
+    optim = _O.AdamW(model.parameters(), lr=1e-2)
+    init_optimizer_state(optim)
+    assert model.bias not in optim.state and model.weight in optim.state
+    optim.state[model.weight]["exp_avg"].fill_(1.0)
+    init_optimizer_state(optim)
+    assert float(optim.state[model.weight]["exp_avg"].min()) == 1.0
+    with pytest.raises(ValueError, match="LBFGS makes its state from the loss"):
+        init_optimizer_state(_O.LBFGS(model.parameters()))
+
+
+def test_sparse_adam_state_is_made_from_a_sparse_gradient():
+    def run(init: bool):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        optim = _O.SparseAdam(emb.parameters(), lr=1e-2)
+        if init:
+            init_optimizer_state(optim)
+            assert optim.state[emb.weight]["step"] == 0
+        for i in range(3):
+            emb(torch.tensor([1, 2, i])).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        return emb.weight.detach().clone()
+
+    assert torch.equal(run(False), run(True))
+
+
+# -- packed groups are the optimizer's groups; what does not fit is a state mismatch ----------
+def _layerwise(flat: bool, seed: int = 0):
+    """Two groups whose lrs start equal and then diverge (a layer-wise schedule)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = _O.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}],
+                     lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, [lambda k: 1.0, lambda k: 0.5 ** k])
+    init_optimizer_state(optim)
+    return model, optim, sched, (_Stage(model, optim) if flat else ModelState(model, optim))
+
+
+def _seq_step(model, optim, sched, seed: int) -> None:
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flattened", "unflattened"])
+def test_groups_whose_lrs_diverged_load_into_groups_that_start_equal(flat, tmp_path):
+    root = str(tmp_path / "root")
+    model, optim, sched, state = _layerwise(flat)
+    for i in range(3):
+        _seq_step(model, optim, sched, i)
+    ckpt.save({"app": state, "sched": sched}, root, 3)
+    fresh, fresh_optim, fresh_sched, fresh_state = _layerwise(flat, seed=1)
+    assert [g["lr"] for g in fresh_optim.param_groups] == [1e-3, 1e-3]
+    ckpt.load({"app": fresh_state, "sched": fresh_sched}, root, 3)
+    assert [g["lr"] for g in fresh_optim.param_groups] == [1e-3, 1e-3 / 8]
+    for i in range(3):  # and the run goes on as the saved one does
+        for m, o, s in ((model, optim, sched), (fresh, fresh_optim, fresh_sched)):
+            _seq_step(m, o, s, 10 + i)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+    hyper = consolidate(root, 3)[0]["app"]["optim"]["groups"]
+    if flat:  # no groups in the flattened form: parameters with equal values
+        assert [v["hyper"][1] for v in hyper.values()] == [None, None]
+    else:  # the optimizer's groups, by index
+        assert {k: v["hyper"][1] for k, v in hyper.items()} == {"0.weight": 0, "1.weight": 1}
+
+
+def test_what_does_not_fit_the_optimizer_is_a_state_mismatch_naming_group_and_key(tmp_path):
+    root = str(tmp_path / "root")
+    model = _mlp(0, 2)
+    optim = _adamw(model)
+    _train(model, optim, 1)
+    flat_root = str(tmp_path / "flat")
+    ckpt.save({"app": ModelState(model, optim)}, root, 1)  # no LR scheduler: no initial_lr
+    ckpt.save({"app": _Stage(model, optim)}, flat_root, 1)
+    for where, kind in ((root, ModelState), (flat_root, _Stage)):
+        fresh = _mlp(1, 2)
+        fresh_optim = _adamw(fresh)
+        torch.optim.lr_scheduler.LambdaLR(fresh_optim, lambda k: 1.0)  # adds initial_lr
+        with pytest.raises(StateMismatchError, match="this optimizer has the hyperparameter "
+                                                     "'initial_lr' and the checkpoint has not"):
+            ckpt.load({"app": kind(fresh, fresh_optim)}, where, 1)
+    # Parameters the checkpoint holds in two groups with different values, one group here.
+    fresh = _mlp(1, 2)
+    one_group = _O.AdamW(fresh.parameters(), lr=1e-2)
+    with pytest.raises(StateMismatchError, match=r"in one param group here \(param group 0 "
+                                                 r"\(first parameter 0.weight\)\): "
+                                                 r"'weight_decay' is 0.01 in groups.0.weight."
+                                                 r"hyper and 0.0 in groups.0.bias.hyper"):
+        ckpt.load({"app": ModelState(fresh, one_group)}, root, 1)
+    # load_latest raises it as it raises any state mismatch: an older step would not fit.
+    with pytest.raises(StateMismatchError, match="in one param group here"):
+        ckpt.load_latest({"app": ModelState(fresh, one_group)}, root)
+
+
+def _old_packed(state: dict) -> dict:
+    """``state`` as packed before groups had an index: ``hyper`` a 1-tuple."""
+    groups = state["optim"]["groups"]
+    for entry in groups.values():
+        entry["hyper"] = (entry["hyper"][0],)
+    return state
+
+
+class _OldPacked(ModelState):
+    def state_dict(self):
+        return _old_packed(super().state_dict())
+
+
+def test_checkpoints_packed_before_groups_had_an_index_still_load(tmp_path):
+    root = str(tmp_path / "root")
+    model = _mlp(0, 3)
+    optim = _adamw(model)
+    _train(model, optim, 3)
+    ckpt.save({"app": _OldPacked(model, optim)}, root, 3)
+    (entry,) = [v for k, v in consolidate(root, 3)[0]["app"]["optim"]["groups"]
+                .items() if k == "0.weight"]
+    assert len(entry["hyper"]) == 1
+    fresh = _mlp(1, 3)
+    fresh_optim = _adamw(fresh, lr=0.5)
+    ckpt.load({"app": ModelState(fresh, fresh_optim)}, root, 3)
+    assert_same(_full(model, optim), _full(fresh, fresh_optim))
+    _train(model, optim, 2, seed=50)
+    _train(fresh, fresh_optim, 2, seed=50)
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_packed_entry_of_no_known_form_is_refused_naming_its_key():
+    model = _mlp(0, 1)
+    optim = _adamw(model)
+    packed = ModelState(model, optim).state_dict()["optim"]
+    packed["groups"]["0.weight"]["hyper"] = ({"lr": 0.1}, 0, "third")
+    with pytest.raises(CorruptCheckpointError, match="optimizer param group "
+                                                     "groups.0.weight.hyper holds"):
+        unpack_optimizer_state(packed)

@@ -1,6 +1,8 @@
 """Consolidation of a checkpoint into full tensors in one process: ``ckpt.export.consolidate``
 and ``export`` (the code behind ``ckpt export``), including a 2-rank FSDP2 save (sharded ->
-full) checked against the full tensors gathered by the saving job itself.
+full) checked against the full tensors gathered by the saving job itself, and an exported
+optimizer state turned into torch's own form (``to_torch_optimizer_state``), which a plain
+optimizer loads and steps on bit for bit.
 """
 
 from __future__ import annotations
@@ -140,3 +142,105 @@ def test_consolidate_flat_missing_and_corrupt(tmp_path):
         assert set(f.keys()) == {"net.w", "net.b", "seq.0", "seq.1"}
     assert decode_object(json.dumps(objects["cfg.raw"]).encode()) == b"\xff"
     assert decode_object(json.dumps(objects["cfg.pair"]).encode()) == (1, 2.5)
+
+
+def _two_groups(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    # Group order unlike the model's, lrs diverging: indices follow the optimizer's groups.
+    optim = torch.optim.AdamW([{"params": model[1].parameters()},
+                               {"params": model[0].parameters(), "weight_decay": 0.0}],
+                              lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, [lambda k: 1.0, lambda k: 0.5 ** k])
+    return model, optim, sched
+
+
+class _Flattened:
+    """Model and optimizer state flattened as the trainer saves it (keys by parameter)."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        from ckpt.dcp import init_optimizer_state, pack_optimizer_state
+
+        init_optimizer_state(self.optim)
+        osd = get_optimizer_state_dict(self.model, self.optim,
+                                       options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return {"model": self.model.state_dict(), "optim": pack_optimizer_state(osd)}
+
+    def load_state_dict(self, sd):
+        raise AssertionError("saved only")
+
+
+def _step_all(pairs, seed: int) -> None:
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+    for model, optim in pairs:
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["unflattened", "flattened"])
+def test_an_exported_optimizer_state_loads_into_a_plain_torch_optimizer(flat, tmp_path):
+    from ckpt.dcp import ModelState
+    from ckpt.export import to_torch_optimizer_state
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "full.pt")
+    model, optim, sched = _two_groups(0)
+    for i in range(3):
+        _step_all([(model, optim)], i)
+        sched.step()
+    ckpt.save({"app": (_Flattened if flat else ModelState)(model, optim)}, root, 3)
+    export(root, 3, out)
+    exported = torch.load(out, weights_only=True)["app"]
+    names = {p: n for n, p in model.named_parameters()}
+    groups = [[names[p] for p in g["params"]] for g in optim.param_groups]
+    if flat:  # no group order in the flattened form: the optimizer's groups are given
+        with pytest.raises(ValueError, match="pass param_groups="):
+            to_torch_optimizer_state(exported["optim"])
+        torch_sd = to_torch_optimizer_state(exported["optim"], groups)
+    else:  # the groups' indices give their order
+        torch_sd = to_torch_optimizer_state(exported["optim"])
+    expected = optim.state_dict()
+    assert torch_sd["param_groups"] == expected["param_groups"]
+    assert_same(expected["state"], torch_sd["state"])
+    fresh, fresh_optim, _ = _two_groups(1)
+    fresh.load_state_dict(exported["model"])
+    fresh_optim.load_state_dict(torch_sd)
+    assert [g["lr"] for g in fresh_optim.param_groups] == [1e-2, 1e-2 / 8]
+    for i in range(2):  # the next steps, bit for bit
+        _step_all([(model, optim), (fresh, fresh_optim)], 10 + i)
+        for a, b in zip(model.parameters(), fresh.parameters()):
+            assert torch.equal(a, b)
+    # Groups that the checkpoint gives different values are refused, naming the key.
+    from ckpt.errors import StateMismatchError
+
+    with pytest.raises(StateMismatchError, match="'lr' is 0.01 in .* and 0.00125 in"):
+        to_torch_optimizer_state(exported["optim"], [groups[0] + groups[1]])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: the checkpoint's optimizer state "
+                                         r"has no parameter 2.weight"):
+        to_torch_optimizer_state(exported["optim"], [["2.weight"]])
+
+
+def test_a_sharded_optimizer_state_in_torchs_form(fsdp_checkpoint):
+    from ckpt.export import to_torch_optimizer_state
+
+    root, full, _ = fsdp_checkpoint
+    state, _ = consolidate(root, 11)
+    torch_sd = to_torch_optimizer_state(state["app"]["optim"])
+    model = workers._mlp()
+    model.load_state_dict(state["app"]["model"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optim.load_state_dict(torch_sd)  # the sizes and the group fit a plain optimizer
+    names = [n for n, _ in model.named_parameters()]
+    for i, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim.state_dict()["state"][i][key],
+                               full["app"]["optim"]["state"][name][key]), (name, key)
+        assert float(optim.state_dict()["state"][i]["step"]) == 1.0

@@ -211,15 +211,18 @@ def cmd_verify(args) -> int:
     if not steps:
         print(f"no committed checkpoints under {args.url}", file=sys.stderr)
         return 1
-    bad = 0
+    bad = fenced = 0
     for step in steps:
         progress = Progress(f"step {step}", args.progress or sys.stderr.isatty())
         try:
             m = store.verify(step, full=not args.size_only, progress=progress)
             print(f"step {step}: ok ({len(m.files)} files, {fmt_bytes(m.total_bytes)})")
         except FencedCheckpointError as exc:
-            bad += 1
-            print(f"step {step}: not a checkpoint: {exc}")
+            # A writer's manifest after it lost the lease: never read, so no damage to the
+            # root, only a leftover (unless it is the step asked for).
+            fenced += 1
+            bad += args.step is not None
+            print(f"step {step}: fenced leftover, not a checkpoint: {exc}")
         except CheckpointNotFoundError:
             bad += 1
             print(f"step {step}: no checkpoint at step {step} "
@@ -228,6 +231,10 @@ def cmd_verify(args) -> int:
         except CorruptCheckpointError as exc:
             bad += 1
             print(f"step {step}: CORRUPT: {exc}")
+    if fenced == len(steps) and args.step is None:
+        print(f"no committed checkpoints under {args.url} (only fenced leftovers)",
+              file=sys.stderr)
+        return 1
     return 1 if bad else 0
 
 

@@ -192,10 +192,14 @@ class SaveGate:
         return due, (SaveChecks(*raised) if due and raised is not None else None)
 
 
-def report_lease_lost(events: EventBus, step: int, url: str) -> None:
-    """The save of ``step`` is skipped: the write lease on ``url`` went to another job."""
+def report_lease_lost(events: EventBus, step: int, url: str, *, log_it: bool) -> None:
+    """The save of ``step`` is skipped: the write lease on ``url`` went to another job.
+    ``log_it``: also say so in the log (the first skip; later ones are events only)."""
     events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
-    log.error("not saving step %d: the write lease on %s was lost to another job", step, url)
+    if log_it:
+        log.error("not saving step %d nor any later step: the write lease on %s was lost to "
+                  "another job, whose checkpoints count there now (this job's would not)",
+                  step, url)
 
 
 def report_busy_skip(events: EventBus, step: int, in_flight_step: int | None,

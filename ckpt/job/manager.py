@@ -348,9 +348,12 @@ class CheckpointManager:
         if failed:
             self._slot.raise_agreed_failure()
         if lost:
-            self.lease_lost = True
+            # Said once (by the coordinator), at the first save skipped: each later one is
+            # an event only.
+            said, self.lease_lost = self.lease_lost, True
             use_slot(self.cadence, step)  # one skip per due save, not one per step after it
-            report_lease_lost(self.events, step, self.storage.url)
+            report_lease_lost(self.events, step, self.storage.url,
+                              log_it=not said and self.rank == 0)
             if force:
                 raise LeaseLostError(f"step {step} not saved: another job took over the "
                                      f"write lease on {self.storage.url}, so this job's "

@@ -8,6 +8,23 @@ the record there is released, stale or its holder is known dead, by a compare-an
 (a counter kept in the record, which is never deleted: release marks it released), so the
 writers of a root form a sequence that fencing (:mod:`ckpt.root.fence`) relies on.
 
+The swap is atomic against the record it compares on every backend, also for a holder that
+stalls (a GC or VM pause, SIGSTOP) inside it: on S3 the ``If-Match`` is checked when the
+``PUT`` arrives; on local disk the new record lands by a rename out of the swapper's lock,
+which fails once that lock was broken as stale
+(:meth:`ckpt.storage.local.LocalBackend.replace_if_unchanged`). So for a holder A and a job
+B that finds A's record stale and takes it over, whatever the interleaving:
+
+* A's renewal lands before B's compare: B's swap fails, B reads again (A's renewal carries
+  the heartbeat time A took before it stalled, so B may find it stale again and take it
+  over; or fresh and leave it): either A keeps the lease, or A's next swap fails;
+* B's swap lands first: A's swap, however late, fails; A marks the lease lost.
+
+A swap that failed means lost, once and for good (``lost``; ``on_lost`` is called once). A
+holder also reads back what it renewed: the heartbeat right after its swap, and the commit
+before its manifest (``check``, which reads the record the previous renewal wrote), so a
+record that is not its own any more is noticed at the next of them whatever wrote it.
+
 Taking over before the TTL ran out needs proof that the holder is dead (``_known_dead``):
 the same process id gone on this very host and boot, or an earlier attempt of this same
 job, which requires an explicitly set run id (torchrun's ``--rdzv-id`` or a ``--standalone``
@@ -231,14 +248,17 @@ class Lease:
         return ""
 
     def heartbeat(self) -> bool:
-        """Renew the lease now. Returns False (and marks it lost) if someone else took it.
+        """Renew the lease now, then read the record back. Returns False (and marks it
+        lost) if someone else took it.
 
         Thread-safe. A storage error is not a loss (returns True): the lease only changes
-        hands after ``ttl_seconds`` without a heartbeat.
+        hands after ``ttl_seconds`` without a heartbeat. The read-back costs one read per
+        heartbeat, off the training thread; a commit's renewal is read back by the next
+        commit's ``check`` instead.
         """
         with self._lock:
             try:
-                return self._renew_locked()
+                return self._renew_locked() and self._still_ours_locked()
             except Exception as exc:  # noqa: BLE001 - a storage hiccup is not a lost lease
                 log.warning("lease heartbeat on %s failed: %s", self.storage.url, exc)
                 return True
@@ -266,14 +286,19 @@ class Lease:
         with self._lock:
             if self._current is None or self.lost:
                 return False
-            try:
-                stored = self.storage.read_bytes(LEASE_NAME)
-            except FileNotFoundError:
-                stored = None
-            if stored == self._current:
-                return True
-            self._mark_lost("taken over by another job")
-            return False
+            return self._still_ours_locked()
+
+    def _still_ours_locked(self) -> bool:
+        """Whether the record is still the one this holder wrote last (one read); marks
+        the lease lost when it is not."""
+        try:
+            stored = self.storage.read_bytes(LEASE_NAME)
+        except FileNotFoundError:
+            stored = None
+        if stored == self._current:
+            return True
+        self._mark_lost("taken over by another job")
+        return False
 
     def _renew_locked(self) -> bool:
         if self._current is None or self.lost:

@@ -324,8 +324,10 @@ class Storage:
         heartbeat and take-over. As for :meth:`create_exclusive`, finding exactly ``data``
         there (our own write whose answer was lost) counts as success. S3 reads the object
         with its ETag and writes with ``If-Match`` on that ETag. Local files swap under a
-        short-lived lock folder (``mkdir`` is atomic, also on NFS) with ``os.replace``, so the
-        file never disappears and an exclusive create cannot slip in between.
+        short-lived lock folder by a rename out of it, which fails once the lock was broken
+        as stale, so a swapper stalled inside the swap never lands over a newer record; the
+        file never disappears, so an exclusive create cannot slip in between
+        (:meth:`ckpt.storage.local.LocalBackend.replace_if_unchanged`).
         """
         return self._wrap("replace", rel,
                           lambda: self.backend.replace_if_unchanged(rel, data, expected))

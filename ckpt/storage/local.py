@@ -40,6 +40,12 @@ class LocalBackend(FsspecBackend):
     :meth:`ckpt.storage.Storage.child`) below which no folder may be a link; the anchor
     itself may be one (a root placed on another disk by its owner)."""
 
+    swap_lock_timeout_seconds = 10.0
+    """How long :meth:`replace_if_unchanged` waits for the same swapper's lock before it
+    breaks it. Breaking the lock of a swapper that is still alive is safe (its swap then
+    fails and it starts over), so this only bounds how long a dead swapper stalls the others;
+    it is far above a swap's time (a write, two renames, a sync)."""
+
     def __init__(self, url: str, fs: Any, root: str, retry: Any, anchor: str | None = None):
         super().__init__(url, fs, root, retry)
         self.anchor = (anchor or self.root).rstrip(os.sep) or os.sep
@@ -214,48 +220,115 @@ class LocalBackend(FsspecBackend):
         fsync_dir(os.path.dirname(p))
         return True
 
-    def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes,
-                             lock_timeout: float = 10.0) -> bool:
-        """Swap under a short-lived lock folder (``mkdir`` is atomic, also on NFS) with
-        ``os.replace``, so the file never disappears and an exclusive create cannot slip in
-        between. A lock held longer than ``lock_timeout`` belongs to a dead swapper."""
+    def replace_if_unchanged(self, rel: str, data: bytes, expected: bytes) -> bool:
+        """A compare-and-swap whose write lands only while the swapper still holds its lock,
+        so a lock broken as stale cannot let a late swapper overwrite a newer record.
+
+        The lock is the folder ``<rel>.swap-lock``, and it is never empty while held: it
+        holds the swapper's new record under a name of its own (a random token). A swap:
+
+        1. stage: a fresh folder ``<rel>.swap-<token>`` with the new record ``<token>`` in
+           it, synced;
+        2. lock: rename the staged folder to ``<rel>.swap-lock``. A rename onto a folder that
+           is not empty fails, so only one swapper holds the lock (an empty one, left by a
+           swapper that finished, is replaced);
+        3. compare: read ``rel``; if it is not ``expected``, unlock and return False;
+        4. swap: rename ``<rel>.swap-lock/<token>`` over ``rel`` (the file never disappears,
+           so an exclusive create cannot slip in); then unlock (remove the empty folder).
+
+        A lock whose token has not changed for :attr:`swap_lock_timeout_seconds` is broken
+        by deleting the record inside it, then the folder. Once its record is deleted, the
+        owner's rename in step 4 finds no file and fails: whether owner or breaker came
+        first is decided by the file system within one rename or one unlink of that name,
+        never by the owner's age. The interleavings, for a holder A swapping over record X
+        and a job B taking over (B breaks A's lock, then swaps X for its own record Y):
+
+        * A renames before B deletes its record: A's swap landed first (its record is X'),
+          B compares X' with X and fails; B reads again and takes X' over when it is stale,
+          and A's next swap (over X') fails: A learns it lost.
+        * B deletes A's record first: A's rename fails (its record is gone), A starts over
+          from step 1 and compares again: it finds Y (B's swap landed) and returns False,
+          or still X (B has not swapped yet) and swaps, and then B's compare fails as above.
+        * A pauses anywhere (before, inside or after the compare) for any time: the two
+          cases above, since only step 4 changes ``rel``.
+        * A breaker itself delayed after deciding to break deletes only the token it saw:
+          a swapper that finished meanwhile has moved it away already, and a new lock holds
+          another token (the breaker's folder removal then fails on a folder not empty).
+
+        So a late swapper never replaces a record it did not compare. A rename that landed
+        but was reported refused (an NFS reply lost) starts over too, finds its own ``data``
+        and returns True.
+        """
         self._check_inside_root(rel)
         p = self.path(rel)
-        lock = f"{p}.swap-lock"
-        deadline = time.monotonic() + lock_timeout
         while True:
-            try:
-                os.mkdir(lock)
-                break
-            except FileExistsError:
-                if time.monotonic() > deadline:
-                    log.warning("breaking stale lock %s", lock)
-                    try:
-                        os.rmdir(lock)
-                    except FileNotFoundError:
-                        pass
-                    deadline = time.monotonic() + lock_timeout
-                time.sleep(0.005)
+            swapped = self._swap_once(p, data, expected)
+            if swapped is not None:
+                return swapped
+
+    def _swap_once(self, p: str, data: bytes, expected: bytes) -> bool | None:
+        """Steps 1-4 of :meth:`replace_if_unchanged` once; None when the lock was broken
+        before the swap landed (start over)."""
+        lock = f"{p}.swap-lock"
+        token = uuid.uuid4().hex
+        stage = f"{p}.swap-{token}"
+        os.mkdir(stage)
         try:
+            write_new_file(os.path.join(stage, token), data)
+            self._take_lock(stage, lock)
+        except BaseException:
+            _remove_folder(stage, [token])
+            raise
+        mine = os.path.join(lock, token)
+        try:
+            current = _read_record(p)
+            if current != expected:
+                return current == data
             try:
-                # Never through a link: a planted one reads as "someone else changed it".
-                fd = os.open(p, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    if f.read() != expected:
-                        return False
-            except FileNotFoundError:
-                return False
+                os.replace(mine, p)
             except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    return False
+                if exc.errno in (errno.ENOENT, errno.ESTALE):
+                    return None  # broken: our record is gone, nothing was written
                 raise
-            replace_file(p, lambda f: f.write(data))
+            fsync_dir(os.path.dirname(p))
             return True
         finally:
+            _remove_folder(lock, [token])
+
+    def _take_lock(self, stage: str, lock: str) -> None:
+        """Rename ``stage`` (not empty) to ``lock``; wait while another swapper holds it,
+        and break a lock whose holder has not changed for the timeout."""
+        seen: list[str] | None = None
+        deadline = 0.0
+        while True:
             try:
-                os.rmdir(lock)
-            except FileNotFoundError:
-                pass
+                os.rename(stage, lock)
+                return
+            except OSError as exc:
+                if exc.errno == errno.ENOTDIR:
+                    raise CorruptCheckpointError(
+                        f"{lock} is in the way of the lease's compare-and-swap (it is not a "
+                        f"folder); delete it", path=lock) from None
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            holder = _entries(lock)
+            if holder is None:
+                continue  # released meanwhile
+            now = time.monotonic()
+            if holder != seen:
+                seen, deadline = holder, now + self.swap_lock_timeout_seconds
+            elif now > deadline:
+                log.warning("breaking the lock %s of a swap unfinished after %.0f s (its "
+                            "swapper, if alive, will find its swap refused and start over)",
+                            lock, self.swap_lock_timeout_seconds)
+                _remove_folder(lock, holder)
+                if _entries(lock) == holder:
+                    raise CorruptCheckpointError(
+                        f"{lock} cannot be broken (it holds {holder}, which is not a swap's "
+                        f"record); delete it", path=lock)
+                seen = None
+                continue
+            time.sleep(0.005)
 
 
 def replace_file(path: str, write: Callable[[Any], None], *, durable: bool = True) -> None:
@@ -295,6 +368,45 @@ def write_new_file(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_record(path: str) -> bytes | None:
+    """The bytes of ``path``, or None when it is absent or a link (never read through)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _entries(folder: str) -> list[str] | None:
+    """The names in ``folder``, sorted; None when it is gone."""
+    try:
+        return sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _remove_folder(folder: str, names: Sequence[str]) -> None:
+    """Delete ``names`` in ``folder``, then the folder if that left it empty; whatever is
+    gone already, or was put there by someone else meanwhile, is left as it is."""
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a folder planted in a lock: reported by the caller
+            log.debug("could not remove %s/%s: %s", folder, name, exc)
+    try:
+        os.rmdir(folder)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+            raise
 
 
 def _tmp_name(p: str) -> str:

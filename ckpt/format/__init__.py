@@ -12,7 +12,7 @@ non-tensor values, ``checksums`` CRC32C.
 """
 
 from ckpt.format import codec, jsonio
-from ckpt.format._check import DIGEST_KEY, manifest_bytes, sealed_bytes
+from ckpt.format._check import DIGEST_KEY, MAX_MANIFEST_BYTES, manifest_bytes, sealed_bytes
 from ckpt.format._schema import (
     DTYPE_NAMES,
     FORMAT_DTYPE_NAMES,
@@ -51,7 +51,8 @@ __all__ = [
     "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord",
     "Part", "part_name", "part_sha256", "merge_chunks", "complete_manifest",
     "FORMAT_NAME", "FORMAT_VERSION", "PART_FORMAT_NAME", "MANIFEST_NAME", "DIGEST_KEY",
-    "PART_DIGEST_KEY", "MAX_PART_BYTES", "MAX_GRID_CELLS", "coverage_problem",
+    "PART_DIGEST_KEY", "MAX_PART_BYTES", "MAX_MANIFEST_BYTES", "MAX_GRID_CELLS",
+    "coverage_problem",
     "MAX_ATTACHMENT_BYTES", "DTYPE_NAMES", "FORMAT_DTYPE_NAMES",
     "manifest_bytes", "sealed_bytes", "step_dirname", "parse_step_dirname",
     "check_attachment_name",

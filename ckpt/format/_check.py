@@ -48,6 +48,7 @@ from ckpt.format.lineage import parse_lineage
 __all__ = [
     "DIGEST_KEY",
     "MAX_PATH_COMPONENTS",
+    "MAX_MANIFEST_BYTES",
     "manifest_bytes",
     "sealed_bytes",
     "check_digest",
@@ -56,6 +57,9 @@ __all__ = [
 
 DIGEST_KEY = "manifest_sha256"
 MAX_PATH_COMPONENTS = 64
+MAX_MANIFEST_BYTES = 64 << 20
+"""The most a manifest (or a rolled-back one) may hold: a reader refuses a larger file
+before it reads it (``Storage.read_bytes(..., max_bytes=)``)."""
 _FILE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -115,7 +119,7 @@ def read_manifest_fields(data: bytes, source: str) -> dict[str, Any]:
     """
     sealed = check_digest(data, source)
     try:
-        doc = jsonio.loads(data, source)
+        doc = jsonio.loads(data, source, max_bytes=MAX_MANIFEST_BYTES)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"manifest is damaged: {exc}", path=source) from None
     if not sealed and isinstance(doc, dict) and DIGEST_KEY in doc:

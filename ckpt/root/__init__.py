@@ -8,6 +8,7 @@ cleanup, uncommit, restore, delete) and every file name in it, made by the lease
 trajectory (:class:`Trajectory`). ``store`` (:class:`CheckpointStore`): the read side: list, read, verify, and
 (:func:`walk_newest`) the one walk to the newest checkpoint that verifies, which every
 resume uses. ``parts``: reading a version's parts (a loading rank's few, or all of them).
+``verify`` (:func:`verify_checkpoint`): the one definition of a good checkpoint.
 """
 
 from ckpt.root.fence import Fence
@@ -37,6 +38,7 @@ from ckpt.root.parts import (
     read_parts,
 )
 from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, Walked, walk_newest
+from ckpt.root.verify import verify_attachments, verify_checkpoint
 
 __all__ = [
     "Lease", "LEASE_NAME", "read_lease", "Fence",
@@ -46,5 +48,6 @@ __all__ = [
     "attachment_file", "data_file_id", "marker_name", "parse_marker",
     "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
     "read_part", "read_parts", "parts_for_rank", "complete_parts",
+    "verify_checkpoint", "verify_attachments",
     "LINEAGE_NAME", "Trajectory", "read_runs", "record_run", "record_restore",
 ]

@@ -71,6 +71,7 @@ from ckpt.errors import (
 )
 from ckpt.format import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     Lineage,
     Manifest,
     jsonio,
@@ -80,7 +81,7 @@ from ckpt.format import (
 from ckpt.root.fence import Fence
 from ckpt.root.lease import Lease
 from ckpt.root.lineage import record_restore
-from ckpt.root.verify import verify_files
+from ckpt.root.verify import verify_checkpoint
 from ckpt.storage import Storage
 
 __all__ = [
@@ -105,6 +106,10 @@ _ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
 _TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")
 _LEGACY_MARKER = "pending.json"
 _LEGACY_ROLLED = "rolled-back-manifest.json"
+
+
+MAX_MARKER_BYTES = 1 << 20
+"""The most an attempt marker may hold (it holds a few fields)."""
 
 
 def marker_name(save_id: str) -> str:
@@ -167,7 +172,7 @@ def parse_marker(data: bytes, source: str) -> dict[str, Any]:
     Raises ``CorruptCheckpointError`` (a ``ValueError``) naming ``source`` when it is not
     a JSON object or ``owner``/``save_id`` have the wrong type.
     """
-    doc = jsonio.loads(data, source, max_bytes=1 << 20)
+    doc = jsonio.loads(data, source, max_bytes=MAX_MARKER_BYTES)
     if not isinstance(doc, dict) or not isinstance(doc.get("owner"), (str, type(None))) \
             or not isinstance(doc.get("save_id", ""), str):
         raise CorruptCheckpointError(
@@ -223,7 +228,7 @@ class Lifecycle:
         d = step_dirname(step)
         rel = f"{d}/{MANIFEST_NAME}"
         try:
-            data = self.storage.read_bytes(rel)
+            data = self.storage.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise CheckpointNotFoundError(
                 f"no committed checkpoint at {self.storage.describe(d)} ({MANIFEST_NAME} is "
@@ -297,7 +302,8 @@ class Lifecycle:
         return _Folder(step, {n: s for n, k, s in self.storage.listdir(d) if k == "file"})
 
     def _read_doc(self, rel: str) -> Manifest:
-        return Manifest.from_json_bytes(self.storage.read_bytes(rel), self.storage.describe(rel))
+        data = self.storage.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES)
+        return Manifest.from_json_bytes(data, self.storage.describe(rel))
 
     def entries(self, step: int, folder: _Folder | None = None) -> list[Entry]:
         """Every version of ``step``: committed (or fenced/corrupt), rolled back, incomplete."""
@@ -356,7 +362,8 @@ class Lifecycle:
                 continue
             marker = None
             try:
-                marker = parse_marker(self.storage.read_bytes(f"{d}/{name}"),
+                marker = parse_marker(self.storage.read_bytes(f"{d}/{name}",
+                                                              max_bytes=MAX_MARKER_BYTES),
                                       self.storage.describe(f"{d}/{name}"))
             except (CorruptCheckpointError, FileNotFoundError):
                 pass
@@ -652,7 +659,7 @@ class Lifecycle:
 
     def _move(self, step: int, src: str, dst: str) -> None:
         """Copy then delete (no rename on S3): a crash in between leaves both, never none."""
-        data = self.storage.read_bytes(self._rel(step, src))
+        data = self.storage.read_bytes(self._rel(step, src), max_bytes=MAX_MANIFEST_BYTES)
         self.storage.write_bytes(self._rel(step, dst), data)
         self.storage.delete(self._rel(step, src))
 
@@ -706,7 +713,7 @@ class Lifecycle:
             raise CheckpointNotFoundError(
                 f"checkpoint id {save_id} (step {entry.step}) is {entry.status}, not "
                 f"rolled-back: only a rolled-back checkpoint can be restored")
-        verify_files(self.storage, entry.manifest, full=True)
+        verify_checkpoint(self.storage, entry.manifest, full=True)  # as `ckpt verify`
         if self.has_manifest(entry.step):
             try:
                 self._make_room(entry.step, replace=replace)

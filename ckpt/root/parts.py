@@ -1,7 +1,8 @@
 """Reading a checkpoint's parts (format version 2) from storage.
 
 A root manifest lists each part with its size (in ``files``) and SHA-256 (in ``parts``);
-a part is read whole, at most ``MAX_PART_BYTES``, checked against both before it is parsed
+a part is read whole, at most ``MAX_PART_BYTES`` and never more than its recorded size (a
+larger file is refused before it is read), checked against both before it is parsed
 (:meth:`ckpt.format.Part.from_json_bytes`) and refused, naming the file, when it is missing,
 truncated, replaced or damaged. :func:`parts_for_rank` reads what one loading rank needs
 (its own part and those its refs name), :func:`complete_parts` every part (resharding, export,
@@ -34,8 +35,8 @@ def read_part(storage: Storage, manifest: Manifest, name: str) -> Part:
             f"{where}: the manifest says this part is {record.size} bytes, more than the "
             f"{MAX_PART_BYTES} a reader reads; the checkpoint is damaged, load an earlier "
             f"step", path=where)
-    try:
-        data = storage.read_bytes(rel)
+    try:  # never more than the root says: a larger file is refused unread
+        data = storage.read_bytes(rel, max_bytes=record.size)
     except FileNotFoundError:
         raise missing_file_error(where) from None
     if len(data) != record.size:

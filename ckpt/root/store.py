@@ -44,7 +44,7 @@ from ckpt.root.lifecycle import (
 )
 from ckpt.root.lineage import Trajectory, read_runs
 from ckpt.root.parts import complete_parts
-from ckpt.root.verify import verify_files
+from ckpt.root.verify import verify_attachments, verify_checkpoint
 from ckpt.storage import Storage
 
 __all__ = ["CheckpointInfo", "CheckpointStore", "Candidate", "Walked", "walk_newest"]
@@ -162,12 +162,16 @@ class CheckpointStore:
     # -- verification ----------------------------------------------------------------------
     def verify_manifest(self, manifest: Manifest, *, full: bool = True,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        """Check every file's size (parts included: the root lists them); when ``full``,
-        read and check every part (:meth:`complete`), then every file's crc32c. Raise on
-        the first problem."""
-        if full:
-            self.complete(manifest)
-        verify_files(self.storage, manifest, full=full, progress=progress)
+        """Check the version ``manifest`` describes as :func:`ckpt.root.verify_checkpoint`
+        does (the one definition of a good checkpoint): every file's size (parts included:
+        the root lists them) before anything is read; when ``full``, every part, then every
+        file's CRC32C and every item's. Raise on the first problem."""
+        verify_checkpoint(self.storage, manifest, full=full, progress=progress)
+
+    def verify_attachments(self, manifest: Manifest) -> None:
+        """Check the CRC32C of each attachment of ``manifest`` (the files no load reads),
+        as a resume does before it takes a version."""
+        verify_attachments(self.storage, manifest)
 
     def verify(self, step: int, *, full: bool = True,
                progress: Callable[[int, int], None] | None = None) -> Manifest:
@@ -275,9 +279,11 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
     Order: newest step first; candidates of one step in the order given (a faster tier
     first). A candidate is usable when its manifest reads as committed and its files pass
     ``check`` (``"none"``, ``"size"``: every file there at full size, ``"full"``: and every
-    checksum); then ``load(candidate, manifest)`` runs (when given) and the candidate counts
-    only if it succeeded. Damage passes the candidate over (reading: a corrupt, missing or
-    fenced manifest or file; loading: a checksum or size mismatch on any rank; for a
+    part and checksum: :func:`ckpt.root.verify_checkpoint`); then, when ``load`` is given
+    (``check`` not ``"none"``), its attachments' checksums (no load reads them), and
+    ``load(candidate, manifest)`` runs; the candidate counts only if it succeeded. Damage
+    passes the candidate over (reading: a corrupt, missing or fenced manifest or file, a
+    damaged attachment; loading: a checksum or size mismatch on any rank; for a
     ``tolerant`` candidate any error); anything else is raised. A candidate passed over is
     reported once: a warning ("checkpoint step 20 is not usable (<why>); falling back to an
     earlier one", or "... failed verification while loading (<why>) ..."),
@@ -302,6 +308,10 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
                                  candidate.describe())
             if check != "none":
                 candidate.store.verify_manifest(manifest, full=(check == "full"))
+                if load is not None and check != "full":
+                    # A resume takes a version only when all of it verifies: the load
+                    # checks what it reads, this the files no load reads (small).
+                    candidate.store.verify_attachments(manifest)
         except Exception as exc:  # noqa: BLE001 - _falls_back decides, the rest is raised
             if not _falls_back(exc, candidate, _NOT_USABLE):
                 raise

@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "FormatVersionError",
     "StateMismatchError",
+    "PartialCheckpointError",
     "LeaseHeldError",
     "LeaseLostError",
     "StorageUnavailableError",
@@ -123,6 +124,14 @@ class StateMismatchError(CheckpointError, ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+
+class PartialCheckpointError(CheckpointError, ValueError):
+    """A version that holds one node's share of a job-wide checkpoint (its manifest's
+    ``span``: a node-local checkpoint of a job whose tensors are sharded across nodes) was
+    asked for what only a whole checkpoint can give: a load on another layout, a load that
+    needs chunks other nodes hold, an export. Not damage: an older version of that root
+    would not fare better; the durable root holds whole checkpoints."""
 
 
 class LeaseHeldError(CheckpointError, RuntimeError):

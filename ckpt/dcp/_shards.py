@@ -4,8 +4,8 @@ Saving: a chunk of a sharded tensor that is not the whole tensor goes in its wri
 (:func:`in_part`); a rank's local plan carries the indices of its shards
 (:class:`LocalShards`), so the coordinator tells each rank which of them DCP's dedup gave
 another rank to write (:func:`refs_by_rank`): the rank's part refers to those. Loading:
-:func:`covers` says whether the chunks a rank found (the root's, its own part's and its
-refs' parts') cover every local shard of the state it loads into.
+:func:`first_uncovered` says whether the chunks a rank found (the root's, its own part's
+and its refs' parts') cover every local shard of the state it loads into, and if not, where.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from ckpt.format import Manifest, coverage_problem
 
-__all__ = ["LocalShards", "in_part", "refs_by_rank", "covers", "local_chunks"]
+__all__ = ["LocalShards", "in_part", "refs_by_rank", "first_uncovered", "local_chunks"]
 
 
 @dataclasses.dataclass
@@ -70,12 +70,13 @@ def refs_by_rank(plans: list[SavePlan]) -> list[dict[tuple[str, tuple[int, ...]]
     return refs
 
 
-def covers(state: dict[str, Any], manifest: Manifest,
-            chunks: dict[str, list[dict[str, Any]]]) -> bool:
-    """Do ``chunks`` cover every local shard of ``state``'s sharded tensors? Linear in the
-    chunks: a local shard that equals a chunk (an unchanged layout) is found by its
-    offsets; any other is tiled exactly by its intersections with the key's chunks (only
-    the few read from this rank's parts), or not covered."""
+def first_uncovered(state: dict[str, Any], manifest: Manifest,
+                    chunks: dict[str, list[dict[str, Any]]]) -> str | None:
+    """The first key of ``state`` whose local shard ``chunks`` do not cover (None: they
+    cover every local shard of ``state``'s sharded tensors). Linear in the chunks: a local
+    shard that equals a chunk (an unchanged layout) is found by its offsets; any other is
+    tiled exactly by its intersections with the key's chunks (only the few read from this
+    rank's parts), or not covered."""
     flat, _ = flatten_state_dict(_flatten_sharded_tensors(state))
     for fqn, value in flat.items():
         t = manifest.tensors.get(fqn)
@@ -91,7 +92,7 @@ def covers(state: dict[str, Any], manifest: Manifest,
             if sizes == t["shape"]:  # the whole tensor: the chunks themselves must tile it
                 boxes = [(c["offsets"], c["sizes"]) for c in found]
                 if coverage_problem(sizes, boxes) is not None:
-                    return False
+                    return fqn
                 continue
             if by_offsets is None:
                 by_offsets = {tuple(c["offsets"]): c for c in found}
@@ -107,8 +108,8 @@ def covers(state: dict[str, Any], manifest: Manifest,
                     boxes.append(([low - o for low, o in zip(lo, offs)],
                                   [h - low for low, h in zip(lo, hi)]))
             if coverage_problem(sizes, boxes) is not None:
-                return False
-    return True
+                return fqn
+    return None
 
 
 def local_chunks(value: torch.Tensor) -> list:

@@ -35,8 +35,14 @@ from ckpt.dcp.reader import CkptReader
 from ckpt.dcp.savecost import SaveCost
 from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.writer import CkptWriter
-from ckpt.errors import CheckpointError, CorruptCheckpointError, RankFailuresError
-from ckpt.format import Manifest, step_dirname
+from ckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    PartialCheckpointError,
+    RankFailuresError,
+)
+from ckpt.format import Manifest, Span, step_dirname
+from ckpt.format.span import ranks_text
 from ckpt.ranks import Agreement, cpu_group
 from ckpt.root import (
     Candidate,
@@ -63,6 +69,13 @@ def _is_dist() -> bool:
 
 def _rank(group) -> int:
     return dist.get_rank(group) if _is_dist() else 0
+
+
+def _job_ranks(group) -> tuple[list[int], int]:
+    """The job ranks of ``group`` (from ``cpu_group``), in its order, and the job's size."""
+    if not _is_dist():
+        return [0], 1
+    return dist.get_process_group_ranks(group), dist.get_world_size()
 
 
 def _in_rank_order(state: dict[str, Any]) -> list[str]:
@@ -151,7 +164,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          before_write: Callable[[], None] | None = None,
          save_id: str | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
-         cost: SaveCost | None = None, plan_cache: PlanCache | None = None) -> Manifest | None:
+         cost: SaveCost | None = None, plan_cache: PlanCache | None = None,
+         span: Span | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
     (None: the world; which group its collectives run on: the module docstring).
 
@@ -172,8 +186,18 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     ``plan_cache``: a :class:`ckpt.dcp.plancache.PlanCache` kept by the caller across its
     saves (every rank its own, each save of the group with one): while the state's layout
     does not change, the save is not planned again (None: every save plans in full).
+    ``span``: the save holds one node's share of a job-wide checkpoint (the local tier of a
+    job of several nodes, :mod:`ckpt.format.span`): ``process_group`` must be its ranks; a
+    tensor sharded across nodes is then saved in part, and the version loads only on this
+    layout.
     """
     group = cpu_group(process_group)  # first: it may make the group, with every rank
+    if span is not None:
+        ranks, job_size = _job_ranks(group)
+        if not span.matches(ranks, job_size):
+            raise ValueError(f"span {span.to_json()} does not name this save's ranks "
+                             f"({ranks_text(ranks)} of {job_size}): give the group's job "
+                             f"ranks in its order")
     attached = check_attachments(attachments)
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
     sd = state if resolved else resolve_state(state)
@@ -183,7 +207,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     if own_lease:
         lifecycle = _acquire_for_save(storage, group)
     extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
-             "user_metadata": dict(user_metadata or {})}
+             "user_metadata": dict(user_metadata or {}), "span": span}
     writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
                         lifecycle=lifecycle, manifest_extra=extra, durable=durable,
                         before_commit=before_commit, before_write=before_write,
@@ -191,7 +215,8 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
                         cost=cost)
 
     def run(replan: bool) -> None:
-        planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan)
+        planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan,
+                                  partial=span is not None)
         dcp.save(sd, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=not distributed)
 
@@ -245,6 +270,11 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     of the bytes this rank reads, freed before returning. ``scratch``: staging buffers to
     read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
     for saves anyway); no save may be using them during the load.
+
+    A version that holds one node's share of a job-wide checkpoint (its ``span``) loads
+    only on the layout that wrote it (``process_group`` its ranks, the job its size), and
+    only where it holds every chunk each rank loads: ``PartialCheckpointError`` otherwise,
+    on every rank, nothing loaded.
     """
     group = cpu_group(process_group)  # first: it may make the group, with every rank
     storage = root if isinstance(root, Storage) else Storage(root, storage_options)
@@ -259,11 +289,19 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
                         world_size=dist.get_world_size(group) if distributed else 1)
     planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
     error: BaseException | None = None
+    span, (ranks, world) = manifest.span, _job_ranks(group)
+    if span is not None and not span.matches(ranks, world):
+        # Every rank reads the same manifest: each refuses alike, agreed below all the same.
+        error = PartialCheckpointError(
+            f"{where} holds {span.describe()} and loads only on that layout; this load runs "
+            f"on ranks {ranks_text(ranks)} of {world}: load it on the layout that wrote it, "
+            f"or resume from the durable root")
     try:
-        with warnings.catch_warnings(), _gc_paused():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is")
-            dcp.load(sd, storage_reader=reader, planner=planner,
-                     process_group=group, no_dist=not distributed)
+        if error is None:
+            with warnings.catch_warnings(), _gc_paused():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is")
+                dcp.load(sd, storage_reader=reader, planner=planner,
+                         process_group=group, no_dist=not distributed)
     except CheckpointException as exc:
         error = unwrap_dcp_error(exc)
         if error is not exc:

@@ -93,17 +93,20 @@ class SafeSavePlanner(DefaultSavePlanner):
     never read here. ``known_crcs`` keeps the results by key (plain tensors, and objects'
     encodings): they are the CRCs of the very bytes the writer writes, which it reuses
     instead of checksumming them again. ``cost``: a :class:`ckpt.dcp.savecost.SaveCost`
-    that the planning and checksum time is added to.
+    that the planning and checksum time is added to. ``partial``: the save holds one node's
+    share of a job-wide checkpoint (its manifest's ``span``): a tensor's chunks in the
+    global plan must not overlap, but need not cover it (other nodes hold the rest).
     """
 
     known_crcs: dict[str, int]
 
     def __init__(self, *args, cost=None, cache: PlanCache | None = None, replan: bool = False,
-                 **kwargs):
+                 partial: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
         self.cache = cache
         self.replan = replan
+        self.partial = partial
         self.known_crcs = {}
         self._encoded: dict[str, bytes] = {}
         self._signature: tuple | None = None
@@ -267,7 +270,8 @@ class SafeSavePlanner(DefaultSavePlanner):
         problems = [p for fqn, md in metadata.state_dict_metadata.items()
                     if isinstance(md, TensorStorageMetadata)
                     for p in chunk_problems(fqn, md.size, md.chunks,
-                                            need_cover=len(all_plans) > 1)]
+                                            need_cover=len(all_plans) > 1
+                                            and not self.partial)]
         if problems:
             raise ValueError(f"Failed to validate global plan: {'; '.join(problems[:10])}"
                              + (f" and {len(problems) - 10} more" if len(problems) > 10

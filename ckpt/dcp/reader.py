@@ -9,6 +9,13 @@ loads into, a rank first reads only its own part and the parts its refs name; wh
 chunks found there cover every local shard of its state (an unchanged layout), that is
 all. Otherwise (another layout or world size: resharding; export) it reads every part.
 
+A version that holds one node's share (its manifest's ``span``) may lack chunks of its
+sharded tensors. DCP's planner plans reads only from the chunks the metadata lists that
+overlap a rank's shard: chunks a rank does not need may be absent at no cost, but a shard
+whose chunks are absent would be left as it was, silently. So for such a version the chunks
+found MUST cover every local shard of the state, checked here before anything is planned
+(``PartialCheckpointError`` naming the key otherwise, on every rank through DCP's plan).
+
 Call order (DCP's contract, then ours): every rank ``set_up_storage_reader`` ->
 ``prepare_local_plan``; the coordinator ``prepare_global_plan``; every rank ``read_data``
 (stages and verifies only); then, once every rank's ``read_data`` succeeded, every rank
@@ -27,10 +34,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckpt.dcp._shards import covers
+from ckpt.dcp._shards import first_uncovered
 from ckpt.dcp.layout import tensor_from_bytes
 from ckpt.errors import (
     CorruptCheckpointError,
+    PartialCheckpointError,
     crc_mismatch_error,
     missing_file_error,
     size_mismatch_error,
@@ -131,12 +139,21 @@ class CkptReader(StorageReader):
         if self.state is not None and m.world_size == self.world_size:
             parts = parts_for_rank(self.storage, m, self.rank, num_threads=self.num_threads)
             chunks = merge_chunks(m, parts.items(), where)
-            if covers(self.state, m, chunks):
+            if first_uncovered(self.state, m, chunks) is None:
                 self.parts_read = sorted(parts)
                 return m.to_dcp_metadata(chunks)
         self.parts_read = sorted(m.parts)
-        return complete_parts(self.storage, m, num_threads=self.num_threads,
-                              known=parts).to_dcp_metadata()
+        whole = complete_parts(self.storage, m, num_threads=self.num_threads, known=parts)
+        if m.span is not None:  # one node's share: it must hold what this rank loads
+            key = None if self.state is None else first_uncovered(
+                self.state, m, {fqn: t["chunks"] for fqn, t in whole.tensors.items()})
+            if self.state is None or key is not None:
+                missing = "the state's keys" if key is None else f"key {key!r}"
+                raise PartialCheckpointError(
+                    f"{where} holds {m.span.describe()} and lacks chunks of {missing} that "
+                    f"rank {self.rank} loads (other nodes hold them); load it on the layout "
+                    f"that wrote it, or resume from the durable root")
+        return whole.to_dcp_metadata()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
         pass

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ckpt.dcp import api, read_from
-from ckpt.errors import CheckpointNotFoundError
+from ckpt.errors import CheckpointNotFoundError, PartialCheckpointError
 from ckpt.export._files import (
     check_no_clash,
     check_out_dir,
@@ -69,14 +69,22 @@ FORMATS = ("pt", "safetensors", "hf")
 
 # -- consolidation ----------------------------------------------------------------------------
 def _manifest(storage: Storage, step: int | Manifest | None) -> Manifest:
+    """The manifest to export: ``step``'s, or the newest committed. A version that holds
+    one node's share of a job-wide checkpoint (its ``span``) is refused: it holds only
+    that node's ranks' shards and values, not the job's state."""
     if isinstance(step, Manifest):
-        return step
-    store = CheckpointStore(storage)
-    if step is not None:
-        return store.read_manifest(step)
-    manifest = store.latest(check="none")
-    if manifest is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+        manifest = step
+    elif step is not None:
+        manifest = CheckpointStore(storage).read_manifest(step)
+    else:
+        manifest = CheckpointStore(storage).latest(check="none")
+        if manifest is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {storage.url}")
+    if manifest.span is not None:
+        raise PartialCheckpointError(
+            f"{storage.describe(step_dirname(manifest.step))} holds {manifest.span.describe()}"
+            f" (a node-local checkpoint), not a whole one; export a step of the job's "
+            f"durable root")
     return manifest
 
 

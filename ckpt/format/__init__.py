@@ -6,9 +6,10 @@ document whose existence commits a checkpoint; untrusted bytes are checked by ``
 against every MUST of docs/format.md before anything trusts them), ``part`` the per-rank
 :class:`Part` that holds the chunks of sharded tensors (format version 2), ``_schema`` the
 records, dtype names and file names they are made of, ``_items`` the per-item checks they
-share, ``coverage`` the linear check that chunks tile a tensor, ``jsonio`` the strict,
-bounded JSON of every file the store writes, ``codec`` the pickle-free encoding of
-non-tensor values, ``checksums`` CRC32C.
+share, ``coverage`` the linear check that chunks tile a tensor, ``lineage`` the run a
+version comes from, ``span`` the share of a job-wide checkpoint a version holds, ``jsonio``
+the strict, bounded JSON of every file the store writes, ``codec`` the pickle-free encoding
+of non-tensor values, ``checksums`` CRC32C.
 """
 
 from ckpt.format import codec, jsonio
@@ -46,6 +47,7 @@ from ckpt.format.part import (
     merge_chunks,
     part_sha256,
 )
+from ckpt.format.span import Span, parse_span
 
 __all__ = [
     "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord",
@@ -60,4 +62,5 @@ __all__ = [
     "crc32c_of", "crc32c_combine",
     "encode_object", "decode_object", "UnsupportedValueError",
     "jsonio", "codec", "Lineage", "new_run_id", "parent_of", "parse_lineage", "same_run",
+    "Span", "parse_span",
 ]

@@ -3,8 +3,8 @@
 A manifest is untrusted input. :func:`read_manifest_fields` checks its digest
 (``manifest_sha256``) before anything else, parses it with :mod:`ckpt.format.jsonio` and validates
 every MUST of the format (types, bounds, file names, chunk coverage without gaps or
-overlaps, item ranges inside their files, planner paths, parts) before any caller allocates
-or reads a byte on its word; it returns the fields of a
+overlaps, item ranges inside their files, planner paths, parts, lineage, span) before any
+caller allocates or reads a byte on its word; it returns the fields of a
 :class:`ckpt.format.manifest.Manifest`. :func:`sealed_bytes` writes the digest line that a
 reader checks (:func:`check_digest`), for the manifest and for parts (:mod:`ckpt.format.part`).
 Per-item checks shared with the parts are in :mod:`ckpt.format._items`.
@@ -44,6 +44,7 @@ from ckpt.format._schema import (
 )
 from ckpt.format.coverage import coverage_problem
 from ckpt.format.lineage import parse_lineage
+from ckpt.format.span import parse_span
 
 __all__ = [
     "DIGEST_KEY",
@@ -347,4 +348,5 @@ def _parse(doc: Any, source: str) -> dict[str, Any]:
         layout=doc.get("layout", {}), user_metadata=doc.get("user_metadata", {}),
         versions=doc.get("versions", {}), writer=doc.get("writer", {}),
         planner_data=planner_data, format_version=version, attachments=attachments,
-        parts=parts, lineage=parse_lineage(doc.get("lineage"), source))
+        parts=parts, lineage=parse_lineage(doc.get("lineage"), source),
+        span=parse_span(doc.get("span"), source, world_size))

@@ -1,9 +1,10 @@
 """Do a tensor's chunks tile it exactly? In time linear in the chunks (and the grid cells).
 
 The one definition of the coverage rule of docs/format.md (*Validation rules*, 6): the
-chunks of a tensor cover every element exactly once. Readers check it on every manifest
-and part they trust; a planner may check a global save plan with it instead of a pairwise
-comparison of chunks (quadratic in the chunks of one tensor).
+chunks of a tensor cover every element exactly once, or, in a version that holds one node's
+share of a checkpoint (its ``span``: :mod:`ckpt.format.span`), at most once. Readers check
+it on every manifest and part they trust; a planner may check a global save plan with it
+instead of a pairwise comparison of chunks (quadratic in the chunks of one tensor).
 
 The distinct chunk boundaries of each dimension cut the tensor into a grid of cells; every
 chunk is a box of whole cells. The check counts elements (one sum), then paints one flag
@@ -27,25 +28,28 @@ Box = tuple[Sequence[int], Sequence[int]]
 
 
 def coverage_problem(shape: Sequence[int], boxes: Sequence[Box], *, where: str = "tensor",
-                     name: Callable[[int], str] | None = None) -> str | None:
+                     name: Callable[[int], str] | None = None,
+                     partial: bool = False) -> str | None:
     """None when ``boxes`` (``(offsets, sizes)`` pairs) tile ``shape`` exactly; else what is
     wrong, as a sentence that starts with ``where`` and names the first offending chunk by
-    ``name(i)`` (default ``chunks[i]``, ``i`` its index in ``boxes``).
+    ``name(i)`` (default ``chunks[i]``, ``i`` its index in ``boxes``). ``partial``: the
+    boxes may leave elements uncovered (one node's share), but still never overlap.
 
     The caller has checked each box alone: one offset and size per dimension, ints >= 0,
-    inside ``shape``. Missing, duplicated and overlapping chunks are all found; a grid of
-    more than ``MAX_GRID_CELLS`` cells is refused before anything is allocated.
+    inside ``shape``. Missing (unless ``partial``), duplicated and overlapping chunks are
+    all found; a grid of more than ``MAX_GRID_CELLS`` cells is refused before anything is
+    allocated.
     """
     name = name or (lambda i: f"chunks[{i}]")
     shape = list(shape)
-    if not shape:  # a scalar: exactly one chunk
-        if len(boxes) != 1:
+    if not shape:  # a scalar: exactly one chunk (partial: at most one)
+        if len(boxes) != 1 and not (partial and not boxes):
             return f"{where} is a scalar and needs exactly one chunk, has {len(boxes)}"
         return None
     numel = math.prod(shape)
     if numel == 0:
         return None
-    if len(boxes) == 1:  # the common case (a whole tensor): no arrays needed
+    if len(boxes) == 1 and not partial:  # the common case (a whole tensor): no arrays needed
         offs, sizes = boxes[0]
         if any(offs) or list(sizes) != shape:
             held = math.prod(sizes)
@@ -54,6 +58,8 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box], *, where: str =
         return None
     ndim = len(shape)
     n = len(boxes)
+    if n <= 1 and partial:  # no chunk, or one inside the shape: nothing can overlap
+        return None
     if n == 0:
         return (f"{where}: chunks hold 0 elements, the shape {shape} has {numel} "
                 f"(chunks are missing, duplicated or overlap)")
@@ -63,7 +69,7 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box], *, where: str =
     # not, so it is taken in Python ints.
     held = np.prod(sizes, axis=1)
     covered = sum(held.tolist())
-    if covered != numel:
+    if covered != numel and not (partial and covered < numel):
         return (f"{where}: chunks hold {covered} elements, the shape {shape} has {numel} "
                 f"(chunks are missing, duplicated or overlap)")
     keep = np.nonzero(held > 0)[0]  # an empty chunk covers nothing
@@ -101,6 +107,6 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box], *, where: str =
         if cell_box.any():
             return overlap(k)
         cell_box[...] = True
-    if not grid.all():
+    if not partial and not grid.all():
         return f"{where}: chunks leave part of the tensor uncovered"
     return None

@@ -39,6 +39,7 @@ from ckpt.format._check import (
     read_manifest_fields,
 )
 from ckpt.format.lineage import Lineage
+from ckpt.format.span import Span
 from ckpt.format._schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -61,7 +62,9 @@ class Manifest:
     of each part (format version 2). ``complete``: ``tensors`` lists every chunk (a
     version 1 manifest, a root without sharded tensors, or a root merged with its parts;
     chunks merged from a part carry ``"part": name`` and are not written back by
-    :meth:`to_json_bytes`, which always writes the root).
+    :meth:`to_json_bytes`, which always writes the root). ``span``: the version holds one
+    node's share of a job-wide checkpoint (:mod:`ckpt.format.span`): its sharded tensors
+    may be held only in part; None: a whole checkpoint.
     """
 
     step: int
@@ -81,6 +84,7 @@ class Manifest:
     parts: dict[str, PartRecord] = field(default_factory=dict)
     complete: bool = True
     lineage: Lineage | None = None
+    span: Span | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -115,6 +119,8 @@ class Manifest:
             doc["parts"] = {name: rec.to_json() for name, rec in sorted(self.parts.items())}
         if self.lineage is not None:  # optional: absent in versions written before it
             doc["lineage"] = self.lineage.to_json()
+        if self.span is not None:  # optional: only a node's share of a checkpoint has one
+            doc["span"] = self.span.to_json()
         if self.attachments:  # optional: manifests without attachments stay as they were
             doc["attachments"] = {name: a.to_json()
                                   for name, a in sorted(self.attachments.items())}

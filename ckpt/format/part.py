@@ -235,7 +235,9 @@ def merge_chunks(root: Manifest, parts: Iterable[tuple[str, Part]], source: str
 def complete_manifest(root: Manifest, parts: dict[str, Part], source: str) -> Manifest:
     """``root`` with every chunk of every part merged into its tensors: the whole checkpoint,
     checked as a version 1 manifest is (every tensor tiled exactly, no item sharing bytes),
-    and every ``ref`` of a part naming a chunk its writer's part holds."""
+    and every ``ref`` of a part naming a chunk its writer's part holds. A root with a
+    ``span`` (one node's share) is its whole share: its sharded tensors' chunks lie inside
+    them and never overlap, but may leave the other nodes' shares uncovered."""
     missing = sorted(set(root.parts) - set(parts))
     if missing:
         raise ValueError(f"complete_manifest needs every part; missing {missing[:3]}")
@@ -247,7 +249,8 @@ def complete_manifest(root: Manifest, parts: dict[str, Part], source: str) -> Ma
             problem = coverage_problem(
                 t["shape"], [(c["offsets"], c["sizes"]) for c in listed],
                 where=f"tensors[{fqn[:200]!r}]",
-                name=lambda i: f"chunks[{i}] (from {listed[i].get('part', 'the manifest')})")
+                name=lambda i: f"chunks[{i}] (from {listed[i].get('part', 'the manifest')})",
+                partial=root.span is not None)
             if problem is not None:
                 _refuse(source, problem)
         tensors[fqn] = {**t, "chunks": listed}

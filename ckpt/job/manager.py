@@ -50,7 +50,7 @@ from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interva
 from ckpt.dcp import PlanCache, StagingBuffers, api, check_attachments
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
-from ckpt.format import Lineage, Manifest, new_run_id, parent_of, step_dirname
+from ckpt.format import Lineage, Manifest, Span, new_run_id, parent_of, step_dirname
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
@@ -95,6 +95,10 @@ class CheckpointManager:
             (default: the world). Its first rank coordinates (lease, commit, retention). A
             subgroup is how each node checkpoints its own ranks to a node-local root
             (``ckpt.job.tiers``); every rank of the world then constructs a manager at once.
+        span: with such a subgroup, the share of a job-wide checkpoint its versions hold
+            (``ckpt.format.Span``: the node, and the job ranks of ``process_group``): a
+            tensor sharded across nodes is saved in part, and the versions load only on
+            this layout (``ckpt.job.tiers`` passes one on a job of several nodes).
 
     Failures are never silent: a save that fails after ``max_attempts`` emits a final
     ``save_failed`` event and an error log line; its folder is never committed.
@@ -109,7 +113,7 @@ class CheckpointManager:
                  max_attempts: int = 3, retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
                  job_fingerprint: str | None = None, process_group=None,
-                 events: EventBus | None = None):
+                 span: Span | None = None, events: EventBus | None = None):
         if busy not in ("skip", "wait"):
             raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
         if max_attempts < 1:
@@ -131,6 +135,7 @@ class CheckpointManager:
         self.num_threads = num_threads
         self.raise_on_failure = raise_on_failure
         self.layout = dict(layout or {})
+        self.span = span
         self.staging = StagingBuffers()
         self._slot = InflightSave()  # the persist thread and the save it runs
         self._abandon = threading.Event()
@@ -426,7 +431,7 @@ class CheckpointManager:
         copy_seconds = copy.wait_ready()
         out = self._persister.run(copy.step, copy.staged, nbytes=copy.nbytes,
                                   stall=copy.stall_seconds, user_metadata=user_metadata,
-                                  attachments=attachments)
+                                  attachments=attachments, span=self.span)
         if not out.committed:
             if out.error is not None:
                 self._slot.failure = out.error

@@ -31,6 +31,7 @@ from ckpt.format import (
     Manifest,
     Part,
     PartRecord,
+    Span,
     crc32c_of,
     part_name,
     part_sha256,
@@ -85,14 +86,15 @@ def even_chunks(n: int, count: int) -> list[Box]:
 
 
 def save_chunked(root: str | Storage, step: int, state: dict[str, Any],
-                 chunks: dict[str, list[Box]]) -> Manifest:
+                 chunks: dict[str, list[Box]], *, span: Span | None = None) -> Manifest:
     """Save ``state`` (flat, plain values) as ``step`` in one process, the tensors named in
-    ``chunks`` cut into those chunks; returns the committed (root) manifest."""
+    ``chunks`` cut into those chunks (``span``: the version's, chunks that leave a gap then
+    make it one node's share); returns the committed (root) manifest."""
     storage = root if isinstance(root, Storage) else Storage(root)
     storage.makedirs("")
     writer = CkptWriter(storage, step, step_dirname(step),
                         manifest_extra={"world_size": 1, "layout": {}, "versions": {},
-                                        "user_metadata": {}})
+                                        "user_metadata": {}, "span": span})
     with warnings.catch_warnings():  # DCP warns of one process even when asked for one
         warnings.filterwarnings("ignore", message=".*assuming the intent is")
         dcp.save(state, storage_writer=writer, planner=_ChunkedSavePlanner(chunks),

@@ -1,11 +1,12 @@
 """docs/format.md names every file the store writes and every field of its JSON records.
 
 A root is built by the real code paths (saves with an attachment, a rollback, an attempt
-left incomplete, a save with sharded chunks (its part), pins, the failure history, the
-retention record, the lease and its fence files, a copy of a version in a ``peer-{NODE}/``
-root inside it, as a two-tier job's local root holds); then every file under it must match a
-name the spec lists, and every member of the lease, the fence files, the attempt marker,
-the manifest and a part must be named in the spec's section for that record.
+left incomplete, a save with sharded chunks (its part), one node's share (a span), pins,
+the failure history, the retention record, the lease and its fence files, a copy of a
+version in a ``peer-{NODE}/`` root inside it, as a two-tier job's local root holds); then
+every file under it must match a name the spec lists, and every member of the lease, the
+fence files, the attempt marker, the manifest, a part and a span must be named in the
+spec's section for that record.
 A new file or field that the spec does not describe fails here.
 """
 
@@ -19,6 +20,7 @@ import torch
 
 import ckpt
 from ckpt.cadence import FailureHistory, write_history
+from ckpt.format import Span
 from ckpt.job import KeepBest, record_retention, set_pinned
 from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
@@ -71,6 +73,9 @@ def _root(tmp_path) -> str:
     finally:
         release_lease(life)
     save_chunked(storage, 4, {"w": torch.arange(6.0)}, {"w": [([0], [2]), ([2], [4])]})
+    # One node's share of a job-wide checkpoint (a local tier's version on several nodes).
+    save_chunked(storage, 5, {"w": torch.arange(6.0)}, {"w": [([2], [4])]},
+                 span=Span(node=0, nodes=2, ranks=(0,), world_size=1))
     store = CheckpointStore(storage)
     set_pinned(store, 1)
     write_history(storage, FailureHistory())
@@ -159,6 +164,9 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
     _documented(doc(f"step_000000004/{part}"), _section("Parts"), "a part")
     _documented(doc("step_000000004/manifest.json")["tensors"]["w"], table,
                 "the manifest's tensors")
+    share = doc("step_000000005/manifest.json")
+    _documented(share, table, "a share's manifest")
+    _documented(share["span"], _section("Span"), "the manifest's span")
 
 
 def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 
@@ -17,6 +18,7 @@ from ckpt.format import (
     MANIFEST_NAME,
     MAX_GRID_CELLS,
     Manifest,
+    coverage_problem,
     manifest_bytes,
     step_dirname,
 )
@@ -241,3 +243,63 @@ def test_a_save_whose_manifest_readers_would_refuse_fails_instead(tmp_path, meta
     with pytest.raises(ValueError, match=f"cannot write the manifest of step 1: .*{match}"):
         ckpt.save({"w": torch.ones(2)}, str(tmp_path), 1, user_metadata=meta)
     assert ckpt.CheckpointStore(str(tmp_path)).committed_steps() == []
+
+
+# -- partial versions (span: one node's share of a job-wide checkpoint) ----------------------
+def test_a_span_names_the_versions_ranks_of_the_job():
+    span = {"node": 1, "nodes": 2, "ranks": [2, 3], "world_size": 4}
+    m = _parse(_doc([1], [([0], [1])], world_size=2, span=span))
+    assert m.span.to_json() == span and m.span.matches([2, 3], 4)
+    assert not m.span.matches([0, 1], 4) and not m.span.matches([2, 3], 6)
+    assert m.span.describe() == "node 1's share of a job of 2 nodes (ranks 2-3 of 4)"
+    assert _parse(_doc([1], [([0], [1])])).span is None  # a whole checkpoint has none
+    for bad, match in (([], "span must be an object"),
+                       ({**span, "node": -1}, r"span\.node must be"),
+                       ({**span, "nodes": 0}, r"span\.nodes must be"),
+                       ({**span, "ranks": [2]}, r"span\.ranks must list 2 distinct"),
+                       ({**span, "ranks": [2, 2]}, r"span\.ranks must list 2 distinct"),
+                       ({**span, "ranks": [2, 4]}, r"span\.ranks must list 2 distinct"),
+                       ({**span, "world_size": True}, r"span\.world_size must be")):
+        _refused(_doc([1], [([0], [1])], world_size=2, span=bad), match)
+
+
+@pytest.mark.parametrize("boxes, problem", [
+    ([([2, 0], [2, 6])], None),  # one node's rows: the rest is the other node's
+    ([], None),
+    ([([0, 0], [1, 6]), ([3, 0], [1, 3])], None),
+    ([([0, 0], [2, 6]), ([0, 0], [2, 6])], "overlaps another chunk"),
+    ([([0, 0], [2, 6]), ([1, 0], [2, 3])], "overlaps another chunk"),
+    ([([0, 0], [3, 6]), ([2, 0], [2, 6])], "hold 30 elements"),
+])
+def test_partial_coverage_admits_gaps_never_overlaps(boxes, problem):
+    found = coverage_problem([4, 6], boxes, partial=True)
+    assert (found is None) if problem is None else re.search(problem, found), found
+    assert coverage_problem([], [], partial=True) is None
+    assert "needs exactly one chunk" in coverage_problem([], [([], []), ([], [])],
+                                                         partial=True)
+
+
+def test_only_a_version_with_a_span_may_hold_a_tensor_in_part(tmp_path):
+    """The same chunks (elements 2..5 of 6) verify as one node's share, and are refused as
+    a whole checkpoint (a writer that lost chunks); the share never loads where it lacks
+    chunks, and is never exported."""
+    from ckpt.errors import PartialCheckpointError
+    from ckpt.export import export
+    from ckpt.format import Span
+    from tests.ckpt._parts import save_chunked
+
+    state, chunks = {"w": torch.arange(6.0)}, {"w": [([2], [4])]}
+    save_chunked(str(tmp_path / "share"), 1, state, chunks, span=Span(0, 2, (0,), 1))
+    m = ckpt.CheckpointStore(str(tmp_path / "share")).verify(1)
+    assert m.span is not None
+    # On its own layout, a load that needs the rows the share lacks is refused, the state
+    # untouched (DCP alone would read elements 2..5 and leave 0..1 as they were).
+    target = {"w": torch.full((6,), -1.0)}
+    with pytest.raises(PartialCheckpointError, match="lacks chunks of key 'w' that rank 0"):
+        ckpt.load(target, str(tmp_path / "share"), 1)
+    assert torch.equal(target["w"], torch.full((6,), -1.0))
+    with pytest.raises(PartialCheckpointError, match="node 0's share .* not a whole one"):
+        export(str(tmp_path / "share"), 1, str(tmp_path / "out.pt"))
+    save_chunked(str(tmp_path / "whole"), 1, state, chunks)
+    with pytest.raises(CorruptCheckpointError, match="chunks hold 4 elements, the shape"):
+        ckpt.CheckpointStore(str(tmp_path / "whole")).verify(1)

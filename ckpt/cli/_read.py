@@ -191,6 +191,12 @@ def cmd_list(args) -> int:
     return 1 if corrupt else 0
 
 
+def _share(m) -> str:
+    """``; node 0's share of ...`` for a version that holds one node's share of a job-wide
+    checkpoint (its ``span``: a node-local version), else nothing."""
+    return f"; {m.span.describe()}" if m.span is not None else ""
+
+
 def cmd_verify(args) -> int:
     store = open_store(args)
     if args.id is not None:
@@ -205,7 +211,8 @@ def cmd_verify(args) -> int:
             print(f"id {args.id} (step {entry.step}, {entry.status}): CORRUPT: {exc}")
             return 1
         print(f"id {args.id} (step {entry.step}, {entry.status}): ok "
-              f"({len(entry.manifest.files)} files, {fmt_bytes(entry.manifest.total_bytes)})")
+              f"({len(entry.manifest.files)} files, {fmt_bytes(entry.manifest.total_bytes)}"
+              f"{_share(entry.manifest)})")
         return 0
     steps = [args.step] if args.step is not None else store.committed_steps()
     if not steps:
@@ -216,7 +223,8 @@ def cmd_verify(args) -> int:
         progress = Progress(f"step {step}", args.progress or sys.stderr.isatty())
         try:
             m = store.verify(step, full=not args.size_only, progress=progress)
-            print(f"step {step}: ok ({len(m.files)} files, {fmt_bytes(m.total_bytes)})")
+            print(f"step {step}: ok ({len(m.files)} files, {fmt_bytes(m.total_bytes)}"
+                  f"{_share(m)})")
         except FencedCheckpointError as exc:
             # A writer's manifest after it lost the lease: never read, so no damage to the
             # root, only a leftover (unless it is the step asked for).
@@ -287,6 +295,9 @@ def cmd_show(args) -> int:
         ("metadata", ", ".join(f"{k}={jsonio.dumps(v).decode()}" for k, v in meta.items())
          or "-"),
     ]
+    if info["share"]:  # one node's share of a job-wide checkpoint (a node-local version)
+        lines.insert(3, ("share", f"{info['share']}: loads only on that layout, never "
+                                  f"exported"))
     config = (info["user_metadata"] or {}).get("config")
     if isinstance(config, dict):
         lines.append(("config", f"stored ({len(config)} sections; --json shows it)"))

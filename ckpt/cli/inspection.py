@@ -141,6 +141,9 @@ def show(store: CheckpointStore, sel: Selected, *, with_tensors: bool = False
         "created": _iso(m.created_unix), "created_unix": m.created_unix,
         "format_version": m.format_version,
         "world_size": m.world_size, "layout": m.layout,
+        # One node's share of a job-wide checkpoint (a node-local version), or None.
+        "span": m.span.to_json() if m.span is not None else None,
+        "share": m.span.describe() if m.span is not None else None,
         "num_tensors": len(tensors),
         "tensor_bytes": sum(t["bytes"] for t in tensors.values()),
         "num_objects": len(m.objects),
@@ -263,6 +266,14 @@ def diff(store: CheckpointStore, a: Selected, b: Selected, *,
         dtype = dtype_from_name(ta["dtype"], key)
         if _chunk_keys(ta) == _chunk_keys(tb):
             changed, worst = _compare_chunked(store, ma, ta, mb, tb, dtype, advance)
+        elif ma.span is not None or mb.span is not None:
+            # One node's share may hold a tensor in part: assembled whole, the rest would be
+            # whatever the memory held.
+            row.update(status="not_compared", reason=(
+                "the two checkpoints chunk it differently and a node's share (a node-local "
+                "checkpoint) holds it only in part"))
+            advance(2 * _numel_bytes(ta, key))
+            continue
         else:
             nbytes = _numel_bytes(ta, key)
             if nbytes > max_tensor_bytes:

@@ -1,9 +1,10 @@
-"""Where a tiered job's local checkpoints live: one per node, each holding whole tensors.
+"""Where a tiered job's local checkpoints live: one per node, each holding that node's share.
 
 Every rank of the job learns every rank's node (one all-gather on the tier logic's gloo group,
-never the default group: ``ckpt.ranks.groups``) and joins its node's group;
-a state whose tensor is sharded across nodes is refused on every rank alike (a node's local
-checkpoint must hold whole tensors, or it could never be loaded on its own). With
+never the default group: ``ckpt.ranks.groups``) and joins its node's group. On a job of
+several nodes each node's local versions hold its ranks' share of the job's checkpoint (a
+tensor sharded across nodes only in part), and say so in their ``span``
+(:func:`node_span`, :mod:`ckpt.format.span`): such a version loads only on that layout. With
 ``local_replicas=2`` each node also keeps the copies of its predecessor's local checkpoints
 (nodes in a ring by index) in ``peer-{node}`` under its own local root (:func:`peer_root`),
 a root of its own. The versions a resume may combine across nodes and copies come from one
@@ -18,11 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.ranks import Agreement
+from ckpt.format import Span
 from ckpt.storage import Storage
 
-__all__ = ["same_root", "cross_node_key", "node_groups", "check_node_local", "peer_root",
-           "ring_neighbours", "runs_of_steps", "mixed_steps", "UNREADABLE"]
+__all__ = ["same_root", "node_groups", "node_span", "peer_root", "ring_neighbours",
+           "runs_of_steps", "mixed_steps", "UNREADABLE"]
 
 PEER_ROOT = "peer-{node}"
 """The folder, under a node's local root, holding the copies of node ``{node}``'s local
@@ -48,40 +49,6 @@ def same_root(a: str, b: str) -> bool:
     return Storage.location(a) == Storage.location(b)
 
 
-def cross_node_key(state: Any, node_of_rank: list[int], prefix: str = "") -> str | None:
-    """The first key of ``state`` holding a DTensor whose shards (of this rank's slice of its
-    mesh) lie on several nodes, described; None if there is none."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            found = cross_node_key(value, node_of_rank, f"{prefix}{key}.")
-            if found:
-                return found
-        return None
-    if isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            found = cross_node_key(value, node_of_rank, f"{prefix}{i}.")
-            if found:
-                return found
-        return None
-    if not isinstance(state, torch.Tensor) or not hasattr(state, "device_mesh"):
-        return None
-    mesh, coord = state.device_mesh, state.device_mesh.get_coordinate()
-    if coord is None:
-        return None
-    for dim, placement in enumerate(state.placements):
-        if not placement.is_shard():
-            continue
-        index = list(coord)
-        index[dim] = slice(None)
-        ranks = [int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()]
-        nodes = sorted({node_of_rank[r] for r in ranks})
-        if len(nodes) > 1:
-            name = (mesh.mesh_dim_names or [None] * mesh.ndim)[dim] or f"dim {dim}"
-            return (f"'{prefix[:-1]}': mesh {name} shards it over ranks {ranks} on nodes "
-                    f"{nodes}")
-    return None
-
-
 def node_groups(node_rank: int, world_group) -> tuple[Any, int, list[int]]:
     """(this node's gloo group, number of nodes, the node of each rank). Collective over
     the world: every rank calls it at once. ``world_group``: a group over the whole world
@@ -105,19 +72,16 @@ def node_groups(node_rank: int, world_group) -> tuple[Any, int, list[int]]:
     return group, len(by_node), node_of_rank
 
 
-def check_node_local(state: Any, node_of_rank: list[int], world: Agreement) -> None:
-    """Refuse (on every rank alike: collective over ``world``, the job) a state with a
-    tensor sharded across nodes: a node's local checkpoint must hold whole tensors, or it
-    could never be loaded (its manifest would lack the other nodes' chunks). Sharding within
-    a node (HSDP, tensor parallelism in a node), replicas across nodes and pipeline stages
-    per node are fine. ``state``: resolved (``ckpt.dcp.api.resolve_state``)."""
-    bad = cross_node_key(state, node_of_rank)
-    if world.any(bad is not None):
-        where = f" ({bad})" if bad else " (on another rank)"
-        raise ValueError(
-            f"the local tier needs every tensor whole within a node, but a tensor is "
-            f"sharded across nodes{where}: shard within a node (HSDP: replicate across "
-            f"nodes) or leave local_root unset (checkpoint.local_root)")
+def node_span(node: int, node_of_rank: list[int]) -> Span | None:
+    """The share of the job's checkpoint that node ``node``'s local versions hold (the same
+    on every rank of the node): its ranks, in the node group's order (ascending, as
+    :func:`node_groups` makes it), of the job's. None on a job of one node (the local tier
+    then holds whole checkpoints, like the durable one)."""
+    nodes = sorted(set(node_of_rank))
+    if len(nodes) <= 1:
+        return None
+    ranks = tuple(r for r, n in enumerate(node_of_rank) if n == node)
+    return Span(node=int(node), nodes=len(nodes), ranks=ranks, world_size=len(node_of_rank))
 
 
 UNREADABLE = "!"

@@ -8,10 +8,13 @@ the same commit protocol, its own write lease and fencing, its own failure histo
 Per-node local roots. On a job of several nodes, each node's ``local_root`` is a separate
 filesystem: the local tier is one checkpoint *per node*, written by that node's ranks only
 (a manager over a node subgroup; the node's first rank holds that root's lease and commits
-its manifest). A node's local manifest lists that node's ranks' files; replicated state is
-saved once per node, so each node's checkpoint restores that node's ranks on its own. A
-``{node}`` in ``local_root`` is replaced by the node's index (roots that are not node-local,
-and tests that run several "nodes" on one host).
+its manifest). A node's local version is its *share* of the job's step (its manifest's
+``span``, :mod:`ckpt.format.span`): its ranks' files, their shards of tensors sharded across
+nodes (FSDP over every rank: each node holds its part), replicated state once per node. So
+each node's version restores that node's ranks on the layout that wrote it; a step counts
+only when every node holds its share from one run. A ``{node}`` in ``local_root`` is
+replaced by the node's index (roots that are not node-local, and tests that run several
+"nodes" on one host).
 
 Life of a step (every rank calls the same methods at the same points)::
 
@@ -62,14 +65,13 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy
-from ckpt.dcp import api
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
 from ckpt.job._replicas import MAX_REPLICAS, Replicas
 from ckpt.job._tier_layout import (
-    check_node_local,
     mixed_steps,
     node_groups,
+    node_span,
     runs_of_steps,
     same_root,
 )
@@ -159,7 +161,6 @@ class TieredCheckpointManager:
         except BaseException:
             self.free_groups()
             raise
-        self._checked_layout = False  # whether the state's layout was checked (save)
         # A time-based local due, agreed across nodes (each node's manager agrees it within).
         self._local_due = DueAgreement(self._world)
         self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
@@ -173,7 +174,8 @@ class TieredCheckpointManager:
             self.local = CheckpointManager(
                 self.local_root, cadence=local_cadence, events=local_events,
                 retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
-                else local_retention, process_group=self._node_group, **manager_options)
+                else local_retention, process_group=self._node_group,
+                span=node_span(self.node_rank, self._node_of_rank), **manager_options)
         except BaseException:
             self.durable.close(flush=False)  # its lease is not left behind
             self.free_groups()
@@ -252,10 +254,7 @@ class TieredCheckpointManager:
         return self.durable.in_flight() or self.local.in_flight()
 
     def prepare(self, state: dict[str, Any]) -> None:
-        """Allocate both tiers' staging buffers now (and check, collectively, that the local
-        tier can hold ``state``: see :meth:`save`)."""
-        if not self._checked_layout:
-            self._check_node_local(state)
+        """Allocate both tiers' staging buffers now."""
         self.durable.prepare(state)
         self.local.prepare(state)
 
@@ -283,14 +282,9 @@ class TieredCheckpointManager:
              local: bool = True, durable: bool = True) -> bool:
         """Save ``step`` to the chosen tiers now (collective). When both save, the durable
         tier stages and the local tier persists the same copy: one stall. ``block`` waits
-        for both to commit. Returns True if either save was started.
-
-        On several nodes, the first local save (or :meth:`prepare`) raises ``ValueError`` on
-        every rank if a tensor of ``state`` is sharded across nodes (a node's checkpoint
-        must hold whole tensors; shard within a node instead, as HSDP does)."""
+        for both to commit. Returns True if either save was started. On several nodes each
+        node's local save holds its share (a tensor sharded across nodes in part)."""
         started_durable = started_local = False
-        if local and not self._checked_layout:
-            self._check_node_local(state)
         if durable:
             if self._lent_to_local and self.local.in_flight():
                 # The local save of the last shared step still reads the durable buffers.
@@ -325,13 +319,6 @@ class TieredCheckpointManager:
                 if started:
                     mgr.wait(raise_errors=mgr.raise_on_failure)
         return started_durable or started_local
-
-    def _check_node_local(self, state: dict[str, Any]) -> None:
-        """Once: refuse (on every rank alike) a state with a tensor sharded across nodes
-        (``ckpt.job._tier_layout.check_node_local`` says why and what is fine)."""
-        self._checked_layout = True
-        if self.num_nodes > 1:
-            check_node_local(api.resolve_state(state), self._node_of_rank, self._world)
 
     @property
     def lease_lost_url(self) -> str | None:

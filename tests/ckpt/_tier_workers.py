@@ -123,22 +123,118 @@ def one_node_body(rank: int, world: int, root: str, local_root: str) -> dict:
             "durable": CheckpointStore(root).committed_steps()}
 
 
-def cross_node_shards_body(rank: int, world: int, root: str, local_root: str) -> str:
-    """FSDP2 over two "nodes" (a tensor sharded across nodes): the local tier refuses it at
-    its first save, on every rank, before anything is written."""
-    from ckpt.dcp import ModelState
-    from tests.ckpt._mgr_workers import _build
+def _fsdp_across_nodes(world: int):
+    """A tiny model and optimizer under FSDP2 over every rank (each parameter sharded across
+    the nodes), and a 2-D ``probe`` DTensor sharded by rows over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    _, _, fsdp, fsdp_opt = _build(world, seed=3)
-    mgr = _mgr(root, local_root, rank)
-    try:
-        mgr.save(1, {"fsdp": ModelState(fsdp, fsdp_opt)})
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError("a tensor sharded across nodes was saved to the local tier")
-    mgr.close()
-    return message
+    from tests.ckpt._mgr_workers import _mlp
+
+    torch.manual_seed(3)  # identical on every rank, as FSDP2 expects
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp()
+    fully_shard(model, mesh=mesh)
+    probe = distribute_tensor(torch.arange(8.0 * world).reshape(2 * world, 4), mesh, [Shard(0)])
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), probe, mesh
+
+
+def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node: int,
+                    replicas: int) -> dict:
+    """FSDP2 over every rank of 2 "nodes" x ``per_node`` ranks (node = rank // per_node):
+    each node's local checkpoint holds its share. A first job trains 1..7 (local every 2,
+    keep 2: 4 and 6; durable every 4) and stops. Then the partial local versions are asked
+    for what they cannot give (another node's root, a state sharded otherwise: refused in
+    one line); with ``replicas`` = 2 node 1's local root is wiped (a replaced machine) and a
+    job resumes from local 6 through node 0's copy; with 1 a job resumes from local 6 as it
+    is, node 1 is wiped, and the next job falls back to the durable tier. Every resume must
+    equal, bit for bit, the state saved at the step it names."""
+    import shutil
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt
+    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.errors import PartialCheckpointError
+    from tests.ckpt._helpers import assert_same, snapshot
+    from tests.ckpt._mgr_workers import _train
+
+    node, nodes = rank // per_node, 2
+    model, opt, probe, mesh = _fsdp_across_nodes(world)
+
+    def state(step: int) -> dict:
+        return {"m": ModelState(model, opt), "probe": probe, "progress": {"step": step}}
+
+    def mgr():
+        return _mgr(root, local_root, node, local_replicas=replicas)
+
+    out: dict = {}
+    saved: dict[int, dict] = {}
+    m = mgr()
+    for step in range(1, 8):
+        _train([(model, opt)], rank, step)
+        with torch.no_grad():
+            probe.to_local().add_(1.0)
+        if m.maybe_save(step, state(step)):
+            m.wait()  # each copy to the next node lands before the next save
+            saved[step] = snapshot(resolve_state(state(step)))
+    m.close()
+    mine = local_root.replace("{node}", str(node))
+    meta = ckpt.CheckpointStore(mine).read_manifest(6)
+    out["span"] = meta.span.to_json()
+    out["parts"] = sorted(r.rank for r in meta.parts.values())
+    # What a node's partial version cannot give, refused in one line on every rank alike.
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)], backend="gloo")
+    other = local_root.replace("{node}", str(1 - node))
+    refused = {}
+    for what, target, into in (
+            ("other node", other, state(0)),
+            ("other sharding", mine,
+             {"probe": distribute_tensor(torch.zeros(2 * world, 4), mesh, [Shard(1)])})):
+        before = snapshot(resolve_state(into))
+        try:
+            ckpt.load(into, target, 6, process_group=group, strict=False)
+        except PartialCheckpointError as exc:
+            refused[what] = str(exc)
+        assert_same(before, snapshot(resolve_state(into)), f"rank {rank}: {what} changed")
+    out["refused"] = refused
+
+    def resume() -> tuple:
+        m = mgr()
+        target = state(-1)
+        loaded = m.load_latest(target)
+        assert_same(saved[loaded.step], snapshot(resolve_state(target)), f"rank {rank}")
+        events = {k: [e.step for e in m.events.of_kind(k)]
+                  for k in ("replica_restored", "load_fallback")}
+        m.close()
+        return loaded.step, m.resumed_tier, events
+
+    if replicas == 1:
+        out["intact"] = resume()
+    dist.barrier()
+    if rank == per_node:  # node 1's first rank: its machine is replaced, empty
+        shutil.rmtree(local_root.replace("{node}", "1"))
+    dist.barrier()
+    out["wiped"] = resume()
+    return out
+
+
+def assert_refused_where_partial(out: list[dict], per_node: int) -> None:
+    """Each rank of ``w.fsdp_nodes_body``: its node's local version named its share, one
+    part per rank of the node, and was refused in one line where it cannot serve."""
+    for rank, r in enumerate(out):
+        node = rank // per_node
+        ranks = list(range(node * per_node, (node + 1) * per_node))
+        assert r["span"] == {"node": node, "nodes": 2, "ranks": ranks,
+                             "world_size": 2 * per_node}
+        assert r["parts"] == list(range(per_node))
+        other, sharded = r["refused"]["other node"], r["refused"]["other sharding"]
+        assert f"node {1 - node}'s share of a job of 2 nodes" in other
+        assert "loads only on that layout" in other and "\n" not in other
+        assert "lacks chunks of key 'probe'" in sharded and "\n" not in sharded
 
 
 def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:

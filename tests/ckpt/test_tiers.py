@@ -2,6 +2,8 @@
 
 Real gloo processes, tiny states. Two ranks act as two nodes (each its own local root) to
 check that a local step counts only when every node has it and it verifies on every rank.
+FSDP across nodes with copies on the next node, and partial versions in one process (the
+tools), are in ``test_tiers_fsdp.py``.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ def test_local_root_must_differ_from_root(tmp_path):
         TieredCheckpointManager(str(tmp_path / "a"), str(tmp_path / "a") + "/")
 
 
-def test_a_tensor_sharded_across_nodes_is_refused_by_the_local_tier(tmp_path):
+def test_a_tensor_sharded_across_nodes_is_saved_as_each_nodes_share(tmp_path):
+    """FSDP2 over 2 "nodes" x 1 rank, no copies: each node's local version holds its share
+    (its ``span``); the job resumes from local step 6 bit for bit; a partial version is
+    refused in one line on another node's ranks and into a state sharded otherwise; after
+    node 1 is wiped, the job falls back to durable step 4, bit for bit (no partial load)."""
     root, local = str(tmp_path / "durable"), str(tmp_path / "local-{node}")
-    for message in run_ranks(w.cross_node_shards_body, 2, root, local, timeout=240):
-        assert "sharded across nodes ('fsdp." in message and "HSDP" in message, message
-    assert not list(tmp_path.glob("local-*/step_*"))
+    out = run_ranks(w.fsdp_nodes_body, 2, root, local, 1, 1, timeout=240)
+    w.assert_refused_where_partial(out, per_node=1)
+    for r in out:
+        assert r["intact"][:2] == (6, "local")
+        step, tier, events = r["wiped"]
+        assert (step, tier) == (4, "durable"), r
+        assert events["replica_restored"] == []
 
 
 def test_hsdp_within_nodes_resumes_from_each_nodes_local_tier(tmp_path):

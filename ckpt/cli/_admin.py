@@ -88,12 +88,14 @@ def cmd_restore(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    """Remove dead attempts' files (and rolled-back checkpoints when asked). Dry run unless
-    ``--yes``; either way the root's lease is respected."""
+    """Remove dead attempts' files (and rolled-back checkpoints, or manifests that cannot be
+    read with their files, when asked). Dry run unless ``--yes``; either way the root's lease
+    is respected. A step holding a manifest that cannot be read is reported as kept (it is
+    someone's committed data); only ``--damaged`` removes it, never one of a newer ckpt."""
 
     older = args.older_than or 0.0
 
-    def plan(life) -> tuple[list, list]:
+    def plan(life) -> tuple[list, list, list, list]:
         rolled = []
         if args.rolled_back:
             now = time.time()
@@ -102,15 +104,21 @@ def cmd_gc(args) -> int:
                     if e.status == ROLLED_BACK and e.manifest is not None and \
                             now - e.manifest.created_unix >= older:
                         rolled.append(e)
-        return life.leftovers(), rolled
+        damaged = life.damaged() if args.damaged else []
+        cleared = {step for step, _, _ in damaged}
+        kept = [(step, why) for step, why in life.kept() if step not in cleared]
+        return life.leftovers(), rolled, damaged, kept
 
-    def show(leftovers, rolled, verb: str) -> None:
+    def show(leftovers, rolled, damaged, kept, verb: str) -> None:
         if args.json:
             print(jsonio.dumps({
                 "dry_run": not args.yes,
                 "leftovers": [{"step": step, "files": names} for step, names in leftovers],
                 "rolled_back": [{"step": e.step, "id": e.id,
-                                 "bytes": e.manifest.total_bytes} for e in rolled]},
+                                 "bytes": e.manifest.total_bytes} for e in rolled],
+                "damaged": [{"step": step, "manifests": manifests, "files": files}
+                            for step, manifests, files in damaged],
+                "kept": [{"step": step, "why": why} for step, why in kept]},
                 indent=1).decode())
             return
         for step, names in leftovers:
@@ -118,7 +126,12 @@ def cmd_gc(args) -> int:
         for e in rolled:
             print(f"step {e.step}: {verb} rolled-back checkpoint id {printable(e.id)} "
                   f"({fmt_bytes(e.manifest.total_bytes)})")
-        if not leftovers and not rolled:
+        for step, manifests, files in damaged:
+            print(f"step {step}: {verb} {printable(', '.join(manifests))} (cannot be read) and "
+                  f"{len(files)} file(s) no readable manifest references")
+        for step, why in kept:
+            print(f"step {step}: {printable(why)}")
+        if not leftovers and not rolled and not damaged:
             print("nothing to remove")
 
     if not args.yes:
@@ -128,16 +141,17 @@ def cmd_gc(args) -> int:
             raise LeaseHeldError(f"{args.url} is being written by job {info.get('job')!r} "
                                  f"(host {info.get('host')}, pid {info.get('pid')}): its save "
                                  f"in flight would look like leftovers. Run gc when it stops.")
-        leftovers, rolled = plan(Lifecycle(storage))
-        show(leftovers, rolled, "would remove")
-        if (leftovers or rolled) and not args.json:
+        planned = plan(Lifecycle(storage))
+        show(*planned, "would remove")
+        if any(planned[:3]) and not args.json:
             print("dry run: nothing removed; pass --yes to remove these")
         return 0
     with writer(args, "gc", force=args.force) as life:
-        leftovers, rolled = plan(life)
+        leftovers, rolled, damaged, kept = plan(life)
+        for step, _, _ in damaged:
+            life.remove_damaged(step)
         life.cleanup()
         for e in rolled:
             life.delete_entry(e)
-        show(leftovers, rolled, "removed")
+        show(leftovers, rolled, damaged, kept, "removed")
     return 0
-

@@ -23,7 +23,7 @@
                                     (un-commit newer checkpoints; reversible, deletes nothing;
                                      refused while a live job holds the write lease)
     ckpt restore URL --id ID [--replace]   (re-commit a rolled-back checkpoint)
-    ckpt gc URL [--rolled-back [--older-than 7d]] [--yes]
+    ckpt gc URL [--rolled-back [--older-than 7d]] [--damaged] [--yes]
                                     (remove aborted saves' leftovers; dry run by default)
     ckpt plan ...                   (checkpoint interval from size, bandwidth, MTBF)
 
@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also remove rolled-back checkpoints")
     sp.add_argument("--older-than", metavar="DURATION", type=arg_type(parse_duration),
                     help="with --rolled-back: only those created longer ago (e.g. 7d, 12h)")
+    sp.add_argument("--damaged", action="store_true",
+                    help="also remove manifests that cannot be read (damaged; never one of a "
+                         "newer ckpt) and the files only they may reference: run `ckpt "
+                         "verify` first")
     sp.add_argument("--yes", action="store_true", help="remove (default: dry run)")
     sp.add_argument("--force", action="store_true",
                     help="take the write lease from a live job (its later saves stop counting)")

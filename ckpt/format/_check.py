@@ -116,19 +116,38 @@ def read_manifest_fields(data: bytes, source: str) -> dict[str, Any]:
     arguments of a ``Manifest``.
 
     Every problem raises ``CorruptCheckpointError`` (``FormatVersionError`` for a newer
-    format) naming ``source``.
+    format) naming ``source``. A manifest that declares a newer ``format_version`` is
+    refused as newer even when its digest does not check (a newer format may seal its
+    manifests otherwise): an older reader never takes a newer version for damage.
     """
-    sealed = check_digest(data, source)
+    try:
+        sealed = check_digest(data, source)
+    except CorruptCheckpointError:
+        _raise_if_newer(data, source)
+        raise
     try:
         doc = jsonio.loads(data, source, max_bytes=MAX_MANIFEST_BYTES)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"manifest is damaged: {exc}", path=source) from None
     if not sealed and isinstance(doc, dict) and DIGEST_KEY in doc:
+        _raise_if_newer(data, source)
         raise CorruptCheckpointError(
             f"{source}: manifest is damaged: it has a {DIGEST_KEY!r} member that is not "
             f"its first line (the file was edited or overwritten); load an earlier step",
             path=source)
     return _parse(doc, source)
+
+
+def _raise_if_newer(data: bytes, source: str) -> None:
+    """Raise ``FormatVersionError`` when ``data`` parses and declares a ckpt format newer
+    than this reader's; return otherwise (nothing else about it is trusted)."""
+    try:
+        doc = jsonio.loads(data, source, max_bytes=MAX_MANIFEST_BYTES)
+    except CorruptCheckpointError:
+        return
+    if isinstance(doc, dict) and doc.get("format") == FORMAT_NAME \
+            and is_int(doc.get("format_version"), 1) and doc["format_version"] > FORMAT_VERSION:
+        _check_version(doc, source)
 
 
 # -- validation ----------------------------------------------------------------------------------

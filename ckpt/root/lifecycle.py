@@ -143,6 +143,13 @@ class Entry:
     problem: str | None = None
     marker: dict[str, Any] | None = None
     bytes: int = 0
+    holds: frozenset[str] | None = frozenset()
+    """For a manifest that cannot be read (corrupt or moved aside, no ``manifest``): the
+    attempt ids of its folder that its bytes still name, whose files are kept; None when
+    its bytes cannot be read at all, or it is of a newer format: nothing in its folder is
+    removed (see ``_dead_files``)."""
+    newer: bool = False
+    """Written by a newer ckpt (``FormatVersionError``): never touched by this one."""
 
 
 @dataclass
@@ -151,19 +158,52 @@ class _Folder:
     files: dict[str, int] = field(default_factory=dict)  # name -> size
 
 
+def _attempt_of(name: str) -> str | None:
+    """The attempt a file of ours belongs to: its data, part and attachment files, its
+    marker and its fenced manifest; None for any other name."""
+    m = _MARKER_RE.match(name) or _FENCED_RE.match(name)
+    return m.group(1) if m else data_file_id(name)
+
+
+def _unreadable(entries: list[Entry]) -> list[Entry]:
+    """The entries of manifests that cannot be read: someone's committed data."""
+    return [e for e in entries if e.manifest is None and e.status in (CORRUPT, MOVED_ASIDE)]
+
+
 def _dead_files(folder: _Folder, entries: list[Entry]) -> list[str]:
-    """Names in ``folder`` that belong to dead attempts: ours, and referenced by no manifest
-    or rolled-back manifest that counts (a fenced one's files are dead too)."""
+    """Names in ``folder`` that belong to dead attempts (docs/store.md, "What gc removes").
+
+    A name is ours (data, part, attachment, marker, fenced manifest, temporary file) and
+    referenced by no manifest or rolled-back manifest that counts (a fenced one's files
+    are dead too). In a folder that also holds a manifest that cannot be read (damaged,
+    moved aside as damaged, or unreadable), it must moreover belong to an attempt whose
+    marker is there (written before any data and removed after a commit, so the attempt
+    began) and whose id that manifest's bytes do not name (its own files are named in it):
+    a file that may be the unreadable manifest's is kept. Nothing is dead in a folder
+    holding a manifest of a newer format or one whose bytes cannot be read at all.
+    """
     keep: set[str] = set()
     for e in entries:
         if e.manifest is not None and e.status != FENCED:
             keep |= set(e.manifest.files)
-    return sorted(
-        name for name in folder.files
-        if name not in keep and name != MANIFEST_NAME and not _ROLLED_RE.match(name)
-        and name != _LEGACY_ROLLED
-        and (data_file_id(name) or _MARKER_RE.match(name) or _FENCED_RE.match(name)
-             or name == _LEGACY_MARKER or _TMP_RE.search(name)))
+    unreadable = _unreadable(entries)
+    if any(e.holds is None or e.newer for e in unreadable):
+        return []
+    named = set().union(*(e.holds for e in unreadable))
+    begun = {m.group(1) for m in map(_MARKER_RE.match, folder.files) if m}
+
+    def dead(name: str) -> bool:
+        if name in keep or name == MANIFEST_NAME or _ROLLED_RE.match(name) \
+                or name == _LEGACY_ROLLED:
+            return False
+        if _TMP_RE.search(name):
+            return True  # an unfinished write: never the only copy of anything
+        if not unreadable:
+            return bool(_attempt_of(name) or name == _LEGACY_MARKER)
+        attempt = _attempt_of(name)
+        return attempt is not None and attempt in begun and attempt not in named
+
+    return sorted(name for name in folder.files if dead(name))
 
 
 def parse_marker(data: bytes, source: str) -> dict[str, Any]:
@@ -328,7 +368,7 @@ class Lifecycle:
                 except (FileNotFoundError, CorruptCheckpointError):
                     pass
             except CorruptCheckpointError as exc:
-                out.append(Entry(step, None, CORRUPT, MANIFEST_NAME, problem=str(exc)))
+                out.append(self._unreadable_entry(step, MANIFEST_NAME, folder, exc))
             except CheckpointNotFoundError:
                 pass  # un-committed meanwhile
         for name in sorted(folder.files):
@@ -340,7 +380,7 @@ class Lifecycle:
             except FileNotFoundError:
                 continue  # restored or removed meanwhile
             except CorruptCheckpointError as exc:
-                out.append(Entry(step, None, CORRUPT, name, problem=str(exc)))
+                out.append(self._unreadable_entry(step, name, folder, exc))
                 continue
             if m.save_id == committed_id:
                 continue  # an un-commit that stopped half-way: the manifest still commits it
@@ -354,7 +394,8 @@ class Lifecycle:
                                  problem="a damaged manifest, moved aside so that this step "
                                          "could be committed again; kept for inspection, "
                                          "never removed by a save, retention or a job's "
-                                         "start"))
+                                         "start",
+                                 holds=self._named_ids(f"{d}/{name}", folder)))
         known = {e.id for e in out}
         for name in sorted(folder.files):
             m = _MARKER_RE.match(name)
@@ -376,6 +417,26 @@ class Lifecycle:
                              marker=marker if isinstance(marker, dict) else None, bytes=size,
                              problem="no manifest: not committed"))
         return out
+
+    def _unreadable_entry(self, step: int, name: str, folder: _Folder,
+                          exc: CorruptCheckpointError) -> Entry:
+        """The entry of manifest ``name`` that failed to read with ``exc``: kept, with the
+        attempt ids its bytes name (none read for a newer format: left whole)."""
+        newer = isinstance(exc, FormatVersionError)
+        holds = None if newer else self._named_ids(f"{step_dirname(step)}/{name}", folder)
+        return Entry(step, None, CORRUPT, name, problem=str(exc), bytes=folder.files.get(name, 0),
+                     holds=holds, newer=newer)
+
+    def _named_ids(self, rel: str, folder: _Folder) -> frozenset[str] | None:
+        """The attempt ids of ``folder`` that the bytes of the unreadable manifest ``rel``
+        name (its files are named by its attempt id; damage rarely reaches every mention);
+        None when its bytes cannot be read (gone, a link, too large)."""
+        try:
+            data = self.storage.read_bytes(rel, max_bytes=MAX_MANIFEST_BYTES)
+        except Exception:  # noqa: BLE001 - unreadable bytes: every file is kept
+            return None
+        attempts = {a for a in map(_attempt_of, folder.files) if a is not None}
+        return frozenset(a for a in attempts if a.encode() in data)
 
     def find(self, save_id: str) -> Entry:
         """The entry whose id is ``save_id`` (any step)."""
@@ -793,32 +854,101 @@ class Lifecycle:
         return out
 
     # -- leftovers -------------------------------------------------------------------------
+    def _scan(self, steps: Iterable[int] | None = None
+              ) -> Iterator[tuple[int, _Folder | None, list[Entry], str | None]]:
+        """``(step, folder, entries, refused)`` for each step folder; a folder that cannot
+        be listed or read as ours (a link, say) comes with ``refused`` (why) instead, and
+        is left as it is by every caller."""
+        for step in (self.steps() if steps is None else steps):
+            try:
+                folder = self._folder(step)
+                yield step, folder, self.entries(step, folder), None
+            except CorruptCheckpointError as exc:
+                yield step, None, [], str(exc)
+
     def leftovers(self, steps: Iterable[int] | None = None) -> list[tuple[int, list[str]]]:
         """Files of dead attempts: ``(step, names)`` for every folder that has some.
 
         Called by the lease holder when none of its own attempts is in flight (at start-up
         and by ``ckpt gc``), so every attempt without a manifest is dead. Only names this
-        module or the writer produce are considered; anything else is left alone.
+        module or the writer produce are considered; anything else is left alone, and so is
+        what a manifest that cannot be read may hold (see ``_dead_files``; ``kept`` says
+        which steps hold one).
         """
         out = []
-        for step in (self.steps() if steps is None else steps):
-            folder = self._folder(step)
-            dead = _dead_files(folder, self.entries(step, folder))
+        for step, folder, entries, _ in self._scan(steps):
+            dead = _dead_files(folder, entries) if folder is not None else []
             if dead:
                 out.append((step, dead))
         return out
+
+    def kept(self, steps: Iterable[int] | None = None) -> list[tuple[int, str]]:
+        """``(step, why)`` for each step that ``cleanup`` and ``ckpt gc`` leave, whole or
+        in part, because it holds a manifest this reader cannot read (someone's committed
+        data: damaged, moved aside as damaged, of a newer format) or its folder cannot be
+        read as ours. ``why`` is one line saying what to do."""
+        url = self.storage.url
+        out = []
+        for step, _, entries, refused in self._scan(steps):
+            if refused is not None:
+                out.append((step, f"folder refused ({refused}): kept"))
+                continue
+            unreadable = _unreadable(entries)
+            newer = [e for e in unreadable if e.newer]
+            if newer:
+                out.append((step, f"written by a newer ckpt: kept, never touched by this one "
+                                  f"(upgrade ckpt; {newer[0].problem})"))
+            elif unreadable:
+                names = ", ".join(e.name for e in unreadable)
+                out.append((step, f"manifest unreadable ({names}): kept; `ckpt gc {url} "
+                                  f"--damaged` after `ckpt verify {url} --step {step}` to "
+                                  f"remove"))
+        return out
+
+    def damaged(self, steps: Iterable[int] | None = None
+                ) -> list[tuple[int, list[str], list[str]]]:
+        """What ``remove_damaged`` would remove: ``(step, manifests, files)`` for each step
+        holding a manifest that cannot be read and none of a newer format: those manifests,
+        and the files of the step that no readable manifest references."""
+        out = []
+        for step, folder, entries, refused in self._scan(steps):
+            unreadable = _unreadable(entries)
+            if refused is not None or not unreadable or any(e.newer for e in unreadable):
+                continue
+            manifests = sorted({e.name for e in unreadable} & set(folder.files))
+            files = _dead_files(folder, [e for e in entries if e not in unreadable])
+            out.append((step, manifests, [n for n in files if n not in manifests]))
+        return out
+
+    def remove_damaged(self, step: int) -> list[str]:
+        """Remove ``step``'s manifests that cannot be read (never one of a newer format),
+        then the files no readable manifest of the step references (``damaged``): the
+        operator's explicit choice (``ckpt gc --damaged``), never a job's. The lease
+        holder only. Returns the names removed."""
+        self._require_lease(renew=True)
+        for _, manifests, files in self.damaged([step]):
+            if MANIFEST_NAME in manifests:
+                self._note(step, False)
+            for name in manifests:  # first: what they held is a leftover only after
+                self.storage.delete(self._rel(step, name))
+            removed = manifests + self._remove(step, files)
+            self._drop_empty_folder(step)
+            return removed
+        return []
 
     def cleanup(self, on_removed: Callable[[int, list[str]], None] | None = None) -> list[int]:
         """Remove every dead attempt's files (see ``leftovers``); returns the steps touched.
 
         A fenced-off manifest is moved aside first, which makes its data files leftovers.
-        A corrupt manifest is never removed silently (`ckpt list` shows it, gc leaves it).
+        A manifest that cannot be read is someone's committed data: never removed here, nor
+        what it may hold (``kept`` lists those steps; ``remove_damaged`` removes them).
         """
         self._require_lease(renew=True)
         touched, known = [], set()
-        for step in self.steps():
-            folder = self._folder(step)
-            entries = self.entries(step, folder)
+        for step, folder, entries, refused in self._scan():
+            if refused is not None:
+                log.warning("step %d left as it is: %s", step, refused)
+                continue
             for e in entries:
                 if e.status == FENCED and e.name == MANIFEST_NAME:
                     aside = f"fenced-{e.id}.json"

@@ -1,6 +1,7 @@
 """The shipped alert rules and dashboard, checked without a running server: promtool's rule
-check and unit tests, a runbook entry per alert, and every dashboard query reading only
-metrics the exporter defines (and every exporter metric on a panel)."""
+check and unit tests, a runbook entry per alert, every alert name the docs, the config
+help and the exporter's help mention being a shipped alert, and every dashboard query
+reading only metrics the exporter defines (and every exporter metric on a panel)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from monitoring import Metrics
+from trainer.config import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "monitoring" / "prometheus"
@@ -22,6 +24,11 @@ RULE_TESTS = PROM / "alerts_test.yml"
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboard.json"
 DOCS = ROOT / "docs" / "monitoring.md"
 _NAME = re.compile(r"\b((?:ckpt|train)_[a-z0-9_]+)\b")
+# An alert name is CamelCase; the words that say a sentence speaks of alerts.
+_CAMEL = re.compile(r"(?<![\w.])([A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+)(?![\w(])")
+_ALERT_WORDS = re.compile(r"(?<![\w-])(?:alerts?|alerting|fires?|fired|firing|runbook)(?![\w-])",
+                          re.I)
+_SENTENCE_END = re.compile(r"(?<=[.;!?])\s+")
 
 
 def _promtool() -> str:
@@ -85,6 +92,75 @@ def test_every_alert_has_a_runbook_entry():
             f"action and a ckpt command"
     for name, rule in alert_rules().items():
         assert f'runbook: "docs/monitoring.md#{name.lower()}"' in rule, name
+
+
+def alert_mentions(text: str) -> set[str]:
+    """CamelCase names that ``text`` (markdown or a help string) uses as alert names: in a
+    sentence that speaks of alerts (alert, fires, firing, runbook ...), in a
+    table column headed so (``| Alert |``), or as a heading under ``## Runbook``. Fenced code
+    is skipped."""
+    found: set[str] = set()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    section = ""
+    for line in text.splitlines():
+        if m := re.match(r"^## (.+)$", line):
+            section = m.group(1).strip()
+        elif (m := re.match(r"^###+ (\w+)\s*$", line)) and section == "Runbook":
+            found.update(_CAMEL.findall(m.group(1)))
+    for para in re.split(r"\n\s*\n", text):
+        lines = para.strip().splitlines()
+        if lines and lines[0].startswith("|"):  # a table: each row apart
+            rows = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in lines]
+            columns = [i for i, head in enumerate(rows[0]) if _ALERT_WORDS.search(head)]
+            for row in rows[2:]:
+                found.update(n for i in columns if i < len(row) for n in _CAMEL.findall(row[i]))
+            units = [" ".join(row) for row in rows]
+        else:
+            units = _SENTENCE_END.split(" ".join(para.split()))
+        for unit in units:
+            if _ALERT_WORDS.search(unit):
+                found.update(_CAMEL.findall(unit))
+    return found
+
+
+def mention_sources() -> list[tuple[str, str]]:
+    """``(where, text)`` of everything that names alerts for an operator: docs/*.md and the
+    README, each config key's help (docs/config.md is generated from it), and the help of
+    each exporter metric."""
+    out = [(str(p.relative_to(ROOT)), p.read_text())
+           for p in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]]
+    out += [(f"config help of {key}", help_) for key, _, _, help_ in field_docs()]
+    out += [(f"help of metric {fam.name}", fam.documentation)
+            for fam in Metrics().registry.collect()]
+    return out
+
+
+def test_every_alert_name_mentioned_is_a_shipped_alert():
+    shipped = set(alert_names())
+    wrong, seen = [], set()
+    for where, text in mention_sources():
+        names = alert_mentions(text)
+        seen |= names
+        wrong += [f"{where}: {name}" for name in sorted(names - shipped)]
+    assert not wrong, f"alert names that monitoring/prometheus/alerts.yml does not define " \
+        f"(its alerts: {', '.join(sorted(shipped))}); use the rule's name: {wrong}"
+    assert shipped <= seen, f"alerts the docs never name: {sorted(shipped - seen)}"
+
+
+def test_alert_mentions_are_told_from_other_names():
+    """The check above sees a wrong name in each place one is written, and no class name
+    in a sentence that is not about alerts."""
+    assert alert_mentions("Quorum size below which FtQuorumBelowMinimum fires; 0 = off.") \
+        == {"FtQuorumBelowMinimum"}
+    assert alert_mentions("A save raises CheckpointNotFoundError. `ReplicaLost` fires "
+                          "when a group is gone.") == {"ReplicaLost"}
+    assert alert_mentions("| Alert | Fault |\n|---|---|\n| TrainingJobGone | a kill |\n") \
+        == {"TrainingJobGone"}
+    assert alert_mentions("## Runbook\n\n### TrainingJobGone\nThe job is gone.\n\n## Next\n"
+                          "### CheckpointManager\nIts class.\n") == {"TrainingJobGone"}
+    assert alert_mentions("The CheckpointManager page-locks buffers, fire-and-forget; "
+                          "a DeviceMesh lays out ranks.\n```\n# fires CkptWriter\n```\n") \
+        == set()
 
 
 def test_dashboard_queries_read_only_exporter_metrics_and_cover_them_all():

@@ -55,8 +55,8 @@ class FaultToleranceConfig(Section):
               "writing when the writing group's host is lost.")
     lease_retry_steps: int = _f(10, "A group that does not write checkpoints tries to take "
                                     "the lease every this many steps.")
-    alert_min_quorum: int = _f(0, "Quorum size below which FtQuorumBelowMinimum fires; 0 = "
-                                  "parallel.dp_replicate (every group).")
+    alert_min_quorum: int = _f(0, "Quorum size below which ReplicaQuorumBelowMinimum fires; "
+                                  "0 = parallel.dp_replicate (every group).")
     hostname: str = _f("", "Name other groups reach this group's rank 0 by; empty = "
                            "socket.gethostname().")
 

@@ -1,7 +1,7 @@
 """The shipped alert rules in a real Prometheus (1 s scrape) against real 2-rank trainer
 runs with induced faults; every dashboard query returns data.
 
-Two jobs run at once under one Prometheus, each its own scrape job with one target per
+Three jobs run at once under one Prometheus, each its own scrape job with one target per
 rank (``metrics.port + LOCAL_RANK``):
 
 - ``nanhang``: the loss of one step is made NaN (``fault.inject_nan_step``) ->
@@ -13,6 +13,10 @@ rank (``metrics.port + LOCAL_RANK``):
   a file, as when a mount goes away) -> ``CheckpointSaveFailures`` and, 3 intervals plus the
   slack after the last commit, ``CheckpointTooOld``; then the job is killed ->
   ``TrainingJobDown`` (pending).
+- ``done``: 3 short one-process runs in a row on one metrics port, each ending normally
+  (exit 0, its completion served ``metrics.linger_seconds``; a run may end before its first
+  scrape), then a 4th that trains on: 4 start times in a minute or two, and no
+  ``TrainingRestartLoop``, which counts process starts less normal ends.
 
 The ``nanhang`` job's hang watchdog (30 s) then catches rank 0 waiting for the frozen rank:
 it counts the hang, keeps serving ``metrics.linger_seconds`` and exits ->
@@ -51,6 +55,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -174,11 +179,54 @@ def _committed_since(job: Job, since: int) -> dict:
     return job.wait_event(lambda e: e["kind"] == "save_committed", 120, "a commit", since=since)
 
 
+class _RunsInARow(threading.Thread):
+    """Launches ``argvs`` one after another, each but the last waited for and required to
+    exit 0, the last left running; every launch goes into ``jobs`` (the test's cleanup
+    list). :meth:`result` joins it, raises what a launch raised and returns the last
+    launch; :meth:`stop` starts no further launch."""
+
+    def __init__(self, argvs: list[list[str]], log_dir: Path, name: str, jobs: list[Job]):
+        super().__init__(name=name, daemon=True)
+        self.argvs, self.log_dir, self.jobs = argvs, log_dir, jobs
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for i, argv in enumerate(self.argvs):
+                if self._halt.is_set():
+                    return
+                job = Job(argv, self.log_dir, f"{self.name}-{i}")
+                self.jobs.append(job)
+                if i < len(self.argvs) - 1:
+                    job.wait_ok(timeout=180)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self.error = exc
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def result(self, timeout: float) -> Job:
+        self.join(timeout)
+        assert not self.is_alive(), f"{self.name}: runs still going after {timeout:.0f}s"
+        if self.error is not None:
+            raise self.error
+        return self.jobs[-1]
+
+
 def test_every_fault_brings_its_alert(tmp_path):
-    nan_base, storage_base = _port_pair(), _port_pair()
-    prom = Prom(tmp_path, {"nanhang": nan_base, "storage": storage_base})
+    nan_base, storage_base, done_base = _port_pair(), _port_pair(), _port_pair()
+    prom = Prom(tmp_path, {"nanhang": nan_base, "storage": storage_base, "done": done_base})
     jobs: list[Job] = []
+    # Job 3: 3 runs that end normally, then a 4th that trains on (no save due).
+    done = _RunsInARow(
+        [trainer_argv(f"--training.steps={steps}", f"--checkpoint.interval={steps}",
+                      f"--checkpoint.root={tmp_path / f'done-ckpt-{i}'}",
+                      f"--metrics.port={done_base}", "--metrics.host=127.0.0.1",
+                      f"--metrics.linger_seconds={3 * SCRAPE:g}")
+         for i, steps in enumerate([3, 3, 3, 1000000])], tmp_path, "done", jobs)
     try:
+        done.start()
         # Job 1 trains on, metrics on; its loss at step 60 becomes NaN.
         a_jsonl = tmp_path / "a.jsonl"
         a = Job(trainer_argv("--training.steps=1000000", "--fault.inject_nan_step=60",
@@ -233,6 +281,23 @@ def test_every_fault_brings_its_alert(tmp_path):
             'ckpt_save_bytes_per_second{job="storage"} > 0')}
         assert ranks == {"0", "1"}, "persist throughput of every rank"
 
+        # 3 runs in a row on one port ended normally, then a 4th starts: 4 start times,
+        # no restart loop.
+        fourth = done.result(timeout=300)
+        assert prom.wait_query('changes(train_process_start_timestamp_seconds{job="done"}'
+                               '[30m]) == 3', 120), "4 start times of the done job not scraped"
+        # Each end seen is a rise of the completion time (the first run's is not when its
+        # first scrape came after its end).
+        ends = 'changes({0}[30m]) - resets({0}[30m])'.format(
+            'train_completed_timestamp_seconds{job="done"}')
+        assert prom.wait_query(f"{ends} >= 2", 10), prom.query(ends)
+        assert fourth.proc.poll() is None, fourth.tails()
+        time.sleep(3 * SCRAPE)  # rule evaluations after the 4th start was scraped
+        looping = [alert["labels"] for alert in prom.alerts()
+                   if alert["labels"]["alertname"] == "TrainingRestartLoop"]
+        assert not looping, f"normal ends counted as restarts: {looping}"
+        fourth.kill_all()
+
         # Hang: freeze rank 1; rank 0 waits in its next collective.
         threshold = float(prom.query('train_stall_threshold_seconds{job="nanhang",rank="0"}')
                           [0]["value"][1])
@@ -271,6 +336,7 @@ def test_every_fault_brings_its_alert(tmp_path):
             prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="storage",
                             instance=f"127.0.0.1:{storage_base + r}")
     finally:
+        done.stop()
         for job in jobs:
             job.kill_all()
         prom.stop()

@@ -94,8 +94,11 @@ def _ft_command(name: str, argv: list[str], debug: bool) -> int:
                         datefmt="%H:%M:%S")
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
-        print("lighthouse: serves on the port of fault_tolerance.lighthouse, with its "
-              "min_replicas, heartbeat_timeout_seconds and join_timeout_seconds")
+        print("lighthouse: listens on fault_tolerance.lighthouse_bind (default 127.0.0.1, "
+              "this host only; on several hosts the address the groups reach it by) at the "
+              "port of fault_tolerance.lighthouse, with its min_replicas, "
+              "heartbeat_timeout_seconds and join_timeout_seconds; ft-local's listens on "
+              "127.0.0.1")
         return 0
     try:
         if name == "lighthouse":

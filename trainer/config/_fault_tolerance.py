@@ -9,6 +9,8 @@ all-reduce, so a group that dies leaves the others training (``trainer.ft``).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import ClassVar
@@ -21,6 +23,7 @@ __all__ = ["FaultToleranceConfig", "QUORUM_TIMEOUT_MARGIN_SECONDS"]
 # Beyond a hung group's last moment of life: the hang watchdog polls every 5 s at most
 # before it exits, then the lighthouse waits a heartbeat timeout; the rest is slack.
 QUORUM_TIMEOUT_MARGIN_SECONDS = 15.0
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 
 
 @dataclass
@@ -33,6 +36,10 @@ class FaultToleranceConfig(Section):
     group_id: int = _f(-1, "This replica group's index, 0 .. parallel.dp_replicate - 1.")
     lighthouse: str = _f("http://localhost:29510", "URL of the torchft lighthouse "
                                                    "(python -m trainer lighthouse).")
+    lighthouse_bind: str = _f(
+        "127.0.0.1", "Address python -m trainer lighthouse listens on, at the lighthouse "
+                     "URL's port: 127.0.0.1 = this host only; with groups on other hosts, "
+                     "the address they reach it by (0.0.0.0 = every interface).")
     min_replicas: int = _f(1, "Replica groups a step needs to commit (the lighthouse's "
                               "--min_replicas).")
     heartbeat_timeout_seconds: float = _f(
@@ -65,6 +72,10 @@ class FaultToleranceConfig(Section):
         if url.scheme not in ("http", "https") or not url.hostname:
             self._fail("lighthouse", f"{self.lighthouse!r} is not an http:// URL",
                        "e.g. http://lighthouse-host:29510")
+        if not _is_host(self.lighthouse_bind):
+            self._fail("lighthouse_bind", f"{self.lighthouse_bind!r} is not an IP address or "
+                       "host name", "give the address alone (its port is the lighthouse "
+                       "URL's), e.g. 127.0.0.1, 10.0.0.5, :: or 0.0.0.0")
         self._at_least("min_replicas", 1)
         for name in ("heartbeat_timeout_seconds", "join_timeout_seconds", "timeout_seconds",
                      "connect_timeout_seconds", "lease_ttl_seconds"):
@@ -85,7 +96,24 @@ class FaultToleranceConfig(Section):
         url = urllib.parse.urlsplit(self.lighthouse)
         return url.port or (443 if url.scheme == "https" else 80)
 
+    @property
+    def lighthouse_listen(self) -> str:
+        """``host:port`` the lighthouse listens on: :attr:`lighthouse_bind` (an IPv6 address
+        in brackets) at :attr:`lighthouse_port`."""
+        host = self.lighthouse_bind
+        return f"[{host}]:{self.lighthouse_port}" if ":" in host else \
+            f"{host}:{self.lighthouse_port}"
+
     def group_layout(self, par: ParallelConfig) -> ParallelConfig:
         """One replica group's layout within the job's resolved ``par``: ``(pp, dp_shard,
         tp)``, the replicate axis left to torchft (``dp = dp_shard``, ``dp_replicate = 1``)."""
         return dataclasses.replace(par, dp=par.dp_shard, dp_replicate=1)
+
+
+def _is_host(value: str) -> bool:
+    """An IP address (v4 or v6, no brackets, no port) or a DNS host name."""
+    try:
+        ipaddress.ip_address(value)
+        return True
+    except ValueError:
+        return len(value) <= 253 and _HOST_NAME.fullmatch(value) is not None

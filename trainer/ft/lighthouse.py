@@ -3,9 +3,12 @@
 The lighthouse (torchft's, a small Rust server) holds the quorum: every replica group's rank
 0 heartbeats to it, and at every step it tells the groups which of them train together. It
 keeps no state a restart would lose except the quorum id, so run it under a supervisor on a
-fixed address (docs/trainer.md, "Fault-tolerant replica groups").
+fixed address (docs/trainer.md, "Fault-tolerant replica groups"). It serves the quorum to
+anyone who reaches its port, so it listens on ``fault_tolerance.lighthouse_bind`` only
+(default loopback: this host's groups).
 
-:func:`serve` runs one in this process with the timing of a ``[fault_tolerance]`` section.
+:func:`serve` runs one in this process with the timing and address of a
+``[fault_tolerance]`` section.
 :func:`check_reachable` is the start-up check of a group (one clear line when no lighthouse
 answers). :class:`LighthouseWatch` polls its status page from a group's rank 0 for the
 metrics: is it up, and how many groups heartbeat to it.
@@ -13,6 +16,7 @@ metrics: is it up, and how many groups heartbeat to it.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -20,6 +24,7 @@ import signal
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Callable
 
@@ -62,33 +67,47 @@ def check_reachable(ft: FaultToleranceConfig) -> None:
             raise LighthouseUnreachable(
                 f"fault_tolerance.lighthouse: no lighthouse answers at {ft.lighthouse} "
                 f"({why}) after {ft.connect_timeout_seconds:g}s; start one with `python -m "
-                f"trainer lighthouse --config ...` on that host, or fix the address")
+                f"trainer lighthouse --config ...` on that host, listening on an address this "
+                f"host reaches (fault_tolerance.lighthouse_bind), or fix the address")
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
-def serve(ft: FaultToleranceConfig, *, bind_host: str = "::",
-          ready: Callable[[str], None] | None = None) -> int:
-    """Run a lighthouse on ``ft.lighthouse``'s port until SIGTERM or SIGINT; returns 0.
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    Its timing comes from ``ft``: ``--min_replicas``, ``--heartbeat_timeout_ms``,
-    ``--join_timeout_ms`` (and a quorum tick of 100 ms), so the groups and the lighthouse
-    agree on how fast a dead group is noticed. ``ready(address)`` is called once it listens.
+
+def serve(ft: FaultToleranceConfig, *, ready: Callable[[str], None] | None = None) -> int:
+    """Run a lighthouse until SIGTERM or SIGINT; returns 0.
+
+    It listens on ``ft.lighthouse_listen`` (``ft.lighthouse_bind`` at ``ft.lighthouse``'s
+    port) and nowhere else. Its timing comes from ``ft``: ``--min_replicas``,
+    ``--heartbeat_timeout_ms``, ``--join_timeout_ms`` (and a quorum tick of 100 ms), so the
+    groups and the lighthouse agree on how fast a dead group is noticed. ``ready(address)``
+    is called once it listens.
     """
     os.environ.setdefault("RUST_LOG", "warn")  # else a line per quorum tick and request
     from torchft.coordination import LighthouseServer
 
-    bind = f"[{bind_host}]:{ft.lighthouse_port}" if ":" in bind_host else \
-        f"{bind_host}:{ft.lighthouse_port}"
-    server = LighthouseServer(bind=bind, min_replicas=ft.min_replicas,
+    url_host = urllib.parse.urlsplit(ft.lighthouse).hostname or ""
+    if _loopback(ft.lighthouse_bind) and not _loopback(url_host):
+        log.warning("the lighthouse listens on %s, which only this host reaches, but "
+                    "fault_tolerance.lighthouse is %s: set --fault_tolerance.lighthouse_bind "
+                    "to the address the groups reach it by", ft.lighthouse_bind, ft.lighthouse)
+    server = LighthouseServer(bind=ft.lighthouse_listen, min_replicas=ft.min_replicas,
                               join_timeout_ms=int(ft.join_timeout_seconds * 1000),
                               quorum_tick_ms=QUORUM_TICK_MS,
                               heartbeat_timeout_ms=int(ft.heartbeat_timeout_seconds * 1000))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log.info("lighthouse on %s (min_replicas %d, heartbeat timeout %gs, join timeout %gs)",
-             server.address(), ft.min_replicas, ft.heartbeat_timeout_seconds,
-             ft.join_timeout_seconds)
+    log.info("lighthouse listening on %s (min_replicas %d, heartbeat timeout %gs, join "
+             "timeout %gs)", ft.lighthouse_listen, ft.min_replicas,
+             ft.heartbeat_timeout_seconds, ft.join_timeout_seconds)
     if ready is not None:
         ready(server.address())
     try:

@@ -6,7 +6,8 @@ the goodput benchmark and the end-to-end tests drive::
     python -m trainer ft-local --groups 2 --out runs/ft --config configs/tiny.toml \\
         --checkpoint.root=runs/ft/ckpt
 
-starts ``python -m trainer lighthouse`` on ``--port`` (default 29510), then one
+starts ``python -m trainer lighthouse`` on ``--port`` (default 29510) of loopback
+(127.0.0.1: nothing off this host reaches it), then one
 ``torchrun --standalone --nproc-per-node R --max-restarts K -m trainer`` per replica group
 (``--fault_tolerance.enabled=true --fault_tolerance.group_id=g`` and the lighthouse address
 added to the arguments), each in its own session, logging to ``OUT/g<g>.log`` and its rank
@@ -36,6 +37,7 @@ from trainer.ft.lighthouse import probe
 __all__ = ["LocalReplicaGroups", "main", "DEFAULT_PORT", "free_port", "worker_pids"]
 
 DEFAULT_PORT = 29510
+_LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
@@ -100,7 +102,8 @@ class _Events:
 
 
 class LocalReplicaGroups:
-    """A lighthouse plus ``groups`` replica groups of ``nproc`` ranks each, on loopback.
+    """A lighthouse plus ``groups`` replica groups of ``nproc`` ranks each, on loopback (the
+    lighthouse listens on 127.0.0.1 whatever ``fault_tolerance.lighthouse_bind`` says).
 
     ``trainer_args``: the trainer's arguments (``--config FILE`` and overrides), the same for
     every group; ``parallel.dp_replicate`` and the ``fault_tolerance`` keys that say who is
@@ -121,7 +124,7 @@ class LocalReplicaGroups:
         self.python = python or sys.executable
         self.env = dict(env if env is not None else os.environ)
         self.env.setdefault("PYTHONUNBUFFERED", "1")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{_LOOPBACK}:{self.port}"
         self.lighthouse: subprocess.Popen | None = None
         self.agents: dict[int, subprocess.Popen] = {}
         self._events = {g: _Events(self.out / f"g{g}.jsonl") for g in range(groups)}
@@ -139,9 +142,12 @@ class LocalReplicaGroups:
 
     # -- starting ------------------------------------------------------------------------------
     def start_lighthouse(self, timeout: float = 60.0) -> None:
-        """Start the lighthouse and wait until it answers."""
+        """Start the lighthouse, listening on loopback only (every group is on this host),
+        and wait until it answers."""
         self.lighthouse = self._spawn([self.python, "-m", "trainer", "lighthouse",
-                                       *self._common()], "lighthouse.log")
+                                       *self._common(),
+                                       f"--fault_tolerance.lighthouse_bind={_LOOPBACK}"],
+                                      "lighthouse.log")
         deadline = time.monotonic() + timeout
         while not probe(self.url, timeout=1.0)[0]:
             if self.lighthouse.poll() is not None or time.monotonic() > deadline:

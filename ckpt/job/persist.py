@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.dcp import PlanCache, SaveCost, api
-from ckpt.errors import LeaseLostError, SaveAbandoned
+from ckpt.errors import CheckpointError, FormatVersionError, LeaseLostError, SaveAbandoned
 from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.root import Lifecycle
@@ -107,20 +107,24 @@ class Persister:
                     **save_options)
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
                                       persist_seconds=time.monotonic() - t0, cost=cost)
-            except FileExistsError:
-                landed = self.life.committed_by(step, attempt_ids[:-1])  # every rank reads
-                if landed is not None:
-                    # An earlier attempt did commit (its failure came after the manifest
-                    # existed): read back, it counts; not "already committed" by another.
-                    log.warning("checkpoint step %d: attempt %s had committed after all "
-                                "(read back)", step, landed.save_id)
-                    return PersistOutcome(True, landed if self.rank == 0 else None,
-                                          attempts=attempt - 1, retries=retries(),
-                                          persist_seconds=time.monotonic() - t0, cost=cost)
-                self.events.emit("save_skipped", step, reason="already committed",
-                                 outcome="skipped")
-                return PersistOutcome(False, already_committed=True, attempts=attempt)
             except BaseException as exc:  # noqa: BLE001 - reported, never silent
+                if isinstance(exc, FileExistsError):
+                    # Read back (every rank alike): did an earlier attempt of this save
+                    # commit (its failure came after the manifest existed), or does another
+                    # version count at this step? Anything else that says "exists" (a file
+                    # where a folder belongs) is a failure like any other.
+                    landed = self.life.committed_by(step, attempt_ids[:-1])
+                    if landed is not None:
+                        log.warning("checkpoint step %d: attempt %s had committed after all "
+                                    "(read back)", step, landed.save_id)
+                        return PersistOutcome(True, landed if self.rank == 0 else None,
+                                              attempts=attempt - 1, retries=retries(),
+                                              persist_seconds=time.monotonic() - t0,
+                                              cost=cost)
+                    if self._counts(step):
+                        self.events.emit("save_skipped", step, reason="already committed",
+                                         outcome="skipped")
+                        return PersistOutcome(False, already_committed=True, attempts=attempt)
                 abandoned = isinstance(exc, (SaveAbandoned, LeaseLostError))
                 final = attempt == self.max_attempts or abandoned
                 outcome = "abandoned" if abandoned else ("failed" if final else "retrying")
@@ -139,6 +143,18 @@ class Persister:
                 time.sleep(backoff_seconds(attempt, self.retry_backoff_seconds,
                                            MAX_BACKOFF_SECONDS))
         raise AssertionError("unreachable: the last attempt returns")
+
+    def _counts(self, step: int) -> bool:
+        """Does a committed version count at ``step`` (or one of a newer format, never
+        touched), as readers read it? A save refused by such a step is "already committed";
+        refused by anything else, it failed."""
+        try:
+            self.life.read_committed(step)
+        except FormatVersionError:
+            return True
+        except (CheckpointError, OSError):
+            return False
+        return True
 
     def _remove_attempts(self, step: int, attempt_ids: list[str]) -> None:
         """Coordinator, after a final failure: remove the files of this save's attempts.

@@ -87,3 +87,24 @@ def test_the_final_step_check_reads_the_manifest_as_readers_do(tmp_path):
     assert 5 in store.committed_steps()  # a manifest file exists...
     assert not _committed(store, 5)  # ...but it is no checkpoint
     assert not _committed(store, 6)
+
+
+def test_a_root_that_became_a_file_fails_saves_never_skips_them(tmp_path):
+    """"File exists" from anything but a committed step (the root's link now points at a
+    file, as when a mount goes away) is a failed save, reported as one, not "already
+    committed"."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    mgr = CheckpointManager(str(link), async_save=False, retention=[], use_lease=False,
+                            retry_backoff_seconds=0.01)
+    mgr.save(1, {"w": torch.ones(2)})
+    blocker, new = tmp_path / "blocker", tmp_path / "new"
+    blocker.write_text("")
+    new.symlink_to(blocker)
+    new.replace(link)
+    events = _events(mgr)
+    mgr.save(2, {"w": torch.ones(2)})
+    mgr.close(flush=False)
+    kinds = [e.kind for e in events]
+    assert "save_skipped" not in kinds and kinds.count("save_failed") == 3, kinds

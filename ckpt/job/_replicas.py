@@ -2,8 +2,8 @@
 loss of a node (``TieredCheckpointManager(local_replicas=2)``).
 
 Nodes form a ring by index. Node ``n``'s local checkpoints are copied to its successor, into
-``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``): a root of
-its own, whose lease the successor's first rank holds (fencing, cleanup of torn copies
+``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``; never through
+a link planted there: refused, naming it): a root of its own, whose lease the successor's first rank holds (fencing, cleanup of torn copies
 included). Only the first rank of each node (its *coordinator*, which commits the node's
 local checkpoints) takes part; bytes travel point to point (``ckpt.ranks.swap_bytes``) on a
 gloo group of the coordinators, used by one thread at a time, never the training group.
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.errors import CheckpointError, LeaseHeldError
+from ckpt.errors import CheckpointError, CorruptCheckpointError, LeaseHeldError
 from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.job._copy import Incoming, Outgoing, swap_versions
@@ -83,12 +83,14 @@ class Replicas:
     """The copies of node-local checkpoints on the next node, for one rank of a tiered job.
 
     Construction is collective over the job (every rank: the coordinators' group); each
-    coordinator takes the lease of the peer root it holds (``LeaseHeldError`` on every rank
-    if one cannot) and removes torn copies. ``queue``/``wait`` on the training thread;
+    coordinator takes the lease of the peer root it holds inside its node's local root
+    (``local.storage``), and removes torn copies; when one cannot, every rank raises
+    (``LeaseHeldError``, or there the ``CorruptCheckpointError`` naming a link planted where
+    the peer root lives). ``queue``/``wait`` on the training thread;
     ``restore`` and ``drop_newer`` at a resume (every rank; ``wait`` first); ``close`` once.
     """
 
-    def __init__(self, local: CheckpointManager, local_root: str, *, node: int,
+    def __init__(self, local: CheckpointManager, *, node: int,
                  node_of_rank: list[int], world: Agreement, events: EventBus,
                  use_lease: bool = True, lease_ttl_seconds: float = 60.0,
                  job_name: str | None = None, job_fingerprint: str | None = None):
@@ -108,32 +110,39 @@ class Replicas:
         self._lock = threading.Lock()
         self._last: Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-replicate")
-        error = self._claim(peer_root(local_root, self.pred_node), use_lease,
-                            ttl_seconds=lease_ttl_seconds, job_name=job_name,
-                            fingerprint=job_fingerprint) if self.coordinator else ""
-        if world.any(bool(error)):
+        error = self._claim(local.storage, use_lease, ttl_seconds=lease_ttl_seconds,
+                            job_name=job_name, fingerprint=job_fingerprint) \
+            if self.coordinator else None
+        if world.any(error is not None):
             self.close()
-            raise LeaseHeldError(error or "another node could not take the lease of the "
-                                          "copies it holds (its log says which)")
+            raise error or LeaseHeldError("another node could not take the copies it holds "
+                                          "(its lease, or a link in their folder: its log "
+                                          "says which)")
 
-    def _claim(self, url: str, use_lease: bool, **lease_options: Any) -> str:
-        """Coordinator: take the peer root ``url`` (its lease, fencing off earlier holders;
-        then remove torn copies). Returns why it could not, or ""."""
-        storage = Storage(url)
-        storage.makedirs("")
+    def _claim(self, local: Storage, use_lease: bool, **lease_options: Any
+               ) -> CheckpointError | None:
+        """Coordinator: take the root of the copies held here, inside ``local`` (its lease,
+        fencing off earlier holders; then remove torn copies). Returns why it could not
+        (``LeaseHeldError``, or ``CorruptCheckpointError`` naming a link planted where the
+        root lives), or None."""
+        try:
+            storage = peer_root(local, self.pred_node)
+        except CorruptCheckpointError as exc:
+            log.error("%s", exc)
+            return exc
         life = Lifecycle(storage)
         if use_lease:
             try:
                 acquire_lease(storage, lifecycle=life, on_lost=lambda why: self.events.emit(
                     "local_lease_lost", reason=why, tier="local"), **lease_options)
             except LeaseHeldError as exc:
-                return str(exc)
+                return exc
             try:
                 life.cleanup()  # torn copies of an earlier holder
             except Exception as exc:  # noqa: BLE001 - best effort, as a manager's
                 log.warning("could not clean up %s: %s", storage.url, exc)
         self.peer_life, self.peer_store = life, CheckpointStore(storage, lifecycle=life)
-        return ""
+        return None
 
     # -- rounds (training thread queues, the replication thread runs) --------------------------
     def queue(self, step: int, outcome: Future | None) -> None:
@@ -186,7 +195,8 @@ class Replicas:
                        outgoing=outgoing, recv_from=self.coordinator_of[self.pred_node],
                        incoming=incoming)
         verdict = True
-        if incoming is not None and incoming.step is not None:
+        received = incoming is not None and incoming.announced
+        if received:
             try:
                 incoming.finish()
             except CheckpointError as exc:
@@ -194,12 +204,14 @@ class Replicas:
                 log.error("%s", exc)
                 self.events.emit("replica_failed", incoming.step, node=self.pred_node,
                                  peer_node=self.node, error=str(exc))
-        sent_step = manifest is not None
+        sent_step = outgoing.step is not None  # not when its files do not match it
         got = swap_bytes(self.group,
-                         send_to=self.coordinator_of[self.pred_node]
-                         if incoming is not None and incoming.step is not None else None,
+                         send_to=self.coordinator_of[self.pred_node] if received else None,
                          payload=_ack(verdict),
                          recv_from=self.coordinator_of[self.succ_node] if sent_step else None)
+        if manifest is not None and not sent_step:
+            self.events.emit("replica_failed", step, node=self.node, peer_node=self.succ_node,
+                             error=outgoing.error)
         if not sent_step:
             return
         if got is not None and got.numel() == 1 and int(got[0]) == 1:

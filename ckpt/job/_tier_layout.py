@@ -30,10 +30,11 @@ PEER_ROOT = "peer-{node}"
 checkpoints (docs/format.md, *Layout of a root*)."""
 
 
-def peer_root(local_root: str, node: int) -> str:
-    """The root, under ``local_root`` (a node's own), of the copies of node ``node``'s local
-    checkpoints."""
-    return f"{str(local_root).rstrip('/')}/{PEER_ROOT.format(node=int(node))}"
+def peer_root(local: Storage, node: int) -> Storage:
+    """The root, under ``local`` (a node's own local root), of the copies of node ``node``'s
+    local checkpoints: created when absent, and never through a link (``Storage.child``: a
+    link planted there, to another root say, is refused naming it, now or later)."""
+    return local.child(PEER_ROOT.format(node=int(node)))
 
 
 def ring_neighbours(node: int, nodes: list[int]) -> tuple[int, int]:

@@ -187,7 +187,7 @@ class TieredCheckpointManager:
         if self.local_replicas > 1:
             try:
                 self._replicas = Replicas(
-                    self.local, self.local_root, node=self.node_rank,
+                    self.local, node=self.node_rank,
                     node_of_rank=self._node_of_rank, world=self._world, events=self.events,
                     use_lease=manager_options.get("use_lease", True),
                     lease_ttl_seconds=manager_options.get("lease_ttl_seconds", 60.0),

@@ -15,6 +15,7 @@ graph, function-level imports included).
 - ``job``: a job's checkpoints: the manager, its save gate, the background persist,
   retention, the two-tier manager;
 - ``export``: a checkpoint as full tensors (``.pt``, ``.safetensors``, Hugging Face);
+- ``hf``: a Hugging Face folder's weights into a model of any layout (``load_hf``);
 - ``cli``: the ``ckpt`` command and its read-only inspection.
 
 A save is planned in ``dcp`` (planners), written in ``dcp`` (writer) and committed in
@@ -52,6 +53,7 @@ from ckpt.errors import (
 )
 from ckpt.events import Event, EventBus, JsonlEventLog
 from ckpt.format import Manifest
+from ckpt.hf import HFLoadReport, load_hf
 from ckpt.job import (
     CheckpointManager,
     KeepAll,
@@ -73,6 +75,8 @@ __all__ = [
     "load_latest",
     "read_attachment",
     "list_attachments",
+    "load_hf",
+    "HFLoadReport",
     "PlanCache",
     "init_distributed",
     # a job's checkpoints

@@ -1,14 +1,16 @@
 """The reference model as a Hugging Face model: what every checkpoint carries so that
-``ckpt export ROOT --format hf --out DIR`` writes a folder ``from_pretrained`` loads.
+``ckpt export ROOT --format hf --out DIR`` writes a folder ``from_pretrained`` loads, and
+the way back, a Hugging Face folder imported into the model (``checkpoint.initial_load``).
 
 With ``model.activation = "swiglu"`` (the default) :class:`trainer.model.Transformer` is
 Llama's architecture, the same math as transformers' ``LlamaForCausalLM``: pre-norm
 blocks with RMSNorm (``x * rsqrt(mean(x^2) + eps) * w``), rotary embeddings rotating the
 halves ``(i, i + head_dim / 2)`` of each head with frequencies ``theta^(-2i / head_dim)``
 (transformers' ``rotate_half`` layout, so ``wq``/``wk`` need no permutation), causal
-attention scaled by ``1 / sqrt(head_dim)`` with as many key/value heads as query heads,
-a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``, no biases and an output projection not tied to the
-embedding. Only the weights' names differ (:func:`hf_names`). ``tests/trainer/test_hf.py``
+attention scaled by ``1 / sqrt(head_dim)`` with ``model.n_kv_heads`` key/value heads
+(grouped-query attention in transformers' ``repeat_kv`` order when fewer than the query
+heads; ``num_key_value_heads``), a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``, no biases and
+an output projection not tied to the embedding. Only the weights' names differ (:func:`hf_names`). ``tests/trainer/test_hf.py``
 loads the export with ``from_pretrained`` and compares logits with the model's.
 
 With ``activation = "gelu"`` no Hugging Face architecture matches (Llama's MLP is gated,
@@ -20,20 +22,33 @@ Every save attaches (:func:`hf_attachments`) ``config.json``, a ``LlamaConfig``,
 ``hf_export.json``: the selection holding the weights (``app.model.``, where
 :meth:`trainer.train.Trainer.checkpoint_state` puts them) and each weight's Llama name
 (``ckpt.export`` applies them; docs/store.md, "Export").
+
+The other way (``checkpoint.initial_load``): :func:`import_hf` checks a folder's
+``config.json`` against ``[model]`` field by field (:func:`check_hf_config`) and reads
+its weights into the parallel model with :func:`ckpt.load_hf` under the inverse names,
+each rank its own shards; the folder's tokenizer and generation files come back to be
+attached to every save, and :func:`carried_attachments` keeps them across resumes.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any, Mapping
 
 import torch
 
+from ckpt.dcp import read_from
 from ckpt.export import HF_CONFIG_NAME, HF_EXPORT_NAME
-from trainer.config import ModelConfig
+from ckpt.format import Manifest
+from ckpt.hf import HFFolder, HFLoadReport, load_hf
+from ckpt.ranks import Agreement, cpu_group
+from ckpt.storage import Storage
+from trainer.config import ConfigError, ModelConfig
 from trainer.model import Transformer
 
-__all__ = ["HF_SELECT", "hf_config", "hf_names", "hf_attachments"]
+__all__ = ["HF_SELECT", "hf_config", "hf_names", "hf_attachments", "check_hf_config",
+           "import_hf", "carried_attachments"]
 
 HF_SELECT = "app.model."  # the checkpoint keys of the model's weights (checkpoint_state)
 
@@ -68,7 +83,7 @@ def hf_config(cfg: ModelConfig) -> dict | None:
         "intermediate_size": cfg.hidden_ffn_dim,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
@@ -109,3 +124,124 @@ def hf_attachments(cfg: ModelConfig) -> dict[str, bytes]:
     return {HF_CONFIG_NAME: json.dumps(config, indent=2).encode() + b"\n",
             HF_EXPORT_NAME: json.dumps({"select": HF_SELECT, "names": names},
                                        indent=1).encode() + b"\n"}
+
+
+_KEY = "checkpoint.initial_load"
+# config.json's sizes -> the [model] key that must equal them, and the model's value.
+_SIZES = (("vocab_size", "vocab_size", lambda c: c.vocab_size),
+          ("hidden_size", "dim", lambda c: c.dim),
+          ("num_hidden_layers", "n_layers", lambda c: c.n_layers),
+          ("num_attention_heads", "n_heads", lambda c: c.n_heads),
+          ("num_key_value_heads", "n_kv_heads", lambda c: c.kv_heads),
+          ("intermediate_size", "ffn_dim", lambda c: c.hidden_ffn_dim),
+          ("rms_norm_eps", "norm_eps", lambda c: c.norm_eps),
+          ("rope_theta", "rope_theta", lambda c: c.rope_theta))
+# What the reference model is, whatever its sizes (hf_config writes these values).
+_FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+          ("tie_word_embeddings", False))
+
+
+def _folder_values(config: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's values for :data:`_SIZES`, with transformers' defaults: as many
+    key/value heads as query heads; ``rope_theta`` at the top (transformers < 5) or in
+    ``rope_parameters`` (5)."""
+    out = {key: config.get(key) for key, _, _ in _SIZES}
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = config.get("num_attention_heads")
+    rope = config.get("rope_parameters")
+    if out["rope_theta"] is None and isinstance(rope, dict):
+        out["rope_theta"] = rope.get("rope_theta")
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def check_hf_config(cfg: ModelConfig, config: Mapping[str, Any], where: str) -> None:
+    """Refuse a Hugging Face ``config.json`` (read from ``where``) whose model is not
+    ``cfg``'s: one :class:`ConfigError` line naming every field that differs with both
+    values and the overrides that fix them, or what the reference model cannot be (another
+    architecture, biases, tied embeddings, scaled rotary embeddings). A head size other
+    than ``dim / n_heads`` is refused too. ``max_position_embeddings`` is not compared:
+    no weight depends on it."""
+    kind = config.get("model_type")
+    if kind != "llama":
+        raise ConfigError(f"{_KEY}: {where} is a {kind!r} model, and the reference model "
+                          f"imports Llama-architecture folders only (model_type 'llama'); "
+                          f"load other models with ckpt.load_hf into their own class",
+                          key=_KEY)
+    for key, value in _FIXED:
+        if not _equal(config.get(key, value), value):
+            raise ConfigError(f"{_KEY}: {where} has {key}={json.dumps(config.get(key))}, but "
+                              f"the reference model has {key}={json.dumps(value)} (no biases, an "
+                              f"untied output projection, a SwiGLU MLP); import another folder",
+                              key=_KEY)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) \
+        else rope
+    if rope_type != "default":
+        raise ConfigError(f"{_KEY}: {where} scales its rotary embeddings (rope type "
+                          f"{json.dumps(rope_type)}), which the reference model does not; "
+                          f"import a folder with rope type 'default'", key=_KEY)
+    values = _folder_values(config)
+    wrong = [(key, mkey, values[key], get(cfg)) for key, mkey, get in _SIZES
+             if not _equal(values[key], get(cfg))]
+    head_dim = config.get("head_dim")
+    if head_dim is not None and not wrong and not _equal(head_dim, cfg.head_dim):
+        raise ConfigError(f"{_KEY}: {where} has head_dim={head_dim}, but the reference "
+                          f"model's head size is model.dim / model.n_heads = {cfg.head_dim}; "
+                          f"import another folder", key=_KEY)
+    if wrong:
+        said = "; ".join(f"{key}={json.dumps(value)} but model.{mkey}={json.dumps(ours)}"
+                         for key, mkey, value, ours in wrong)
+        fix = " ".join(f"--model.{mkey}={json.dumps(value)}" for _, mkey, value, _ in wrong)
+        raise ConfigError(f"{_KEY}: {where} does not match [model]: {said}; set them to "
+                          f"the folder's ({fix})", key=_KEY)
+
+
+def import_hf(path: str, cfg: ModelConfig, model: Any, *,
+              storage_options: dict[str, Any] | None = None,
+              process_group=None) -> tuple[HFLoadReport, dict[str, bytes]]:
+    """Read the Hugging Face folder ``path`` into ``model`` (a
+    :class:`trainer.parallelize.ParallelModel`, any layout): ``config.json`` is checked
+    against ``cfg`` first (:func:`check_hf_config`), then each rank reads only its own
+    shards (:func:`ckpt.load_hf`, the names :func:`hf_names` gives, inverted). Returns the
+    load's report and the folder's tokenizer and generation files (``{name: bytes}``, for
+    the saves' attachments).
+
+    Collective over ``process_group`` (None: the world): every rank calls it, after the
+    model is built and before training; one rank's failure raises on every rank."""
+    names = hf_names(cfg)
+    if names is None:
+        raise ConfigError(f"{_KEY}: model.activation={cfg.activation!r} has no Hugging Face "
+                          f"architecture to import; set model.activation='swiglu' (Llama's "
+                          f"MLP)", key=_KEY)
+    error: BaseException | None = None
+    try:
+        folder = HFFolder(path, storage_options)
+        check_hf_config(cfg, folder.read_config(), folder.describe(HF_CONFIG_NAME))
+        extra = folder.extra_files()
+    except Exception as exc:  # noqa: BLE001 - agreed below, then raised
+        error = exc
+    if not Agreement(cpu_group(process_group)).all(error is None):
+        raise error or ConfigError(f"{_KEY}: reading {path} failed on another rank (see "
+                                   f"its error)", key=_KEY)
+    state = model.model_state_dict()  # this rank's shards, the parameters' own memory
+    report = load_hf(state, folder, names=names, process_group=process_group)
+    return report, extra
+
+
+def carried_attachments(storage: Storage, manifest: Manifest, made: Mapping[str, Any]
+                        ) -> dict[str, bytes]:
+    """The attachments of the version ``manifest`` (under ``storage``) that this run does
+    not make itself (not in ``made``, and never ``config.json`` or ``hf_export.json``,
+    which describe this run's model): the tokenizer files an import attached, read once on
+    a resume so that every later save carries them too."""
+    own = {*made, HF_CONFIG_NAME, HF_EXPORT_NAME}
+    return {name: read_from(storage, manifest, name)
+            for name in sorted(manifest.attachments) if name not in own}

@@ -54,32 +54,38 @@ def _rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention.
+    """Causal self-attention with ``n_heads`` query heads and ``kv_heads`` key/value heads
+    (grouped-query attention when fewer: query head ``h`` attends with key/value head
+    ``h // (n_heads / kv_heads)``, transformers' ``repeat_kv`` order).
 
     Under tensor parallelism wq/wk/wv are column-sharded and wo row-sharded, so each rank
-    sees ``n_heads / tp`` heads; ``forward`` infers the local head count from the
-    projection's output size instead of trusting ``n_heads``.
+    sees ``n_heads / tp`` query heads and ``kv_heads / tp`` key/value heads (a rank's query
+    heads use exactly its key/value heads; ``tp`` divides both, checked by
+    ``ParallelConfig.check``); ``forward`` infers the local head counts from the
+    projections' output sizes instead of trusting the config.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        kv_dim = cfg.kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        # -1: the local head count (n_heads / tp under TP).
+        # -1: the local head counts (n_heads / tp and kv_heads / tp under TP).
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q, k = _rotary(q, self.rope_theta), _rotary(k, self.rope_theta)
+        grouped = q.shape[2] != k.shape[2]  # without GQA the call is the one it always was
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            **({"enable_gqa": True} if grouped else {}))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 

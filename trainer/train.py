@@ -5,9 +5,11 @@ rank's slice of the global batch) -> forward/backward (pipelined when pp > 1, mi
 for gradient accumulation) -> global gradient norm and clipping -> loss guard (NaN/spike) ->
 optimizer and LR step -> log, metrics -> preemption check -> ``maybe_save`` (the cadence
 policy decides; the stall is only the staging copy). On start it resumes by itself from the
-newest checkpoint under ``checkpoint.root`` that verifies. What a checkpoint holds, the
-manager and what a resume settles are :mod:`trainer.checkpointing` (as is ``check_startup``,
-which ``python -m trainer`` runs before this module's :func:`run`).
+newest checkpoint under ``checkpoint.root`` that verifies; with none, it imports
+``checkpoint.initial_load`` (a Hugging Face folder, ``trainer.hf``) and commits it as step 0.
+What a checkpoint holds, the manager and what a resume settles are
+:mod:`trainer.checkpointing` (as is ``check_startup``, which ``python -m trainer`` runs before
+this module's :func:`run`).
 
 With ``[fault_tolerance]`` this process is a rank of one replica group (``trainer.ft``): the
 step starts with torchft's quorum (which may replace this group's state by a peer's),
@@ -64,7 +66,7 @@ from trainer.distributed import (
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 from trainer.ft import ReplicaState, WriterRole
-from trainer.hf import hf_attachments
+from trainer.hf import carried_attachments, hf_attachments, import_hf
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
@@ -209,9 +211,9 @@ class Trainer:
         A replica group that does not write checkpoints reads them all the same (without a
         manager, and changing nothing under the root): every group starts from the store,
         then the quorum brings a group that is behind a live peer up to it."""
-        if not self.cfg.checkpoint.enabled or not self.cfg.checkpoint.resume:
-            return None
         c = self.cfg.checkpoint
+        if not c.enabled or not c.resume:
+            return self._import_initial() if c.initial_load else None
         load = self.manager.load_latest if self.manager is not None else self._read_only_load
         try:
             manifest = load(self.checkpoint_state(with_rng=False),
@@ -234,9 +236,12 @@ class Trainer:
                 self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
             return None
         if manifest is None:
+            if c.initial_load:
+                return self._import_initial()
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
                 else None
             return None
+        self._carry_attachments(manifest)
         same = self._same_layout(manifest)
         if self.loaded_fingerprint and self.loaded_fingerprint != self.fingerprint:
             log.warning("checkpoint step %d was written with a different model/data/optimizer "
@@ -245,11 +250,48 @@ class Trainer:
         self._reconcile_config(manifest)
         if self.env.rank == 0:
             tier = self.manager.resumed_tier if self.manager is not None else "durable"
-            log.info("resumed from %s step %d%s", c.root if tier != "local" else
+            log.info("resumed from %s step %d%s%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
-                     "" if same else f" (saved on layout {manifest.layout}, resharded)")
+                     "" if same else f" (saved on layout {manifest.layout}, resharded)",
+                     f"; checkpoint.initial_load ({c.initial_load}) is not read: a resume "
+                     f"wins" if c.initial_load else "")
         self.events.emit("resumed", manifest.step, same_layout=same)
         return manifest.step
+
+    def _import_initial(self) -> int:
+        """``checkpoint.initial_load``: the Hugging Face folder's weights, each rank reading
+        its own shards (:func:`trainer.hf.import_hf`), committed at once as step 0 with the
+        folder's tokenizer and generation files, so that a restart resumes from root and
+        never reads the folder again. Every rank; returns 0, the step training starts from."""
+        c = self.cfg.checkpoint
+        report, extra = import_hf(c.initial_load, self.model_cfg, self.model,
+                                  storage_options=c.storage_options or None,
+                                  process_group=self.ctl_group)
+        self.hf_files = {**extra, **(self.hf_files or {})}
+        if self.env.rank == 0:
+            log.info("imported %s (%d tensors, %.1f MiB read by rank 0 in %.1fs%s); "
+                     "committing it as step 0", c.initial_load, len(report.loaded),
+                     report.bytes_read / 2**20, report.seconds,
+                     f", attaching {', '.join(sorted(extra))}" if extra else "")
+        if self.manager is not None:
+            self._forced_save(None)
+        return 0
+
+    def _carry_attachments(self, manifest) -> None:
+        """The resumed version's attachments this run does not make itself (an import's
+        tokenizer files) go on with every save; one that cannot be read is left out, and
+        the log says so."""
+        m = self.manager
+        storage = (self.writer.storage if m is None else
+                   m.local.storage if m.resumed_tier == "local" else m.storage)
+        try:
+            carried = carried_attachments(storage, manifest, self.hf_files or {})
+        except (OSError, ValueError) as exc:
+            log.warning("checkpoint step %d: its attachments are not carried to the next "
+                        "saves: %s", manifest.step, exc)
+            return
+        if carried:
+            self.hf_files = {**carried, **(self.hf_files or {})}
 
     def _same_layout(self, manifest) -> bool:
         return same_layout(manifest, self.par, self.env.world_size)

@@ -1,6 +1,9 @@
 """The trainer's checkpoints export to a Hugging Face folder that transformers loads as a
 ``LlamaForCausalLM`` with the model's logits (one process, in-process trainers; nothing is
-downloaded), and a GELU model, which no Hugging Face architecture matches, says so.
+downloaded), grouped-query attention included, and a GELU model, which no Hugging Face
+architecture matches, says so. The other way, ``checkpoint.initial_load`` refuses a
+folder whose ``config.json`` is not the model's in one line naming both values (the
+import itself: tests/ckpt/test_hf_import.py and tests/e2e/test_hf_import.py).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import torch
 
 from ckpt.cli import main as cli_main
 from ckpt.export import consolidate
+from ckpt.root import CheckpointStore
 from tests.e2e._jobs import TINY
-from trainer.config import ModelConfig, load_config
-from trainer.distributed import DistEnv
-from trainer.hf import HF_SELECT, hf_config, hf_names
+from trainer.config import ConfigError, ModelConfig, load_config
+from trainer.distributed import EXIT_CONFIG, DistEnv
+from trainer.hf import HF_SELECT, check_hf_config, hf_config, hf_names, import_hf
 from trainer.model import Transformer
-from trainer.train import Trainer
+from trainer.train import Trainer, run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,9 +61,11 @@ def test_llama_names_cover_every_weight_once(shape):
 
 
 @needs_transformers
-def test_trainer_checkpoint_exports_a_llama_folder_with_the_same_logits(tmp_path, capsys):
+@pytest.mark.parametrize("heads", [(), ("--model.n_kv_heads=2",)], ids=["mha", "gqa"])
+def test_trainer_checkpoint_exports_a_llama_folder_with_the_same_logits(tmp_path, capsys,
+                                                                        heads):
     root = tmp_path / "ckpt"
-    trainer = _train(root)
+    trainer = _train(root, *heads)
     out = tmp_path / "hf"
     # The command the README shows, and the shortest one: the checkpoint says what to select.
     for argv, folder in ((["--select", HF_SELECT], out), ([], tmp_path / "hf2")):
@@ -68,7 +74,9 @@ def test_trainer_checkpoint_exports_a_llama_folder_with_the_same_logits(tmp_path
         assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-    assert AutoConfig.from_pretrained(out, local_files_only=True).model_type == "llama"
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    assert config.model_type == "llama"
+    assert config.num_key_value_heads == trainer.model_cfg.kv_heads
     hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True,
                                               dtype=torch.float32).eval()
     assert isinstance(hf, LlamaForCausalLM)
@@ -107,3 +115,68 @@ def test_gelu_model_has_no_hf_config_and_says_so(tmp_path, capsys, caplog):
     assert set(weights) == set(Transformer(ModelConfig(activation="gelu", vocab_size=256,
                                                        dim=64, ffn_dim=256)).state_dict())
     assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
+# -- the other way: checkpoint.initial_load -------------------------------------------------
+def _llama_config(**changes) -> dict:
+    cfg = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    return {**hf_config(cfg), **changes}, cfg
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"num_key_value_heads": 4}, "num_key_value_heads=4 but model.n_kv_heads=2; set them to "
+                                 "the folder's (--model.n_kv_heads=4)"),
+    ({"hidden_size": 32, "rms_norm_eps": 1e-6},
+     "hidden_size=32 but model.dim=64; rms_norm_eps=1e-06 but model.norm_eps=1e-05; set them "
+     "to the folder's (--model.dim=32 --model.norm_eps=1e-06)"),
+    ({"model_type": "qwen2"}, "is a 'qwen2' model"),
+    ({"tie_word_embeddings": True}, "has tie_word_embeddings=true, but the reference model"),
+    ({"attention_bias": True}, "has attention_bias=true"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type \"llama3\""),
+    ({"head_dim": 32}, "head_dim=32, but the reference model's head size"),
+])
+def test_a_config_json_that_is_not_the_model_is_one_line(changes, fragment):
+    config, cfg = _llama_config(**changes)
+    with pytest.raises(ConfigError) as err:
+        check_hf_config(cfg, config, "hf/config.json")
+    message = str(err.value)
+    assert message.startswith("checkpoint.initial_load: hf/config.json") and fragment in message, \
+        message
+    assert "\n" not in message
+
+
+def test_config_json_of_either_transformers_generation_matches():
+    config, cfg = _llama_config()
+    check_hf_config(cfg, config, "hf/config.json")  # rope_theta at the top (transformers 4)
+    del config["rope_theta"], config["num_key_value_heads"]
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    with pytest.raises(ConfigError, match="num_key_value_heads=4 but model.n_kv_heads=2"):
+        check_hf_config(cfg, config, "hf/config.json")  # absent: as many as query heads
+    config["num_key_value_heads"] = 2
+    check_hf_config(cfg, config, "hf/config.json")
+
+
+def test_initial_load_needs_a_root_and_a_llama_model(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.initial_load: is set but root is empty"):
+        load_config(str(TINY), ["--checkpoint.initial_load=hf"])
+    with pytest.raises(ConfigError, match="model.activation='gelu' has no Hugging Face"):
+        import_hf(str(tmp_path), ModelConfig(activation="gelu"), None)
+
+
+@needs_transformers
+def test_a_folder_that_disagrees_with_the_model_stops_the_run_in_one_line(tmp_path, caplog):
+    from tests.ckpt._hf_llama import MODEL_ARGS, save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "hf").folder
+    cfg = load_config(str(TINY), [*ARGS, *MODEL_ARGS, "--model.n_kv_heads=4",
+                                  f"--checkpoint.root={tmp_path / 'ckpt'}",
+                                  f"--checkpoint.initial_load={folder}"])
+    with caplog.at_level("ERROR", logger="trainer"):
+        code = run(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None, 0))
+    assert code == EXIT_CONFIG
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert (f"checkpoint.initial_load: {folder}/config.json does not match [model]: "
+            f"num_key_value_heads=2 but model.n_kv_heads=4" in record.getMessage()), \
+        record.getMessage()
+    root = tmp_path / "ckpt"
+    assert not root.exists() or not CheckpointStore(str(root)).list()  # nothing committed

@@ -1,5 +1,6 @@
 """The ``[checkpoint]`` section: where, when and how checkpoints are written (the durable
-root and the optional node-local tier) and which one is loaded."""
+root and the optional node-local tier) and which one is loaded, or which Hugging Face folder
+a run starts from."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class CheckpointConfig(Section):
     overhead_budget: float = _f(0.01, "Target fraction of time spent saving, for 'auto'.")
     storage_options: dict[str, Any] = _f({}, "Extra fsspec options, e.g. {endpoint_url = ...}.")
     resume: bool = _f(True, "Resume from root when it holds a checkpoint.")
+    initial_load: str = _f("", "Hugging Face folder (path or URL; storage_options apply) to "
+                               "start from when no checkpoint is resumed; committed as step 0.")
     allow_fresh_start_over_damaged: bool = _f(
         False, "Start from step 0 when every checkpoint under root is damaged (else refuse).")
     fail_on_error: bool = _f(False, "Stop the job when a save fails instead of alerting.")
@@ -76,6 +79,10 @@ class CheckpointConfig(Section):
                                          f"or overlaps it",
                            "give the local tier its own folder on fast node-local storage "
                            "(e.g. /dev/shm/ckpt)")
+        if self.initial_load and not self.root:
+            self._fail("initial_load", "is set but root is empty",
+                       "the imported weights are committed as step 0 under root, so that a "
+                       "restart resumes from there: set checkpoint.root too")
         if self.load_step is not None:
             self._at_least("load_step", 0, "leave it unset to load the newest checkpoint")
         self._at_least("keep_last", 0, "use 0 to keep all")

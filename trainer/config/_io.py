@@ -304,10 +304,14 @@ device) because checkpoints reshard across layouts."""
 def config_fingerprint(cfg: Config) -> str:
     """16 hex chars of SHA-256 over :data:`FINGERPRINT_FIELDS`. Equal fingerprints mean the
     resumed run continues the same problem. ``data.path`` enters by base name only, so a
-    dataset mounted elsewhere keeps the fingerprint."""
+    dataset mounted elsewhere keeps the fingerprint; ``model.n_kv_heads`` only when it
+    differs from ``n_heads`` (a model without grouped-query attention keeps the fingerprint
+    it had before the key existed, and so do its checkpoints)."""
     d = config_to_dict(cfg)
     picked = {s: {k: d[s][k] for k in keys} for s, keys in FINGERPRINT_FIELDS.items()}
     picked["data"]["path"] = os.path.basename(picked["data"]["path"])
+    if cfg.model.kv_heads == cfg.model.n_heads:
+        del picked["model"]["n_kv_heads"]
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

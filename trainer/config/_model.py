@@ -14,15 +14,18 @@ __all__ = ["ModelConfig", "num_transformer_params"]
 
 def num_transformer_params(dim: int, ffn_dim: int, vocab_size: int, *, n_layers: int,
                            gated_mlp: bool, has_embedding: bool = True,
-                           has_output: bool = True) -> int:
+                           has_output: bool = True, kv_dim: int | None = None) -> int:
     """Parameters of :class:`trainer.model.Transformer` with these sizes, or of one pipeline
     stage of it (``n_layers`` blocks, with or without the embedding and the output).
 
-    A block is attention ``4 d^2`` (q, k, v, o; no biases), an MLP of ``3 d f`` when gated
-    (SwiGLU: w1, w3, w2) or ``2 d f`` (GELU: w1, w2), and two RMSNorm weights ``2 d``. The
-    first stage adds the token embedding ``V d``; the last the final norm ``d`` and the
-    untied output projection ``V d``."""
-    block = 4 * dim * dim + (3 if gated_mlp else 2) * dim * ffn_dim + 2 * dim
+    A block is attention ``2 d^2 + 2 d kv`` (q and o are ``d x d``; k and v ``d x kv``, with
+    ``kv = kv_dim``, the key/value heads times the head size: ``d`` unless grouped-query
+    attention shares them; no biases), an MLP of ``3 d f`` when gated (SwiGLU: w1, w3, w2)
+    or ``2 d f`` (GELU: w1, w2), and two RMSNorm weights ``2 d``. The first stage adds the
+    token embedding ``V d``; the last the final norm ``d`` and the untied output projection
+    ``V d``."""
+    kv = dim if kv_dim is None else kv_dim
+    block = 2 * dim * dim + 2 * dim * kv + (3 if gated_mlp else 2) * dim * ffn_dim + 2 * dim
     return (n_layers * block + vocab_size * dim * has_embedding
             + (dim + vocab_size * dim) * has_output)
 
@@ -37,6 +40,8 @@ class ModelConfig(Section):
     dim: int = _f(64, "Hidden size (d_model); a multiple of n_heads.")
     n_layers: int = _f(2, "Number of transformer blocks.")
     n_heads: int = _f(4, "Attention heads; head size dim / n_heads must be even (rotary).")
+    n_kv_heads: int | None = _f(None, "Key/value heads (grouped-query attention), a divisor "
+                                      "of n_heads; None = n_heads.")
     ffn_dim: int | None = _f(None, "Hidden size of the MLP; None = ffn_multiplier * dim.")
     ffn_multiplier: float = _f(4.0, "MLP size relative to dim, used when ffn_dim is None.")
     activation: str = _f("swiglu", "MLP kind: 'swiglu' (3 matrices) or 'gelu' (2 matrices).")
@@ -56,6 +61,12 @@ class ModelConfig(Section):
         if self.head_dim % 2:
             self._fail("n_heads", f"head size dim / n_heads = {self.head_dim} is odd; rotary "
                        "embeddings rotate pairs", "change model.dim or model.n_heads")
+        if self.n_kv_heads is not None:
+            self._at_least("n_kv_heads", 1, "or leave it unset for n_heads")
+            if self.n_heads % self.n_kv_heads:
+                self._fail("n_kv_heads", f"{self.n_kv_heads} does not divide model.n_heads="
+                           f"{self.n_heads}", "each key/value head serves n_heads / n_kv_heads "
+                           "query heads: pick a divisor, or leave it unset for n_heads")
         self._choice("activation", ("swiglu", "gelu"))
         for name in ("ffn_multiplier", "norm_eps", "rope_theta", "init_std"):
             if not getattr(self, name) > 0:
@@ -70,8 +81,14 @@ class ModelConfig(Section):
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads actually used (``n_kv_heads``, or ``n_heads`` when unset)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
     def num_params(self) -> int:
         """Parameters of the whole model (:func:`num_transformer_params`)."""
         return num_transformer_params(self.dim, self.hidden_ffn_dim, self.vocab_size,
                                       n_layers=self.n_layers,
-                                      gated_mlp=self.activation == "swiglu")
+                                      gated_mlp=self.activation == "swiglu",
+                                      kv_dim=self.kv_heads * self.head_dim)

@@ -133,10 +133,12 @@ class ParallelConfig(Section):
     def check(self, model: Any, *, global_batch_size: int | None = None,
               grad_accum_steps: int = 1, seq_len: int | None = None) -> None:
         """Raise :class:`ConfigError` naming the key at fault if this layout cannot train
-        ``model`` (any object with ``n_heads``, ``dim``, ``hidden_ffn_dim`` and ``n_layers``)
-        on ``global_batch_size`` sequences of ``seq_len`` tokens per step. Batch rules need a
-        concrete ``dp`` and are skipped while it is -1. Pure: no process group needed."""
-        for what, n in (("model.n_heads", model.n_heads), ("model.dim", model.dim),
+        ``model`` (a :class:`~trainer.config.ModelConfig`) on ``global_batch_size``
+        sequences of ``seq_len`` tokens per step. Batch rules need a concrete ``dp`` and are
+        skipped while it is -1. Pure: no process group needed."""
+        for what, n in (("model.n_heads", model.n_heads),
+                        ("model.n_kv_heads (key/value heads)", model.kv_heads),
+                        ("model.dim", model.dim),
                         ("the MLP hidden size (model.ffn_dim)", model.hidden_ffn_dim)):
             if n % self.tp:
                 self._fail("tp", f"{self.tp} does not divide {what}={n}",

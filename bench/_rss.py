@@ -29,7 +29,8 @@ REPO = os.path.dirname(HERE)
 MODES = ("ours", "ours_load", "dcp_load", "dcp_save", "dcp_async", "torch_save")
 
 
-def _status() -> dict[str, int]:
+def rss_status() -> dict[str, int]:
+    """This process's resident memory now (``VmRSS``) and its peak (``VmHWM``), in bytes."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
@@ -39,7 +40,8 @@ def _status() -> dict[str, int]:
     return out
 
 
-def _reset_peak() -> bool:
+def reset_rss_peak() -> bool:
+    """Start ``VmHWM`` over from the current RSS; False where the kernel refuses."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -69,8 +71,8 @@ def worker(mode: str, size_bytes: int, num_tensors: int, num_saves: int, work: s
     elif mode == "dcp_load":
         dcp.save(state, storage_writer=dcp.FileSystemWriter(root, thread_count=4), no_dist=True)
     gc.collect()
-    base = _status()["VmRSS"]
-    reset = _reset_peak()
+    base = rss_status()["VmRSS"]
+    reset = reset_rss_peak()
     rss: list[int] = []
     if mode == "ours":
         mgr = CheckpointManager(root, retention=[KeepLast(1)])
@@ -78,14 +80,14 @@ def worker(mode: str, size_bytes: int, num_tensors: int, num_saves: int, work: s
             mgr.save(step, state)
             mgr.wait()
             gc.collect()
-            rss.append(_status()["VmRSS"])
+            rss.append(rss_status()["VmRSS"])
         mgr.close()
     elif mode == "ours_load":
         api.load(state, root, 1, verify="full")
-        rss.append(_status()["VmRSS"])
+        rss.append(rss_status()["VmRSS"])
     elif mode == "dcp_load":
         dcp.load(state, storage_reader=dcp.FileSystemReader(root), no_dist=True)
-        rss.append(_status()["VmRSS"])
+        rss.append(rss_status()["VmRSS"])
     else:
         for i in range(num_saves):
             path = os.path.join(root, str(i))
@@ -102,8 +104,8 @@ def worker(mode: str, size_bytes: int, num_tensors: int, num_saves: int, work: s
                     f.flush()
                     os.fsync(f.fileno())
             gc.collect()
-            rss.append(_status()["VmRSS"])
-    peak = _status()["VmHWM"]
+            rss.append(rss_status()["VmRSS"])
+    peak = rss_status()["VmHWM"]
     return {"mode": mode, "shard_bytes": shard, "baseline_rss": base, "peak_rss": peak,
             "peak_reset": reset, "extra_peak_bytes": peak - base,
             "extra_peak_ratio": (peak - base) / shard if shard else None,

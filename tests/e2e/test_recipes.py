@@ -94,7 +94,7 @@ def _run(name: str, folder: Path, env: dict[str, str]) -> str:
 
 def test_recipes_are_found():
     assert {"own-loop", "ddp", "fsdp2", "hf", "per-rank", "scheduler-and-data", "partial-load",
-            "events", "rollback", "export", "new-lr", "trainer-new-lr"} <= set(ALL)
+            "events", "rollback", "export", "new-lr", "trainer-new-lr", "fine-tune"} <= set(ALL)
     for recipe in ALL.values():
         assert recipe.get("after", "own-loop") in ALL
 

@@ -73,9 +73,9 @@ class CountingStorage(Storage):
         self._count("size", rel)
         return super().size(rel)
 
-    def read_bytes(self, rel, start=None, end=None):
+    def read_bytes(self, rel, start=None, end=None, **kwargs):
         self._count("read", rel)
-        return super().read_bytes(rel, start, end)
+        return super().read_bytes(rel, start, end, **kwargs)
 
     def listdir(self, rel=""):
         self._count("list", rel)

@@ -114,9 +114,9 @@ class RecordingStorage(Storage):
         with self._lock:
             self.reads.append(rel)
 
-    def read_bytes(self, rel, start=None, end=None):
+    def read_bytes(self, rel, start=None, end=None, **kwargs):
         self._record(rel)
-        return super().read_bytes(rel, start, end)
+        return super().read_bytes(rel, start, end, **kwargs)
 
     def open_local(self, rel):
         self._record(rel)

@@ -15,6 +15,9 @@ attempt with a new id)::
     PENDING of an ended lease generation ----cleanup----> (removed)
     a manifest created by a writer whose lease generation had ended: FENCED, never read;
     moved aside by the next commit of that step, removed by cleanup
+    a manifest no reader can read (damaged, or moved aside as damaged): KEPT with whatever
+    it may reference, by cleanup, gc and deletes alike; removed only by ``remove_damaged``
+    (``ckpt gc --damaged``); one of a newer format: never touched, nor its folder
 
     A version copied in from another root (a node's local checkpoint on its peer, or
     fetched back from it) lives the same life: ``begin`` under its own save id, its files
@@ -916,7 +919,8 @@ class Lifecycle:
             if refused is not None or not unreadable or any(e.newer for e in unreadable):
                 continue
             manifests = sorted({e.name for e in unreadable} & set(folder.files))
-            files = _dead_files(folder, [e for e in entries if e not in unreadable])
+            readable = [e for e in entries if not any(e is u for u in unreadable)]
+            files = _dead_files(folder, readable)
             out.append((step, manifests, [n for n in files if n not in manifests]))
         return out
 

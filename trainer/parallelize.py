@@ -1,7 +1,9 @@
 """Apply TP, FSDP2/DDP and pipeline parallelism to the reference transformer.
 
 Order, per pipeline stage module (all built on the meta device, so no rank ever holds
-the full model): tensor parallel on ``mesh["tp"]`` -> FSDP2 on ``mesh["dp"]`` (HSDP:
+the full model): tensor parallel on ``mesh["tp"]`` -> activation checkpointing of the
+chosen blocks (``apply_activation_checkpointing``, torchtitan's place: after TP, before
+FSDP, so FSDP's all-gather hooks stay outside the recomputed region) -> FSDP2 on ``mesh["dp"]`` (HSDP:
 on the 2-D ``mesh["dp_replicate", "dp_shard"]``, sharded over dp_shard, replicated over
 dp_replicate; FSDP2 reduce-scatters within a replica and all-reduces across them) ->
 ``to_empty`` + ``init_weights(seed)`` (layout-independent values, see ``trainer.model``)
@@ -20,8 +22,9 @@ of the mesh, in the same order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Collection, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, ParallelConfig
 from trainer.mesh import dp_mesh
@@ -46,7 +50,7 @@ from trainer.pipeline import (
     run_schedule,
 )
 
-__all__ = ["ParallelModel", "build_parallel_model"]
+__all__ = ["ParallelModel", "build_parallel_model", "apply_activation_checkpointing"]
 
 
 class ParallelModel:
@@ -281,6 +285,28 @@ class ParallelModel:
             )
 
 
+def apply_activation_checkpointing(model: Transformer, layer_ids: Collection[int]) -> None:
+    """Recompute the activations of ``model``'s blocks whose global index is in
+    ``layer_ids`` during backward instead of keeping them from the forward (blocks this
+    module does not hold are ignored). Each such block's ``forward`` runs under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: only the block's input is
+    saved, and backward runs the block's forward once more.
+
+    The block stays where it is (no ``CheckpointWrapper`` module around it), so parameter
+    names, state-dict keys, the init rule's names and the Hugging Face export are those of
+    the model without recomputation: a checkpoint of either loads into the other. Call it
+    after tensor parallelism and before FSDP2 (torchtitan's order): TP's hooks live on the
+    block's children and rerun inside the recomputation; FSDP2's all-gather and reshard
+    hooks sit on the block itself, around it. No randomness runs in a block, so the RNG
+    state is not stashed (``preserve_rng_state=False``) and the recomputed values are the
+    forward's, bit for bit, wherever the kernels are deterministic.
+    """
+    for name, block in model.layers.items():
+        if int(name) in layer_ids:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                              preserve_rng_state=False)
+
+
 def build_parallel_model(
     model_cfg: ModelConfig,
     par: ParallelConfig,
@@ -288,6 +314,7 @@ def build_parallel_model(
     seed: int,
     device: Optional[torch.device | str] = None,
     param_dtype: torch.dtype = torch.float32,
+    recomputed_layers: Collection[int] = (),
 ) -> ParallelModel:
     """Build, parallelize and initialise this rank's part of the model.
 
@@ -297,7 +324,9 @@ def build_parallel_model(
     ``build_mesh(par)``, or None for a plain single-process model (par all-ones). Parameter
     values depend only on ``seed`` and the parameter name, never on the layout. ``device``
     defaults to the current CUDA device for a cuda mesh, else CPU. ``param_dtype``
-    ``torch.bfloat16`` computes in bf16 (gradients reduced in fp32).
+    ``torch.bfloat16`` computes in bf16 (gradients reduced in fp32). ``recomputed_layers``:
+    global indices of the blocks whose activations are recomputed in backward
+    (``TrainingConfig.recomputed_layers``; see ``apply_activation_checkpointing``).
     """
     world = 1 if mesh is None else mesh.size()
     if par.world_size != world:
@@ -310,6 +339,7 @@ def build_parallel_model(
     if mesh is None:
         with torch.device(device):
             model = Transformer(model_cfg)
+        apply_activation_checkpointing(model, recomputed_layers)
         model.init_weights(seed)
         return ParallelModel(model_cfg, par, None, [model], [model], None, None, device,
                              param_dtype)
@@ -320,6 +350,7 @@ def build_parallel_model(
     for _, module in modules:
         if par.tp > 1:
             apply_tp(module, mesh["tp"], par.sequence_parallel)
+        apply_activation_checkpointing(module, recomputed_layers)
         if par.dp > 1 and par.dp_mode == "fsdp":
             fsdp_mesh = mesh["dp_replicate", "dp_shard"] if par.hsdp else mesh["dp"]
             apply_fsdp(module, fsdp_mesh, param_dtype, reshard_after_forward=par.pp == 1)

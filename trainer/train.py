@@ -107,7 +107,8 @@ class Trainer:
             self.mesh = build_mesh(self.par, env.device.type)
         self.model = build_parallel_model(
             self.model_cfg, self.par, self.mesh, t.seed, env.device,
-            param_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32)
+            param_dtype=torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32,
+            recomputed_layers=t.recomputed_layers(self.model_cfg.n_layers))
         self.optimizers = [torch.optim.AdamW(part.parameters(), lr=t.lr, betas=tuple(t.betas),
                                              eps=t.eps, weight_decay=t.weight_decay)
                            for part in self.model.model_parts]

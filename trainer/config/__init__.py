@@ -35,11 +35,13 @@ from trainer.config._io import (
 from trainer.config._model import ModelConfig, num_transformer_params
 from trainer.config._parallel import ParallelConfig
 from trainer.config._schema import (
+    ACTIVATION_CHECKPOINTING,
     Config,
     DataConfig,
     FaultConfig,
     MetricsConfig,
     TrainingConfig,
+    recomputed_layers,
 )
 from trainer.config._section import ConfigError
 
@@ -55,6 +57,8 @@ __all__ = [
     "FaultConfig",
     "FaultToleranceConfig",
     "num_transformer_params",
+    "recomputed_layers",
+    "ACTIVATION_CHECKPOINTING",
     "FINGERPRINT_FIELDS",
     "load_config",
     "config_from_argv",

@@ -298,7 +298,8 @@ FINGERPRINT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Fields that define the training trajectory. Excluded on purpose: training.steps (a run may
 be extended), checkpoint/metrics/fault/logging, and the layout (parallel.*, grad_accum_steps,
-device) because checkpoints reshard across layouts."""
+device, activation_checkpointing*) because checkpoints reshard across layouts (and recomputing
+activations changes no value)."""
 
 
 def config_fingerprint(cfg: Config) -> str:

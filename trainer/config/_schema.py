@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Iterable
 
 import torch
 
@@ -25,6 +25,8 @@ from trainer.config._parallel import ParallelConfig
 from trainer.config._section import Section, config_field as _f, fail_key
 
 __all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "recomputed_layers",
     "TrainingConfig",
     "DataConfig",
     "MetricsConfig",
@@ -33,6 +35,23 @@ __all__ = [
     "SECTIONS",
     "PROCESS_GROUP_TIMEOUT_MARGIN_SECONDS",
 ]
+
+
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def recomputed_layers(mode: str, every: int, layer_ids: Iterable[int]) -> frozenset[int]:
+    """Which of ``layer_ids`` (global block indices) recompute their activations in backward
+    under ``training.activation_checkpointing = mode``: none, all ('full'), or the blocks
+    ``i`` with ``(i + 1) % every == 0`` ('selective', torchtitan's layer-level selective
+    checkpointing by global index, so a pipeline split does not change the choice). The one
+    definition the trainer applies and the layout planner counts."""
+    if mode == "full":
+        return frozenset(layer_ids)
+    if mode == "selective":
+        return frozenset(i for i in layer_ids if (i + 1) % every == 0)
+    assert mode == "none", mode
+    return frozenset()
 
 
 @dataclass
@@ -60,6 +79,12 @@ class TrainingConfig(Section):
         "CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmark): what a bit-exact resume on "
         "GPU needs; false trades that for speed.")
     log_every: int = _f(10, "Log loss and throughput every this many steps.")
+    activation_checkpointing: str = _f(
+        "none", "Recompute blocks' activations in backward instead of keeping them: 'none', "
+        "'full' (every block) or 'selective' (every activation_checkpointing_every-th block).")
+    activation_checkpointing_every: int = _f(
+        2, "With activation_checkpointing='selective': recompute the blocks whose global index "
+        "i has (i + 1) % k == 0.")
     override_schedule_on_resume: bool = _f(
         False, "On resume, apply this config's LR schedule (lr, min_lr, warmup_steps, "
         "lr_decay_steps) from the resumed step instead of the checkpoint's.")
@@ -88,6 +113,14 @@ class TrainingConfig(Section):
                        "make the batch a multiple of grad_accum_steps")
         self._choice("mixed_precision", ("fp32", "bf16"))
         self._choice("device", ("cpu", "cuda", "auto"))
+        self._choice("activation_checkpointing", ACTIVATION_CHECKPOINTING)
+        self._at_least("activation_checkpointing_every", 1)
+
+    def recomputed_layers(self, n_layers: int) -> frozenset[int]:
+        """Global indices of the blocks whose activations are recomputed in backward:
+        :func:`recomputed_layers` of this section's two keys."""
+        return recomputed_layers(self.activation_checkpointing,
+                                 self.activation_checkpointing_every, range(n_layers))
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based): linear warmup, cosine to min_lr."""

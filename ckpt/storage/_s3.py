@@ -199,6 +199,19 @@ class S3Backend(FsspecBackend):
         with contextlib.closing(resp["Body"]) as body:
             return body.read()
 
+    def read_at_most(self, rel: str, max_bytes: int) -> bytes:
+        """One GET, as a whole read, ranged to ``max_bytes + 1`` bytes: a larger object is
+        refused by the caller having read no more (an empty object has no range: S3
+        answers ``InvalidRange``, read as empty)."""
+        try:
+            resp = self._call("get_object", rel, Range=f"bytes=0-{max_bytes}")
+        except Exception as exc:  # noqa: BLE001 - only an empty object's answer is ours
+            if error_code(exc)[0] != "InvalidRange":
+                raise
+            return b""
+        with contextlib.closing(resp["Body"]) as body:
+            return body.read()
+
     def delete_many(self, rels: Sequence[str]) -> None:
         """S3's bulk delete: one request per 1,000 keys."""
         self.fs.rm([self.path(rel) for rel in rels])

@@ -69,6 +69,23 @@ def test_ranged_reads(storage):
     assert storage.read_bytes("r.bin", 7, 7) == b""
 
 
+def test_whole_reads_bounded_by_max_bytes(storage):
+    """A whole read names the most the file may hold: within it the file comes back whole
+    (an empty one too); beyond it the read is refused naming the file, having read at most
+    one byte more; a missing file is still FileNotFoundError."""
+    storage.write_bytes("m.json", b"0123456789")
+    assert storage.read_bytes("m.json", max_bytes=10) == b"0123456789"
+    assert storage.read_bytes("m.json", max_bytes=1 << 20) == b"0123456789"
+    with pytest.raises(ckpt.CorruptCheckpointError, match="m.json holds .*more than the 9"):
+        storage.read_bytes("m.json", max_bytes=9)
+    storage.write_bytes("e.json", b"")
+    assert storage.read_bytes("e.json", max_bytes=5) == b""
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes("absent.json", max_bytes=5)
+    with pytest.raises(ValueError, match="whole read"):
+        storage.read_bytes("m.json", 0, 4, max_bytes=5)
+
+
 def test_empty_files(storage):
     storage.write_bytes("empty.bin", b"")
     assert storage.exists("empty.bin")

@@ -29,7 +29,7 @@ def load_history(storage: Storage) -> FailureHistory | None:
     Unlike :func:`read_history` a damaged file is an error, a ``ValueError`` naming it."""
     where = storage.describe(HISTORY_NAME)
     try:
-        data = storage.read_bytes(HISTORY_NAME)
+        data = storage.read_bytes(HISTORY_NAME, max_bytes=16 << 20)
     except FileNotFoundError:
         return None
     try:
@@ -52,8 +52,8 @@ def read_history(storage: Storage, events: EventBus, *, took_over: bool,
     history = FailureHistory()
     where = storage.describe(HISTORY_NAME)
     try:
-        loaded = FailureHistory.from_dict(jsonio.loads(storage.read_bytes(HISTORY_NAME), where,
-                                                       max_bytes=16 << 20))
+        data = storage.read_bytes(HISTORY_NAME, max_bytes=16 << 20)
+        loaded = FailureHistory.from_dict(jsonio.loads(data, where, max_bytes=16 << 20))
         if not all(math.isfinite(t) for t in [*loaded.failure_times, loaded.uptime_seconds]):
             raise ValueError("failure times and uptime must be finite numbers")
         history = loaded

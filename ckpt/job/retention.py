@@ -164,7 +164,8 @@ def read_retention(store: CheckpointStore) -> list[KeepBest]:
     the file when it is damaged."""
     where = store.storage.describe(RETENTION_NAME)
     try:
-        doc = jsonio.loads(store.storage.read_bytes(RETENTION_NAME), where, max_bytes=1 << 20)
+        data = store.storage.read_bytes(RETENTION_NAME, max_bytes=1 << 20)
+        doc = jsonio.loads(data, where, max_bytes=1 << 20)
     except FileNotFoundError:
         return []
     try:
@@ -179,7 +180,8 @@ def read_pins(store: CheckpointStore, *, strict: bool = False) -> set[int]:
     else it is logged and reads as no pins."""
     where = store.storage.describe(PINS_NAME)
     try:
-        data = jsonio.loads(store.storage.read_bytes(PINS_NAME), where, max_bytes=16 << 20)
+        data = jsonio.loads(store.storage.read_bytes(PINS_NAME, max_bytes=16 << 20), where,
+                            max_bytes=16 << 20)
         pins = data.get("pinned") if isinstance(data, dict) else None
         if not isinstance(pins, list) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and 0 <= s < (1 << 63)

@@ -52,7 +52,7 @@ class Fence:
             return self._cache[key]
         rel = self._rel(generation, what)
         try:
-            raw = self.storage.read_bytes(rel)
+            raw = self.storage.read_bytes(rel, max_bytes=16 << 20)
         except FileNotFoundError:
             return None
         where = self.storage.describe(rel)

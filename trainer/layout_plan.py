@@ -7,7 +7,10 @@ simplest that fits:
     DDP  <  HSDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP
 
 HSDP (shard within a node, replicate across nodes) is a candidate only on several nodes; it
-comes before FSDP of the same pp and tp because its all-gathers stay inside a node.
+comes before FSDP of the same pp and tp because its all-gathers stay inside a node. When no
+layout fits with the workload's activation checkpointing and it is not 'full', the advice
+is the simplest layout that fits with every block recomputed (warning ``recompute-needed``;
+its flags carry ``--training.activation_checkpointing=full``).
 
 ``python -m trainer plan`` wires :func:`add_plan_arguments` and :func:`run_plan`. The formulas
 and their sources are in docs/layout-planner.md; memory is reported in GiB (2**30 bytes).
@@ -22,7 +25,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trainer.config import load_config
+from trainer.config import ACTIVATION_CHECKPOINTING, load_config
 from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
 from trainer.memory_model import (
     SHARDINGS,
@@ -102,13 +105,22 @@ class LayoutAdvice:
     def fits(self, est: MemoryEstimate) -> bool:
         return est.total <= self.usable_bytes
 
+    def overrides(self, lay: Candidate) -> str:
+        """The trainer flags that run ``lay`` under this advice's workload."""
+        flags = lay.overrides(self.work.sequence_parallel)
+        if self.work.recompute != "none":
+            flags += f" --training.activation_checkpointing={self.work.recompute}"
+            if self.work.recompute == "selective":
+                flags += f" --training.activation_checkpointing_every={self.work.recompute_every}"
+        return flags
+
     def to_dict(self) -> dict[str, Any]:
         def row(pair):
             if pair is None:
                 return None
             lay, est = pair
             return {"layout": lay.to_dict(), "name": lay.name, "fits": self.fits(est),
-                    "overrides": lay.overrides(self.work.sequence_parallel),
+                    "overrides": self.overrides(lay),
                     "memory_bytes": est.to_dict()}
         return {"workload": asdict(self.work), "num_gpus": self.num_gpus,
                 "gpus_per_node": self.gpus_per_node, "usable_bytes_per_gpu": self.usable_bytes,
@@ -181,8 +193,8 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
         full = estimate_memory(replace(work, recompute="full"), lay)
         warns.append(("activations-dominate", f"activations are {_gib(est.activations)} of "
                       f"{_gib(est.total)} per GPU on {lay.name}; activation checkpointing "
-                      f"(--recompute full) would cut the total to {_gib(full.total)}, or "
-                      "lower the micro-batch"))
+                      f"(--training.activation_checkpointing=full) would cut the total to "
+                      f"{_gib(full.total)}, or lower the micro-batch"))
     if est.bubble > BUBBLE_WARN_FRACTION:
         warns.append(("pipeline-bubble", f"pipeline bubble is {est.bubble:.0%} of each step "
                       f"(pp={lay.pp}, {est.num_microbatches} micro-batches, (pp-1)/(m+pp-1)); "
@@ -196,17 +208,23 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
                           f"nodes every layer; {hsdp[0].name} (shard within a node, replicate "
                           f"across nodes) also fits ({_gib(hsdp[1].total)} per GPU) and keeps "
                           f"them on NVLink: add --parallel.dp_replicate={hsdp[0].dp_replicate}"))
+    if rec is None and work.recompute != "full":
+        alt = plan_layout(replace(work, recompute="full"), num_gpus, gpus_per_node,
+                          usable_bytes, requested)
+        if alt.recommended:
+            alt.warnings.insert(0, ("recompute-needed", f"no layout of {num_gpus} GPUs fits "
+                                    f"with activation checkpointing '{work.recompute}' "
+                                    f"(smallest: {chosen[0].name} needs "
+                                    f"{_gib(chosen[1].total)} per GPU); with every block "
+                                    f"recomputed {alt.recommended[0].name} fits "
+                                    f"({_gib(alt.recommended[1].total)}): "
+                                    "--training.activation_checkpointing=full"))
+            return alt
     if rec is None:
-        hint = ""
-        if work.recompute != "full":
-            alt = plan_layout(replace(work, recompute="full"), num_gpus, gpus_per_node,
-                              usable_bytes)
-            if alt.recommended:
-                hint = f"; with --recompute full, {alt.recommended[0].name} would fit"
         warns.append(("nothing-fits", f"no layout of {num_gpus} GPUs fits in "
                       f"{_gib(usable_bytes)} per GPU (smallest: {chosen[0].name} needs "
                       f"{_gib(chosen[1].total)}); add GPUs, lower the micro-batch or "
-                      f"sequence length{hint}"))
+                      f"sequence length"))
     return LayoutAdvice(work, num_gpus, gpus_per_node, usable_bytes, rows, rec, req, warns)
 
 
@@ -233,8 +251,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch", type=int, help="sequences per forward per GPU (default 1)")
     t.add_argument("--global-batch", type=int, help="sequences per step (sets micro-batches)")
     t.add_argument("--microbatches", type=int, help="pipeline micro-batches per step")
-    t.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                   help="activation checkpointing; 'selective' ~ flash attention")
+    t.add_argument("--recompute", choices=ACTIVATION_CHECKPOINTING,
+                   help="activation checkpointing (training.activation_checkpointing; default "
+                   "--config's, else none; full is advised when nothing fits without)")
+    t.add_argument("--recompute-every", type=int,
+                   help="with --recompute selective: every k-th block (default --config's, else 2)")
+    t.add_argument("--flash-attention", action="store_true",
+                   help="attention scores are not stored (a fused kernel)")
     t.add_argument("--no-sequence-parallel", action="store_true")
     t.add_argument("--pp-schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     t.add_argument("--stages-per-rank", type=int)
@@ -300,7 +323,10 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
                                      cfg.training.mixed_precision == "bf16" else "fp32"),
         seq_len=args.seq_len or (cfg.training.seq_len if cfg else 2048),
         micro_batch=micro or 1, num_microbatches=m_count, global_batch=gbatch,
-        recompute=args.recompute,
+        recompute=args.recompute or (cfg.training.activation_checkpointing if cfg else "none"),
+        recompute_every=args.recompute_every or (cfg.training.activation_checkpointing_every
+                                                 if cfg else 2),
+        flash_attention=args.flash_attention,
         sequence_parallel=not args.no_sequence_parallel and (p.sequence_parallel if p else True),
         pp_schedule=args.pp_schedule or (p.pp_schedule if p else "1f1b"),
         stages_per_rank=args.stages_per_rank or (p.stages_per_rank if p else 2))
@@ -322,7 +348,9 @@ def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> 
         f"Hardware  {nodes} node(s) x {advice.gpus_per_node} x {gpu_name}; "
         f"{_gib(advice.usable_bytes)} usable per GPU",
         f"Training  {w.precision} ({pc.description}), {w.optimizer}, seq {w.seq_len}, "
-        f"micro-batch {w.micro_batch}, recompute {w.recompute}",
+        f"micro-batch {w.micro_batch}, recompute {w.recompute}"
+        f"{f' (every {w.recompute_every})' if w.recompute == 'selective' else ''}"
+        f"{', flash attention' if w.flash_attention else ''}",
         f"Per param {pc.weight_bytes} weights + {pc.grad_bytes} grads + {optimizer_bytes_per_param(w):g} "
         f"optimizer = {pc.weight_bytes + pc.grad_bytes + optimizer_bytes_per_param(w):g} bytes; unsharded "
         f"model state {_gib((pc.weight_bytes + pc.grad_bytes + optimizer_bytes_per_param(w)) * sh.num_params)}"
@@ -333,7 +361,7 @@ def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> 
         if pair:
             lay, e = pair
             lines += [f"{label + ':':13}{lay.name}  ({'fits' if advice.fits(e) else 'DOES NOT FIT'})",
-                      f"             {lay.overrides(w.sequence_parallel)}",
+                      f"             {advice.overrides(lay)}",
                       f"             {_gib(e.total)} of {_gib(advice.usable_bytes)} per GPU"]
     if advice.recommended is None:
         lines.append("Recommended: none - nothing fits (see warnings)")

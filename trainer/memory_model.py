@@ -13,12 +13,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trainer.config import ParallelConfig, num_transformer_params
+from trainer.config import ParallelConfig, num_transformer_params, recomputed_layers
 from trainer.hardware import OPTIMIZER_STATES, PRECISIONS
 
 __all__ = [
     "SHARDINGS", "ModelShape", "Workload", "Candidate", "MemoryEstimate", "shape_from_dims",
-    "shape_from_params", "activation_bytes_per_layer", "pipeline_bubble", "estimate_memory",
+    "shape_from_params", "activation_bytes_per_layer", "block_input_bytes", "pipeline_bubble",
+    "estimate_memory",
     "optimizer_bytes_per_param",
 ]
 
@@ -156,7 +157,12 @@ class Candidate:
 class Workload:
     """What one training step does. ``micro_batch`` sequences per forward per GPU;
     ``num_microbatches`` pipeline micro-batches per step (None: from ``global_batch`` if
-    given, else 2 * pp, the trainer's default)."""
+    given, else 2 * pp, the trainer's default). ``recompute`` and ``recompute_every`` are the
+    trainer's ``training.activation_checkpointing`` and ``activation_checkpointing_every``
+    (which blocks recompute: :func:`trainer.config.recomputed_layers`); ``flash_attention``
+    drops the attention scores from the per-block activations (a fused attention kernel,
+    as the trainer's scaled_dot_product_attention picks on GPU in 16-bit, never stores
+    them)."""
 
     shape: ModelShape
     precision: str = "bf16-mixed"
@@ -166,6 +172,8 @@ class Workload:
     num_microbatches: int | None = None
     global_batch: int | None = None
     recompute: str = "none"
+    recompute_every: int = 2
+    flash_attention: bool = False
     sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
     stages_per_rank: int = 1
@@ -180,21 +188,25 @@ class Workload:
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, dim: int, n_heads: int,
                                tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", bytes_per_element: int = 2) -> float:
-    """Activation memory of one transformer layer for one micro-batch (Korthikanti et al.
-    2022, Table 2): ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations; with TP only
-    ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; with TP + sequence parallelism everything / t.
-    'selective' recomputation (or flash attention) drops the ``5*a*s/h`` attention term;
-    'full' keeps only the layer input, ``2*s*b*h`` (/ t with SP). Scaled by
-    ``bytes_per_element / 2`` for fp32 activations."""
+                               flash_attention: bool = False, bytes_per_element: int = 2) -> float:
+    """Activation memory one transformer block keeps for backward, one micro-batch, no
+    recomputation (Korthikanti et al. 2022, Table 2): ``s*b*h*(34 + 5*a*s/h)`` bytes with
+    16-bit activations; with TP only ``s*b*h*(10 + 24/t + 5*a*s/(h*t))``; with TP +
+    sequence parallelism everything / t. ``flash_attention`` drops the ``5*a*s/h``
+    attention-score term. Scaled by ``bytes_per_element / 2`` for fp32 activations."""
     s, b, h, a, t = seq_len, micro_batch, dim, n_heads, tp
     sp = sequence_parallel and t > 1
-    if recompute == "full":
-        per = 2 * s * b * h / (t if sp else 1)
-    else:
-        attn = 0.0 if recompute == "selective" else 5 * a * s / h
-        per = s * b * h * (34 + attn) / t if sp or t == 1 else s * b * h * (10 + 24 / t + attn / t)
+    attn = 0.0 if flash_attention else 5 * a * s / h
+    per = s * b * h * (34 + attn) / t if sp or t == 1 else s * b * h * (10 + 24 / t + attn / t)
     return per * bytes_per_element / 2
+
+
+def block_input_bytes(seq_len: int, micro_batch: int, dim: int, tp: int = 1,
+                      sequence_parallel: bool = False, bytes_per_element: int = 2) -> float:
+    """What a recomputed block keeps for backward, one micro-batch: its input,
+    ``2*s*b*h`` bytes with 16-bit activations (/ t with sequence parallelism)."""
+    sp = sequence_parallel and tp > 1
+    return seq_len * micro_batch * dim * bytes_per_element / (tp if sp else 1)
 
 
 def pipeline_bubble(pp: int, num_microbatches: int, stages_per_rank: int = 1) -> float:
@@ -236,8 +248,10 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
     m = work.microbatches_for(layout)
     v = work.stages_per_rank if work.pp_schedule == "interleaved1f1b" else 1
     act_layer = activation_bytes_per_layer(work.seq_len, work.micro_batch, sh.dim, sh.n_heads, t,
-                                           work.sequence_parallel, work.recompute,
+                                           work.sequence_parallel, work.flash_attention,
                                            pc.activation_bytes)
+    act_input = block_input_bytes(work.seq_len, work.micro_batch, sh.dim, t,
+                                  work.sequence_parallel, pc.activation_bytes)
     ds = layout.dp_shard  # = dp, except under HSDP: replicas hold the same shards
     shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (ds, ds, ds)}
     w_div, g_div, o_div = shard[cand.sharding]
@@ -248,6 +262,11 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
             in_flight = 1.0 if pp == 1 else m
         else:
             in_flight = min(m, pp - st) * (1 + (pp - 1) / (pp * v) if v > 1 else 1)
+        # Recomputed blocks keep their input per micro-batch in flight; backward rebuilds
+        # one block's activations at a time on top.
+        num_recomputed = len(recomputed_layers(work.recompute, work.recompute_every,
+                                               range(st * layers, (st + 1) * layers)))
+        kept = (layers - num_recomputed) * act_layer + num_recomputed * act_input
         est = MemoryEstimate(
             weights=params * pc.weight_bytes / w_div,
             grads=params * pc.grad_bytes / g_div,
@@ -255,7 +274,7 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
             # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
             fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
                           if cand.sharding == "fsdp" and ds > 1 else 0.0),
-            activations=layers * act_layer * in_flight,
+            activations=kept * in_flight + (act_layer if num_recomputed else 0.0),
             # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
             logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size
                     if st == pp - 1 else 0.0),

@@ -21,6 +21,7 @@ from trainer.memory_model import (
     Candidate,
     Workload,
     activation_bytes_per_layer,
+    block_input_bytes,
     estimate_memory,
     pipeline_bubble,
     shape_from_dims,
@@ -97,9 +98,11 @@ def test_activation_formula_korthikanti():
         pytest.approx(base / 8)
     assert activation_bytes_per_layer(s, b, h, a, tp=8) == \
         pytest.approx(s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
-    assert activation_bytes_per_layer(s, b, h, a, recompute="selective") == \
+    assert activation_bytes_per_layer(s, b, h, a, flash_attention=True) == \
         pytest.approx(34 * s * b * h)
-    assert activation_bytes_per_layer(s, b, h, a, recompute="full") == pytest.approx(2 * s * b * h)
+    assert block_input_bytes(s, b, h) == pytest.approx(2 * s * b * h)
+    assert block_input_bytes(s, b, h, tp=8, sequence_parallel=True) == \
+        pytest.approx(2 * s * b * h / 8)
     assert activation_bytes_per_layer(s, b, h, a, bytes_per_element=4) == pytest.approx(2 * base)
 
 
@@ -284,3 +287,31 @@ def test_cli_hsdp_layout_and_its_flags(capsys):
     assert run_plan(parser.parse_args(["--params", "7B", "--nodes", "2", "--dp", "16",
                                        "--dp-replicate", "3"])) == 2
     assert "plan: error: --dp-replicate: 3 does not divide dp=16" in capsys.readouterr().err
+
+
+def test_recompute_keeps_block_inputs_plus_one_block():
+    shape = shape_from_dims(1024, 8, 16, 32000)
+    act = activation_bytes_per_layer(2048, 1, 1024, 16)
+    inp = block_input_bytes(2048, 1, 1024)
+    est = {mode: estimate_memory(Workload(shape, recompute=mode, recompute_every=4),
+                                 Candidate.of(1, 1, 1)).activations
+           for mode in ("none", "selective", "full")}
+    assert est["none"] == pytest.approx(8 * act)
+    assert est["full"] == pytest.approx(8 * inp + act)
+    assert est["selective"] == pytest.approx(6 * act + 2 * inp + act)  # blocks 3 and 7
+    # pp2, 1f1b: a stage holds 4 blocks' inputs per micro-batch in flight (2 - stage).
+    pp = estimate_memory(Workload(shape, recompute="full", num_microbatches=4),
+                         Candidate.of(2, 1, 1))
+    assert pp.activations == pytest.approx(4 * inp * (2 - pp.stage) + act)
+
+
+@pytest.mark.parametrize("params,seq,gpus", [(7_000_000_000, 8192, 8),
+                                             (70_000_000_000, 4096, 64)])
+def test_long_sequences_are_advised_full_recompute(params, seq, gpus):
+    work = Workload(shape_from_params(params), seq_len=seq)
+    plan = plan_layout(work, gpus, 8, H100)
+    assert plan.recommended is not None and plan.work.recompute == "full"
+    assert plan.warnings[0][0] == "recompute-needed"
+    assert "--training.activation_checkpointing=full" in \
+        plan.to_dict()["recommended"]["overrides"]
+    assert not plan.fits(estimate_memory(work, plan.recommended[0]))

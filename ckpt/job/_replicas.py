@@ -2,11 +2,12 @@
 loss of a node (``TieredCheckpointManager(local_replicas=2)``).
 
 Nodes form a ring by index. Node ``n``'s local checkpoints are copied to its successor, into
-``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``; never through
-a link planted there: refused, naming it): a root of its own, whose lease the successor's first rank holds (fencing, cleanup of torn copies
-included). Only the first rank of each node (its *coordinator*, which commits the node's
-local checkpoints) takes part; bytes travel point to point (``ckpt.ranks.swap_bytes``) on a
-gloo group of the coordinators, used by one thread at a time, never the training group.
+``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``; never
+through a link planted there: refused, naming it): a root of its own, whose lease the
+successor's first rank holds (fencing, cleanup of torn copies included). Only the first
+rank of each node (its *coordinator*, which commits the node's local checkpoints) takes
+part; bytes travel point to point (``ckpt.ranks.swap_bytes``) on a gloo group of the
+coordinators, used by one thread at a time, never the training group.
 
 Life of a copy (one background thread per coordinator; every coordinator runs the same
 rounds in the same order)::

@@ -13,7 +13,6 @@ by a large sparse file is refused before it is read (memory measured in a child 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap

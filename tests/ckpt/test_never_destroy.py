@@ -189,3 +189,24 @@ def test_a_damaged_manifest_moved_aside_keeps_its_files(tmp_path, capsys):
     _start_a_job(root, keep=3)
     assert kept <= _files(root, 4)
     assert ckpt.load(_state(0), str(root), 4).save_id == new.save_id
+
+
+@pytest.mark.parametrize("damage", [_flip_a_bit, _newer])
+def test_a_resume_past_an_unreadable_checkpoint_keeps_it(tmp_path, damage):
+    """A resume falls back past step 4 (unreadable) to step 2, un-commits what is newer
+    (step 4 cannot be: it is left), and saves step 4 again: the old version's files stay,
+    beside the new one (the damaged manifest moved aside), or the save is refused (newer)."""
+    root, files = _root(tmp_path)
+    damage(root, 4)
+    state = _state(0)
+    with CheckpointManager(str(root), async_save=False, retention=[KeepLast(5)]) as mgr:
+        assert mgr.load_latest(state).step == 2
+        assert _files(root, 4) == files
+        mgr.save(4, _state(44))
+    kept = files - {MANIFEST_NAME}
+    assert kept <= _files(root, 4)
+    if damage is _newer:  # refused: "committed by a newer ckpt"
+        assert _files(root, 4) == files
+    else:
+        assert any(n.startswith("damaged-manifest-") for n in _files(root, 4))
+        assert CheckpointStore(str(root)).read_manifest(4).user_metadata is not None

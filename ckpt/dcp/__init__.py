@@ -6,7 +6,8 @@ resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
 each rank saves and loads, pickle-free (``plancache``: a save's plan, reused while the
 layout stays). ``writer`` and ``reader``: where the bytes go and how they come back
 verified (``layout``: a data file's bytes; ``_shards``: which chunks go in a rank's part,
-which it refers to, and whether the parts a loading rank read cover it). ``staging``: the
+which it refers to, and whether the parts a loading rank read cover it; ``_coop``: a byte
+several loading ranks need read by one of them and sent to the others). ``staging``: the
 host copy that is a save's only stall (``_host_arena``: one pinned allocation).
 ``stateful``: models, optimizers, RNG and per-rank state as state dicts (``optim_state``:
 an optimizer's replicated values once per param group). ``attachments``: small files kept

@@ -261,7 +261,13 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     'size' only file sizes, 'none' nothing. Checkpoint keys starting with one of
     ``ignore_keys`` may be left unloaded without counting as unexpected. Raises
     ``CorruptCheckpointError`` (naming the file) on any corruption, ``StateMismatchError``
-    listing every key/shape/dtype mismatch. ``on_bytes_read(n)``: progress, from any thread.
+    listing every key/shape/dtype mismatch. ``on_bytes_read(n)``: progress, from any thread
+    (bytes this rank read from storage).
+
+    Each byte is read once: a byte range several ranks need (replicated values, HSDP
+    replicas, a chunk two ranks' shards straddle after a reshard) is read by one of them,
+    balanced, and sent to the others over the group, which check its CRC32C on what they
+    received (``ckpt.dcp._coop``; docs/store.md, "Cooperative loads").
 
     Transactional: every rank first reads and verifies its whole part into scratch memory
     (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
@@ -286,7 +292,8 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     reader = CkptReader(storage, step_dirname(manifest.step), manifest, verify=verify,
                         num_threads=num_threads, scratch=scratch, on_bytes_read=on_bytes_read,
                         state=sd, rank=_rank(group),
-                        world_size=dist.get_world_size(group) if distributed else 1)
+                        world_size=dist.get_world_size(group) if distributed else 1,
+                        group=group)
     planner = SafeLoadPlanner(strict=strict, source=where, ignore_prefixes=tuple(ignore_keys))
     error: BaseException | None = None
     span, (ranks, world) = manifest.span, _job_ranks(group)

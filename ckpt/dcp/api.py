@@ -165,7 +165,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
          save_id: str | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
          cost: SaveCost | None = None, plan_cache: PlanCache | None = None,
-         span: Span | None = None) -> Manifest | None:
+         span: Span | None = None, host_window_bytes: int | None = None) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
     (None: the world; which group its collectives run on: the module docstring).
 
@@ -189,7 +189,9 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
     ``span``: the save holds one node's share of a job-wide checkpoint (the local tier of a
     job of several nodes, :mod:`ckpt.format.span`): ``process_group`` must be its ranks; a
     tensor sharded across nodes is then saved in part, and the version loads only on this
-    layout.
+    layout. ``host_window_bytes``: device tensors of ``state`` reach the host at most this
+    many bytes at a time, each batch written before the next is copied (a state larger than
+    its staging budget, :class:`ckpt.dcp.staging.StagingBuffers`; None: all at once).
     """
     group = cpu_group(process_group)  # first: it may make the group, with every rank
     if span is not None:
@@ -212,7 +214,7 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
                         lifecycle=lifecycle, manifest_extra=extra, durable=durable,
                         before_commit=before_commit, before_write=before_write,
                         save_id=save_id, attachments=attached,
-                        cost=cost)
+                        cost=cost, host_window_bytes=host_window_bytes)
 
     def run(replan: bool) -> None:
         planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan,

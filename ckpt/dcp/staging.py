@@ -41,6 +41,16 @@ thread and names the device of every stream and event it uses.
 Loads borrow the same memory (``borrow``) as scratch to read into before the checksums are
 verified: one copy of the shard that exists anyway, already touched, instead of fresh
 memory whose first touch costs about as much as the read.
+
+Budget (``budget_bytes``): the host memory a save may take for the state's copy. When the
+state's tensors fit, nothing changes. When they do not, the arena holds the tensors that
+fit, in state order, into ``budget_bytes - window_bytes``, and the others are not copied:
+the staged copy holds the live tensors themselves (``unstaged_bytes`` says how many bytes),
+which the writer reads while the caller waits (the save is no longer asynchronous: a
+``CheckpointManager`` blocks until it is committed), CPU tensors in place and device tensors
+through host copies of at most ``window_bytes`` at a time. So a state larger than the
+budget is saved in pieces, never with more host memory than the budget (an item larger than
+the window excepted: it is copied whole); the stall grows to the whole save.
 """
 
 from __future__ import annotations
@@ -103,10 +113,19 @@ class StagingBuffers:
     Used by one saving thread at a time: ``stage``, ``borrow`` and ``close`` wait for the
     previous stage's copies; ``prepare`` may run on another thread (it takes the lock).
     ``pin_memory`` (default: whether CUDA is available): pin the buffers when the state has
-    CUDA tensors.
+    CUDA tensors. ``budget_bytes``: the most host memory a save of the state may take (the
+    module docstring; None: no bound, the arena holds the whole shard).
     """
 
-    def __init__(self, pin_memory: bool | None = None):
+    def __init__(self, pin_memory: bool | None = None, budget_bytes: int | None = None):
+        if budget_bytes is not None and (isinstance(budget_bytes, bool)
+                                         or not isinstance(budget_bytes, int)
+                                         or budget_bytes <= 0):
+            raise ValueError(f"staging_budget_bytes={budget_bytes!r}: expected a positive "
+                             f"number of bytes (e.g. 8 << 30), or None for no bound")
+        self.budget_bytes = budget_bytes
+        # Tensor bytes of the state the arena does not hold (0: the whole state is staged).
+        self.unstaged_bytes = 0
         self.pin_memory = (torch.cuda.is_available() if pin_memory is None else pin_memory)
         self._arena: HostArena | None = None
         self._layout: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}  # path -> slot
@@ -150,6 +169,14 @@ class StagingBuffers:
         return CopyReady(events)
 
     @property
+    def window_bytes(self) -> int | None:
+        """The most bytes of unstaged device tensors the writer may hold on the host at
+        once (a quarter of the budget; None without a budget, or when the state fits)."""
+        if self.budget_bytes is None or not self.unstaged_bytes:
+            return None
+        return _window(self.budget_bytes)
+
+    @property
     def device(self) -> torch.device | None:
         """The CUDA device the buffers are pinned for: that of the state's (first) CUDA
         tensor; None when not pinned."""
@@ -171,24 +198,34 @@ class StagingBuffers:
         return self._arena is not None and self._arena.pinned
 
     def _fit(self, tensors: list[tuple[tuple, torch.Tensor]]) -> None:
-        """Make the buffers hold exactly ``tensors`` (path, local tensor): the arena is kept
-        while every path has the same shape and dtype, and built anew (one allocation)
-        otherwise. The caller holds the lock."""
+        """Make the buffers hold ``tensors`` (path, local tensor), all of them or, over the
+        budget, those that fit (the module docstring): the arena is kept while every path
+        has the same shape and dtype, and built anew (one allocation) otherwise. The caller
+        holds the lock."""
         layout = {path: (tuple(t.shape), t.dtype) for path, t in tensors}
         if layout == self._layout and self._arena is not None:
             return
         self._release()  # the old arena first: never two of them at once, as far as it can
+        sizes = [t.numel() * t.element_size() for _, t in tensors]
+        kept = list(range(len(tensors)))
+        if self.budget_bytes is not None and \
+                sum(aligned_bytes(n) for n in sizes) > self.budget_bytes:
+            room, kept = self.budget_bytes - _window(self.budget_bytes), []
+            for i, n in enumerate(sizes):
+                if aligned_bytes(n) <= room:
+                    kept.append(i)
+                    room -= aligned_bytes(n)
         cuda = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
-        arena = HostArena([t.numel() * t.element_size() for _, t in tensors],
-                          pin_on=cuda if self.pin_memory else None)
+        arena = HostArena([sizes[i] for i in kept], pin_on=cuda if self.pin_memory else None)
         self.num_allocations += arena.nbytes > 0
         self._arena, self._layout = arena, layout
-        self._buffers = {path: arena.view(i, t.shape, t.dtype)
-                         for i, (path, t) in enumerate(tensors)}
+        self._buffers = {tensors[i][0]: arena.view(slot, tensors[i][1].shape, tensors[i][1].dtype)
+                         for slot, i in enumerate(kept)}
+        self.unstaged_bytes = sum(sizes) - sum(sizes[i] for i in kept)
 
     def _release(self) -> None:
         arena, self._arena = self._arena, None
-        self._buffers, self._layout = {}, {}
+        self._buffers, self._layout, self.unstaged_bytes = {}, {}, 0
         if arena is not None:
             arena.release()  # under its own device, whichever thread this is
 
@@ -233,7 +270,9 @@ class StagingBuffers:
         """Copy ``state_dict`` into the buffers; returns (staged copy, tensor bytes staged).
 
         CUDA tensors into pinned buffers: the copies are only enqueued (see the module
-        docstring); ``wait_ready()`` before reading the staged tensors on the host.
+        docstring); ``wait_ready()`` before reading the staged tensors on the host. Over the
+        budget, the tensors the arena does not hold stay the live ones in the staged copy
+        (``unstaged_bytes`` > 0): the caller must not change them until the copy is saved.
         """
         dtensor = _dtensor_cls()
         leaves = _tensor_leaves(state_dict)
@@ -247,7 +286,10 @@ class StagingBuffers:
             pinned = self._arena.pinned
             try:
                 for path, value, local in leaves:
-                    buf = self._buffers[path]
+                    buf = self._buffers.get(path)
+                    if buf is None:  # over the budget: saved from the live tensor
+                        staged_at[path] = value.detach()
+                        continue
                     if local.device.type == "cuda" and pinned:
                         side = self._side_stream(pending, local.device)
                         with torch.cuda.stream(side):
@@ -268,6 +310,11 @@ class StagingBuffers:
                 if pending:
                     self.ready = self._fence(pending)
         return _rebuild(state_dict, (), staged_at), total
+
+
+def _window(budget_bytes: int) -> int:
+    """The writer's window of a state over ``budget_bytes`` (``window_bytes``)."""
+    return max(1, budget_bytes // 4)
 
 
 def _tensor_leaves(value: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor, torch.Tensor]]:

@@ -108,8 +108,12 @@ class CkptWriter(StorageWriter):
                  manifest_extra: dict[str, Any] | None = None, durable: bool = True,
                  before_commit: Callable[[], None] | None = None,
                  before_write: Callable[[], None] | None = None,
-                 attachments: dict[str, bytes | str] | None = None, cost: Any = None):
+                 attachments: dict[str, bytes | str] | None = None, cost: Any = None,
+                 host_window_bytes: int | None = None):
         super().__init__()
+        # Device tensors (a state larger than its staging budget) reach the host in waves
+        # of at most this many bytes, each written before the next is copied; None: at once.
+        self.host_window_bytes = host_window_bytes
         self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
         self.before_commit = before_commit
         self.before_write = before_write
@@ -210,7 +214,7 @@ class CkptWriter(StorageWriter):
         # the very bytes written here: those checksums are reused, not computed again.
         known: dict[str, int] = getattr(planner, "known_crcs", None) or {}
         # Resolve data on this thread (planners are not thread-safe), then write in parallel.
-        resolved = []
+        resolved, deferred = [], []
         for item in items:
             data = planner.resolve_data(item)
             crc = None
@@ -218,12 +222,16 @@ class CkptWriter(StorageWriter):
                 buf = data.getvalue()
                 crc = known.get(item.index.fqn)  # the planner's, of these very bytes
             else:
-                buf = tensor_view_bytes(data)
+                nbytes = data.numel() * data.element_size()
                 whole = planner.state_dict.get(item.index.fqn) if hasattr(
                     planner, "state_dict") else None
                 if item.index.fqn in known and isinstance(whole, torch.Tensor) and \
-                        whole.numel() * whole.element_size() == buffer_nbytes(buf):
+                        whole.numel() * whole.element_size() == nbytes:
                     crc = known[item.index.fqn]
+                if self.host_window_bytes is not None and data.device.type != "cpu":
+                    deferred.append((item, data, crc, nbytes))  # copied in its wave
+                    continue
+                buf = tensor_view_bytes(data)
             resolved.append((item, buf, crc))
         num_files = self.num_threads
         file_bytes = self.storage.preferred_file_bytes
@@ -232,7 +240,8 @@ class CkptWriter(StorageWriter):
             # num_threads of them are in flight (Storage.preferred_file_bytes says why).
             total = sum(buffer_nbytes(r[1]) for r in resolved)
             num_files = max(num_files, min(1024, -(-total // file_bytes)))
-        buckets = _balance(resolved, num_files)
+        waves = [_balance(resolved, num_files)] + [
+            wave for wave in _waves(deferred, self.host_window_bytes or 0)]
         # Local files: each file's bytes are synced by itself, and the folder (the files'
         # names) once for all of them, before this rank reports its files written; the
         # manifest, the commit, comes only after every rank did (DCP's contract).
@@ -281,17 +290,25 @@ class CkptWriter(StorageWriter):
                                    storage_data=FileRecord(offset, crc, rank)))
             return out
 
-        non_empty = [(k, b) for k, b in enumerate(buckets) if b]
-        if len(non_empty) <= 1:
-            for k, b in non_empty:
-                results.extend(write_bucket(k, b))
-        else:
-            with ThreadPoolExecutor(min(self.num_threads, len(non_empty)),
-                                    thread_name_prefix="ckpt-write") as pool:
-                for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
-                    results.extend(out)
+        num_named = 0  # file numbers given so far
+        wrote_files = False
+        for wave in waves:
+            if callable(wave):  # device tensors: their host copies now, freed after
+                wave = wave(self.num_threads)
+            non_empty = [(num_named + k, b) for k, b in enumerate(wave) if b]
+            num_named += len(wave)
+            wrote_files = wrote_files or bool(non_empty)
+            if len(non_empty) <= 1:
+                for k, b in non_empty:
+                    results.extend(write_bucket(k, b))
+            else:
+                with ThreadPoolExecutor(min(self.num_threads, len(non_empty)),
+                                        thread_name_prefix="ckpt-write") as pool:
+                    for out in pool.map(lambda kb: write_bucket(*kb), non_empty):
+                        results.extend(out)
+            wave = non_empty = None  # a device wave's host copies go now
         results, wrote_part = self._write_part(plan, rank, save_id, results, sync_here)
-        if sync_here and (non_empty or wrote_part):
+        if sync_here and (wrote_files or wrote_part):
             with cost.phase("fsync"):
                 _fsync_path(self.storage.local_path(self.step_dir))
         return results
@@ -383,6 +400,30 @@ class CkptWriter(StorageWriter):
         # are left alone: they are the life-cycle's to judge, never the writer's.
         self.life.commit(manifest)
         self.manifest = manifest
+
+
+def _waves(deferred: list, window_bytes: int):
+    """Device tensors ``(item, tensor, crc, bytes)`` in waves of at most ``window_bytes``
+    (a larger one alone): each wave a function of the number of files that copies its
+    tensors to the host, then balances them into that many files (one per tensor at most).
+    A wave's host copies live until its files are written."""
+    wave: list = []
+    size = 0
+    for entry in deferred:
+        if wave and size + entry[3] > window_bytes:
+            yield _wave(wave)
+            wave, size = [], 0
+        wave.append(entry)
+        size += entry[3]
+    if wave:
+        yield _wave(wave)
+
+
+def _wave(entries: list):
+    def copied(num_files: int) -> list[list]:
+        host = [(item, tensor_view_bytes(data), crc) for item, data, crc, _ in entries]
+        return _balance(host, min(num_files, len(host)))
+    return copied
 
 
 def _balance(items: list, num_buckets: int) -> list[list]:

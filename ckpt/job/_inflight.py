@@ -33,13 +33,17 @@ class StagedCopy:
     """A copy of the state staged by a manager at ``step`` (in its staging buffers), which
     another manager may persist too (``save(..., reuse=...)``): one stall for two saves.
     ``wait_ready()`` blocks until the copies are done (on CUDA they are only enqueued) and
-    returns their device time when known."""
+    returns their device time when known. ``window_bytes``: None when the whole state was
+    staged; else the state did not fit the staging budget, ``staged`` holds the live tensors
+    that did not (persisted before training goes on), and device ones reach the host at
+    most this many bytes at a time (``ckpt.dcp.staging``)."""
 
     step: int
     staged: Any
     nbytes: int
     stall_seconds: float
     wait_ready: Callable[[], float | None] = lambda: None
+    window_bytes: int | None = None
 
 
 class InflightSave:

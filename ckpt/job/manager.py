@@ -99,6 +99,10 @@ class CheckpointManager:
             (``ckpt.format.Span``: the node, and the job ranks of ``process_group``): a
             tensor sharded across nodes is saved in part, and the versions load only on
             this layout (``ckpt.job.tiers`` passes one on a job of several nodes).
+        staging_budget_bytes: the most host memory a save's copy of this rank's state may
+            take (None: one whole copy). A state larger than it is saved in pieces, the
+            save blocking until committed (``ckpt.dcp.staging``; docs/store.md,
+            "Host memory under a budget").
 
     Failures are never silent: a save that fails after ``max_attempts`` emits a final
     ``save_failed`` event and an error log line; its folder is never committed.
@@ -113,7 +117,8 @@ class CheckpointManager:
                  max_attempts: int = 3, retry_backoff_seconds: float = 0.5,
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
                  job_fingerprint: str | None = None, process_group=None,
-                 span: Span | None = None, events: EventBus | None = None):
+                 span: Span | None = None, events: EventBus | None = None,
+                 staging_budget_bytes: int | None = None):
         if busy not in ("skip", "wait"):
             raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
         if max_attempts < 1:
@@ -136,7 +141,7 @@ class CheckpointManager:
         self.raise_on_failure = raise_on_failure
         self.layout = dict(layout or {})
         self.span = span
-        self.staging = StagingBuffers()
+        self.staging = StagingBuffers(budget_bytes=staging_budget_bytes)
         self._slot = InflightSave()  # the persist thread and the save it runs
         self._abandon = threading.Event()
         self.step_times = StepTimes()
@@ -408,7 +413,8 @@ class CheckpointManager:
         use_slot(self.cadence, step)
         self.step_times.save_started()
         self._slot.start(step, self._persist, copy, dict(user_metadata or {}), attached, t0)
-        if block or not self.async_save:
+        # Over the staging budget the copy holds live tensors: training waits for the save.
+        if block or not self.async_save or copy.window_bytes is not None:
             self._slot.join()
             self._raise_pending_failure()
         return True
@@ -419,7 +425,7 @@ class CheckpointManager:
         staged, nbytes = self.staging.stage(api.resolve_state(state))
         self.num_stages += 1
         self.last_staged = StagedCopy(step, staged, nbytes, time.monotonic() - t0,
-                                      self.staging.wait_ready)
+                                      self.staging.wait_ready, self.staging.window_bytes)
         return self.last_staged
 
     def _persist(self, copy: StagedCopy, user_metadata: dict[str, Any],
@@ -431,7 +437,8 @@ class CheckpointManager:
         copy_seconds = copy.wait_ready()
         out = self._persister.run(copy.step, copy.staged, nbytes=copy.nbytes,
                                   stall=copy.stall_seconds, user_metadata=user_metadata,
-                                  attachments=attachments, span=self.span)
+                                  attachments=attachments, span=self.span,
+                                  host_window_bytes=copy.window_bytes)
         if not out.committed:
             if out.error is not None:
                 self._slot.failure = out.error

@@ -2,7 +2,8 @@
 python -m trainer lighthouse [--config FILE] [--fault_tolerance.key=value ...] and
 python -m trainer ft-local --groups N [--nproc R] --out DIR --config FILE [...].
 
-Runs under torchrun (one process per rank) or alone (one process, no torchrun needed).
+Runs under torchrun (one process per rank), as the tasks of an srun step (one per rank;
+torch's variables from Slurm's, see trainer.slurm) or alone (one process, no launcher).
 "lighthouse" runs torchft's lighthouse with the timing of a config's [fault_tolerance]
 section (fault-tolerant replica groups, docs/trainer.md); "ft-local" runs a lighthouse and
 every replica group of a job on this machine.
@@ -22,8 +23,10 @@ from trainer.checkpointing import check_startup
 from trainer.config import ConfigError, config_from_argv
 from trainer.determinism import apply_determinism
 from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
+from trainer.faults import Preemption
 from trainer.ft import LighthouseUnreachable, check_reachable, serve
 from trainer.layout_plan import add_plan_arguments, run_plan
+from trainer.slurm import export_torch_env
 from trainer.train import run
 
 _DEBUG_FLAG = "--debug"
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
             return _fail("python -m trainer plan", exc, debug, 2)
     if argv and argv[0] in ("lighthouse", "ft-local"):
         return _ft_command(argv[0], argv[1:], debug)
+    try:
+        export_torch_env()  # a task of an srun step: RANK & co. from Slurm's variables
+    except ValueError as exc:
+        return _fail("python -m trainer", exc, debug, EXIT_CONFIG)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s [rank {rank}] %(name)s: %(message)s",
@@ -64,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = config_from_argv(argv)
+        preemption = Preemption(cfg.fault.preemption_grace_seconds)
+        if cfg.fault.handle_preemption:  # from here a preemption is answered, not fatal
+            preemption.install()
         check_startup(cfg)
         if cfg.fault_tolerance.enabled:  # before anything is built: fail fast, in one line
             check_reachable(cfg.fault_tolerance)
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg.training.resolved_device(),
                            timeout_seconds=cfg.process_group_timeout_seconds())
     try:
-        code = run(cfg, env)
+        code = run(cfg, env, preemption)
     except Exception as exc:  # noqa: BLE001 - e.g. a peer died mid-collective
         # Leave through shutdown all the same: a traceback exit runs the interpreter's
         # finalizers, which can abort in a gloo thread and replace our exit code.

@@ -29,6 +29,7 @@ from ckpt.job import (
 from ckpt.root import CheckpointStore
 from ckpt.storage import Storage
 from trainer.config import Config, ConfigError, ParallelConfig, TrainingConfig, config_to_dict
+from trainer.slurm import SlurmJob
 
 __all__ = [
     "ModelOptimState",
@@ -157,6 +158,10 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     a whole replica, which any group, or a job without fault tolerance, loads. The lease
     then has ``fault_tolerance.lease_ttl_seconds`` and a name and fingerprint per group,
     so that only this group's own earlier attempt counts as proven dead (``ckpt.root.lease``).
+
+    Under Slurm the lease record and the run log name the job and its requeues
+    (``slurm-<job id>-restart-<n>``, :class:`trainer.slurm.SlurmJob`), also before the
+    replica group's name.
     """
     c, ft = cfg.checkpoint, cfg.fault_tolerance
     par = par or cfg.parallel
@@ -170,14 +175,16 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     layout = {"pp": par.pp, "dp": par.dp, "tp": par.tp,
               "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
               "dp_mode": par.dp_mode, "world_size": world_size}
+    slurm = SlurmJob.from_env()
     options = dict(storage_options=c.storage_options or None, cadence=cadence,
                    retention=retention, async_save=c.async_save, verify=c.verify,
                    layout=layout, events=events, raise_on_failure=c.fail_on_error,
-                   job_fingerprint=fingerprint)
+                   job_fingerprint=fingerprint, job_name=slurm.name if slurm else None)
     if ft.enabled:
         layout["replica_groups"] = cfg.parallel.dp_replicate
+        group = f"replica-group-{ft.group_id}"
         options.update(lease_ttl_seconds=ft.lease_ttl_seconds,
-                       job_name=f"replica-group-{ft.group_id}",
+                       job_name=f"{slurm.name}/{group}" if slurm else group,
                        job_fingerprint=replica_group_fingerprint(fingerprint, ft.group_id))
     if c.local_root:
         mgr = TieredCheckpointManager(

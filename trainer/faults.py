@@ -139,16 +139,32 @@ class NanInjector:
 
 
 class Preemption:
-    """Records SIGTERM/SIGUSR1 so the loop can checkpoint and leave at a step boundary."""
+    """Records SIGTERM/SIGUSR1 so the loop can checkpoint and leave at a step boundary.
+
+    Both mean "you are about to be stopped": a scheduler's preemption (Slurm, Kubernetes),
+    ``scancel --signal``, or the warning ahead of a time limit (Slurm's
+    ``--signal=B:USR1@N``, which the batch script forwards to the ranks). The loop answers
+    with a blocking save of the current step and exit 75 (requeue me).
+
+    ``grace_seconds`` is how long the scheduler waits between the signal and the kill (the
+    ``N`` above; 0: not known). Such a save must fit in it: :meth:`check_save_seconds` warns,
+    once per process, when a save took longer.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
+    def __init__(self, grace_seconds: float = 0.0):
+        self.grace_seconds = grace_seconds
         self.received: int | None = None
         self._previous = {}
+        self._warned = False
 
     def install(self) -> "Preemption":
-        if threading.current_thread() is not threading.main_thread():
+        """Handle the signals from now on (main thread only; again: nothing changes).
+        ``python -m trainer`` installs it right after reading the config, so that a signal
+        during start-up (rendezvous, building, resuming) is kept for the first step boundary
+        instead of killing the process unsaved."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
             return self
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -162,6 +178,22 @@ class Preemption:
     def uninstall(self) -> None:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
+        self._previous.clear()
+
+    def check_save_seconds(self, seconds: float | None, step: int | None) -> bool:
+        """Warn in one line when a save (of ``step``) took ``seconds`` > ``grace_seconds``:
+        the save a signal asks for would be killed before it commits. True if it warned
+        (once per process; nothing when either number is not known)."""
+        if (self._warned or not self.grace_seconds or not isinstance(seconds, (int, float))
+                or not seconds > self.grace_seconds):
+            return False
+        self._warned = True
+        log.warning("the save of step %s took %.1fs, longer than the preemption grace of "
+                    "%gs (fault.preemption_grace_seconds): a preempted or time-limited job "
+                    "would be killed before its checkpoint commits; signal it earlier (Slurm: "
+                    "--signal=B:USR1@N, N above a save and a step) and set the key to N",
+                    step, seconds, self.grace_seconds)
+        return True
 
 
 class StragglerDetector:

@@ -82,7 +82,8 @@ class TrainingStopped(RuntimeError):
 class Trainer:
     """One rank's view of a training job. Build on every rank, then call :meth:`fit`."""
 
-    def __init__(self, cfg: Config, env: DistEnv, *, events: EventBus | None = None):
+    def __init__(self, cfg: Config, env: DistEnv, *, events: EventBus | None = None,
+                 preemption: Preemption | None = None):
         self.env = env
         ft = cfg.fault_tolerance
         # Replica groups: this process's torchrun job is one of dp_replicate groups.
@@ -131,8 +132,13 @@ class Trainer:
         self.guard = LossGuard(cfg.fault.spike_factor, cfg.fault.spike_window)
         self.stragglers = StragglerDetector(cfg.fault.straggler_factor)
         self.nan_injector = NanInjector(cfg.fault.inject_nan_step)
-        self.preemption = Preemption()
+        # python -m trainer's, installed before the process group (run's docstring says).
+        self.preemption = preemption or Preemption(cfg.fault.preemption_grace_seconds)
         self.events = events or EventBus(rank=env.rank)
+        # The newest durable commit's {"step", "seconds"} (its whole time, as a blocking save
+        # takes it): each save's metadata carries it, for the grace check of the next start.
+        self.last_save: dict[str, Any] | None = None
+        self.events.subscribe(self._note_save)
         # The same timeout as the training group's: after the hang watchdog (Config says).
         self.ctl_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.process_group_timeout_seconds())) if env.distributed else None
@@ -192,8 +198,17 @@ class Trainer:
 
     # -- checkpointing -----------------------------------------------------------------------
     def _metadata(self, loss: float | None) -> dict[str, Any]:
-        """A save's user metadata: the step's loss (``ckpt list`` shows it) and the config."""
-        return {"loss": loss, "config": self.config_record}
+        """A save's user metadata: the step's loss (``ckpt list`` shows it), the config and
+        what the newest save before it took (``last_save``)."""
+        return {"loss": loss, "config": self.config_record, "last_save": self.last_save}
+
+    def _note_save(self, event) -> None:
+        """A durable commit: remember its time, and check it against the preemption grace."""
+        if event.kind == "save_committed" and isinstance(
+                event.fields.get("total_seconds"), (int, float)):
+            self.last_save = {"step": event.step, "seconds": event.fields["total_seconds"]}
+            if self.env.rank == 0:
+                self.preemption.check_save_seconds(self.last_save["seconds"], event.step)
 
     def checkpoint_state(self, with_rng: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -250,6 +265,9 @@ class Trainer:
                         manifest.step, self.loaded_fingerprint, self.fingerprint)
         self._reconcile_config(manifest)
         if self.env.rank == 0:
+            last = (manifest.user_metadata or {}).get("last_save")
+            if isinstance(last, dict):  # what a save took before this start
+                self.preemption.check_save_seconds(last.get("seconds"), last.get("step"))
             tier = self.manager.resumed_tier if self.manager is not None else "durable"
             log.info("resumed from %s step %d%s%s", c.root if tier != "local" else
                      f"the local tier ({self.manager.local_root})", manifest.step,
@@ -646,10 +664,12 @@ class Trainer:
                 self.events.emit("failure", self.step, failure="straggler", slow_rank=r)
 
 
-def run(cfg: Config, env: DistEnv) -> int:
-    """Train per ``cfg``; returns the process exit code (see trainer.distributed)."""
+def run(cfg: Config, env: DistEnv, preemption: Preemption | None = None) -> int:
+    """Train per ``cfg``; returns the process exit code (see trainer.distributed).
+    ``preemption``: handles the preemption signals already (a signal received before the
+    loop starts is answered at its first step boundary)."""
     try:
-        trainer = Trainer(cfg, env)
+        trainer = Trainer(cfg, env, preemption=preemption)
         return trainer.fit()
     except (ConfigError, ValueError) as exc:
         log.error("%s", exc)

@@ -203,7 +203,10 @@ class FaultConfig(Section):
     spike_window: int = _f(20, "Steps in the running mean used for spike detection.")
     max_skips: int = _f(10, "Consecutive skipped steps before the job stops.")
     straggler_factor: float = _f(2.0, "Report ranks slower than factor * median step; 0 = off.")
-    handle_preemption: bool = _f(True, "On SIGTERM/SIGUSR1, save a checkpoint, then exit.")
+    handle_preemption: bool = _f(True, "On SIGTERM/SIGUSR1, save a checkpoint, then exit 75.")
+    preemption_grace_seconds: float = _f(
+        0.0, "Time between a preemption or time-limit signal and the kill (Slurm: N of "
+        "--signal=B:USR1@N); a warning when a save takes longer; 0 = not known.")
     inject_nan_step: int = _f(0, "Testing: make the loss of this step NaN (1-based); 0 = off.")
     inject_step_delay_seconds: float = _f(
         0.0, "Testing and demos: sleep this long in every step (a slower model); 0 = off.")
@@ -211,6 +214,7 @@ class FaultConfig(Section):
     def _validate(self) -> None:
         self._at_least("hang_timeout_seconds", 0, "use 0 to disable")
         self._at_least("blocking_save_grace_seconds", 0)
+        self._at_least("preemption_grace_seconds", 0, "use 0 when it is not known")
         if self.process_group_timeout_seconds is not None:
             self._at_least("process_group_timeout_seconds", 1,
                            "or leave it unset to derive it from the hang timeout")

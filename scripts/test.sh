@@ -3,6 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# tests/e2e/test_slurm.py starts a one-node Slurm of its own (munged, slurmctld, slurmd); on
+# Debian, as root, install the packages when missing. Elsewhere those tests skip, saying why.
+slurm_pkgs=(slurm-wlm munge)
+if ! PATH="$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${slurm_pkgs[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends "${slurm_pkgs[@]}" >/dev/null; }; } \
+    || echo "warning: could not install Slurm; the Slurm tests will skip" >&2
+fi
 # Test files run in parallel, each whole on one worker (its module fixtures run once), the
 # slowest files first (tests/conftest.py; --no-loadscope-reorder keeps that order, where xdist
 # would hand out the files with the most tests first). Most tests wait on processes they

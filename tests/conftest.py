@@ -159,7 +159,8 @@ class S3Server:
 # made once). Files are handed out in collection order (--no-loadscope-reorder), so the
 # slowest (the top of `pytest --durations` on 2 cores) come first: a long file started last
 # would be the tail.
-_SLOWEST_FIRST = ("tests/e2e/test_recipes.py", "tests/e2e/test_resume.py",
+_SLOWEST_FIRST = ("tests/e2e/test_slurm.py", "tests/e2e/test_recipes.py",
+                  "tests/e2e/test_resume.py",
                   "tests/e2e/test_torchrun_restarts.py",
                   "tests/monitoring/test_alerts_e2e.py", "tests/e2e/test_restarts.py",
                   "tests/e2e/test_trainer_cli_errors.py", "tests/e2e/test_tiers_multinode.py",

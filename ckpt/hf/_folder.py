@@ -48,8 +48,8 @@ class HFFolder:
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
-        self.storage = Storage(os.path.realpath(os.path.expanduser(url))
-                               if "://" not in str(url) else url, storage_options)
+        # A local folder by its real path (the Hugging Face cache links its snapshots).
+        self.storage = Storage(Storage.location(url).rstrip("/") or "/", storage_options)
         self.url = self.storage.url
         self._local = self.storage.local_path("")
         self._sizes = {name: size for name, kind, size in self.storage.listdir("")

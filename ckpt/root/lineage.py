@@ -61,8 +61,12 @@ def read_runs(storage: Storage) -> list[dict[str, Any]]:
     damaged file aside (``_lineage.damaged-<hex>.json``) rather than losing it.
     """
     try:
-        data = storage.read_bytes(LINEAGE_NAME)
+        data = storage.read_bytes(LINEAGE_NAME, max_bytes=MAX_LOG_BYTES)
     except FileNotFoundError:
+        return []
+    except CorruptCheckpointError as exc:  # larger than a run log can be: unread
+        log.warning("%s; every checkpoint counts as live until a resume records its run "
+                    "again", exc)
         return []
     try:
         return _parse_log(data, storage.describe(LINEAGE_NAME))
@@ -110,8 +114,11 @@ def record_run(storage: Storage, record: dict[str, Any]) -> list[dict[str, Any]]
               "abandoned": [], **record}
     runs: list[dict[str, Any]] = []
     try:
-        data = storage.read_bytes(LINEAGE_NAME)
+        data = storage.read_bytes(LINEAGE_NAME, max_bytes=MAX_LOG_BYTES)
     except FileNotFoundError:
+        data = None
+    except CorruptCheckpointError as exc:  # larger than any run log: not one, replaced
+        log.warning("%s; it is no run log of ckpt and is replaced by a new one", exc)
         data = None
     if data is not None:
         try:

@@ -241,3 +241,16 @@ def test_a_damaged_manifest_never_blocks_its_step(tmp_path, capsys):
     rc, out, _ = cli(capsys, "list", root, "--all")
     row = [line for line in out.splitlines() if "damaged manifest" in line]
     assert rc == 0 and len(row) == 1 and row[0].split()[:3] == ["20", "-", "moved-aside"]
+
+
+def test_a_run_log_larger_than_any_is_never_read_whole(tmp_path):
+    from ckpt.root.lineage import MAX_LOG_BYTES
+
+    with open(tmp_path / LINEAGE_NAME, "wb") as f:  # sparse: no disk
+        f.truncate(MAX_LOG_BYTES * 64)
+    assert read_runs(CheckpointStore(str(tmp_path)).storage) == []
+    st = {"w": torch.zeros(3)}
+    with CheckpointManager(str(tmp_path), async_save=False, retention=[]) as m:
+        _save(m, 10)
+        assert m.load_latest(st).step == 10
+    assert len(read_runs(CheckpointStore(str(tmp_path)).storage)) == 1

@@ -7,11 +7,19 @@ bytes before it. Everything else (listing, sizes, deletes) is the local file sys
 its speed. ``ckpt.storage`` opens it with its generic fsspec backend, like any filesystem
 that is not local disk or S3 (``memory://`` in the tests): the same code path a network
 store takes. Used by ``bench_replicas.py`` as the durable tier.
+
+``register(rate, shared=PATH)``: the reads of every process that registers the same
+``PATH`` share one bucket (a file holding when it is next free, under an exclusive
+``flock``): the store's own bandwidth, which every reader of a job shares, rather than each
+reader's link. ``bench_coop_load.py`` reads so.
 """
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
+import struct
 import threading
 import time
 
@@ -35,6 +43,30 @@ class _Bucket:
             start = max(time.monotonic(), self._free)
             self._free = start + nbytes / self.rate
             until = self._free
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class _SharedBucket:
+    """A :class:`_Bucket` shared by processes: its next free time (``time.monotonic``, the
+    same clock in every process of a host) lives in ``path``, updated under ``flock``."""
+
+    def __init__(self, rate: float, path: str):
+        self.rate, self.path = float(rate), path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.close(fd)
+
+    def take(self, nbytes: int) -> None:
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, 8, 0)
+            free = struct.unpack("d", raw)[0] if len(raw) == 8 else 0.0
+            until = max(time.monotonic(), free) + nbytes / self.rate
+            os.pwrite(fd, struct.pack("d", until), 0)
+        finally:
+            os.close(fd)  # releases the lock
         delay = until - time.monotonic()
         if delay > 0:
             time.sleep(delay)
@@ -115,9 +147,12 @@ class ThrottledFileSystem(AbstractFileSystem):
         return io.BytesIO(data)
 
 
-def register(bytes_per_second: float) -> None:
+def register(bytes_per_second: float, shared: str | None = None) -> None:
     """Make ``throttled://`` roots available in this process, at ``bytes_per_second`` for
-    reads and, separately, for writes."""
+    reads and, separately, for writes. ``shared``: a file through which every process
+    registered with it shares one read bucket (the module docstring)."""
     global _READS, _WRITES
-    _READS, _WRITES = _Bucket(bytes_per_second), _Bucket(bytes_per_second)
+    _READS = _Bucket(bytes_per_second) if shared is None else \
+        _SharedBucket(bytes_per_second, shared)
+    _WRITES = _Bucket(bytes_per_second)
     fsspec.register_implementation(PROTOCOL, ThrottledFileSystem, clobber=True)

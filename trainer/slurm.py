@@ -15,8 +15,9 @@ them) sets torch's ``env://`` variables from them.
 | ``MASTER_PORT`` | :data:`MASTER_PORT_BASE` + job id mod :data:`MASTER_PORT_SPAN` |
 
 A variable already set wins (a launcher such as torchrun set it, or the batch script chose
-``MASTER_PORT``); nothing is set outside an srun step (the batch script itself, a plain
-``python -m trainer`` inside an allocation, which runs as one process).
+``MASTER_PORT``); nothing is set outside an srun step of two or more tasks (the batch script
+itself, an allocation's shell, ``srun --pty bash``: a ``python -m trainer`` there runs as one
+process, as it does without Slurm).
 
 What a Slurm event means to the trainer: the time limit's warning (``--signal=B:USR1@N``,
 forwarded to the ranks by the batch script) and a preemption or ``scancel --signal=TERM``
@@ -105,10 +106,12 @@ def first_host(nodelist: str) -> str:
 
 def torch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """torch's ``env://`` variables for a task that srun started directly, those missing
-    from ``environ`` only (see the module's table). Empty outside an srun step."""
+    from ``environ`` only (see the module's table). Empty outside an srun step of two or
+    more tasks."""
     environ = os.environ if environ is None else environ
-    if environ.get("SLURM_STEP_ID", "batch") in ("batch", "extern") \
-            or not environ.get("SLURM_STEP_NUM_TASKS"):
+    if (environ.get("SLURM_STEP_ID", "batch") in ("batch", "extern")
+            or not environ.get("SLURM_STEP_NUM_TASKS")
+            or _int(environ, "SLURM_STEP_NUM_TASKS") < 2):
         return {}
     wanted = {
         "RANK": lambda: str(_int(environ, "SLURM_PROCID")),

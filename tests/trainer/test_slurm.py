@@ -46,9 +46,11 @@ def test_variables_already_set_win_and_only_srun_steps_get_any():
     assert torch_env({**TASK, "MASTER_PORT": "1234"})["MASTER_ADDR"] == "gpu007"
     assert "MASTER_PORT" not in torch_env({**TASK, "MASTER_PORT": "1234"})
     # The batch script itself (python -m trainer there runs as one process), and no Slurm.
-    batch = {k: v for k, v in TASK.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")}
+    batch = {k: v for k, v in TASK.items() if k != "SLURM_STEP_ID"}
     assert torch_env(batch) == {}
     assert torch_env({**TASK, "SLURM_STEP_ID": "batch"}) == {}
+    # A one-task step (srun --pty bash, srun -n1 ...): one process, no group, as without Slurm.
+    assert torch_env({**TASK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}) == {}
     assert torch_env({}) == {}
     environ = dict(TASK)
     assert export_torch_env(environ)["RANK"] == "3" and environ["WORLD_SIZE"] == "4"

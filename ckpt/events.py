@@ -95,11 +95,16 @@ KINDS: dict[str, tuple[str, ...]] = {
     # At a resume, this node's local ``step`` fetched back from ``peer_node``'s copy.
     "replica_restored": ("peer_node", "bytes", "seconds"),
     # -- the trainer (trainer/)
-    "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr"),
+    # ``comm_bytes`` and ``comm_seconds``: {kind: value} of this rank's collectives measured
+    # since the previous step (``trainer.comms``; kinds with nothing measured left out).
+    "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr",
+                   "comm_bytes", "comm_seconds"),
     # ``failure``: "nan", "spike", "hang", "straggler" or "preempted"; ``loss`` with nan and
     # spike, ``slow_rank`` with straggler.
     "failure": ("failure", "loss", "slow_rank"),
-    "resumed": ("same_layout",),
+    # ``productive_seconds``: the job's productive training seconds the checkpoint holds (its
+    # user metadata; None for a checkpoint written without it): ``ckpt.cadence.goodput``.
+    "resumed": ("same_layout", "productive_seconds"),
     # The run is over and the process is about to exit with ``exit_code`` (every rank; 0:
     # trained to the end with the last step committed). Not emitted when it crashed.
     "run_ended": ("exit_code",),

@@ -1,8 +1,21 @@
 """The job's failure history under a checkpoint root: ``_history.json``.
 
-Failure times and total uptime (JSON, :class:`ckpt.cadence.policies.FailureHistory`), kept across the
-job's restarts so the ``auto`` cadence can refine its MTBF prior with what it has seen.
-Advisory data: unreadable or unwritable history is logged and ignored, never fatal.
+Failure times and total uptime (JSON, :class:`ckpt.cadence.young_daly.FailureHistory`), kept
+across the job's restarts so the ``auto`` cadence can refine its MTBF prior with what it has
+seen, and the job's goodput record (its ``goodput`` object: where its wall time went since
+it first started, :class:`ckpt.cadence.goodput.GoodputLedger`), which a restarted job
+continues. Advisory data: unreadable or unwritable history is logged and ignored, never
+fatal.
+
+The file (docs/format.md, "Layout of a root")::
+
+    {"version": 1, "failure_times": [unix, ...], "uptime_seconds": s,
+     "goodput": {"version": 1, "first_start_unix": t, "recorded_unix": t,
+                 "seconds": {"productive": s, "startup": s, ...}, "ended": false,
+                 "step": n}}
+
+``goodput`` is optional (files written before it have none; readers that predate it ignore
+it).
 """
 
 from __future__ import annotations
@@ -12,12 +25,14 @@ import math
 import os
 import time
 
+from ckpt.cadence.goodput import GoodputLedger
 from ckpt.cadence.young_daly import FailureHistory
 from ckpt.events import EventBus
 from ckpt.format import jsonio
 from ckpt.storage import Storage
 
-__all__ = ["HISTORY_NAME", "load_history", "load_job_history", "read_history", "write_history"]
+__all__ = ["HISTORY_NAME", "load_history", "load_goodput", "load_job_history", "read_history",
+           "write_history"]
 
 log = logging.getLogger(__name__)
 HISTORY_NAME = "_history.json"
@@ -40,6 +55,20 @@ def load_history(storage: Storage) -> FailureHistory | None:
         raise ValueError(f"{where} is unreadable ({exc}); the job ignores it too, and deleting "
                          f"it starts a new history") from None
     return history
+
+
+def load_goodput(storage: Storage) -> GoodputLedger | None:
+    """The stored goodput record, for display (None: no history, or one without a record);
+    read only. A damaged record is a ``ValueError`` naming the file and the field."""
+    history = load_history(storage)
+    if history is None or not history.goodput:
+        return None
+    try:
+        return GoodputLedger.from_dict(history.goodput)
+    except ValueError as exc:
+        where = storage.describe(HISTORY_NAME)
+        raise ValueError(f"{where}: its goodput record is unreadable ({exc}); the job starts "
+                         f"a new tally over it") from None
 
 
 def read_history(storage: Storage, events: EventBus, *, took_over: bool,

@@ -76,6 +76,9 @@ class FailureHistory:
     """Wall-clock time (Unix seconds) of each observed failure, in the order recorded."""
     uptime_seconds: float = 0.0
     """Total time the job was observed running, over all its runs."""
+    goodput: dict[str, Any] = field(default_factory=dict)
+    """The job's goodput ledger as :meth:`ckpt.cadence.goodput.GoodputLedger.to_dict` wrote
+    it, carried as is (that class reads and checks it); empty: none yet."""
 
     @property
     def num_failures(self) -> int:
@@ -103,7 +106,11 @@ class FailureHistory:
         return (prior_weight * prior_seconds + self.uptime_seconds) / (prior_weight + self.num_failures)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": 1, "failure_times": list(self.failure_times), "uptime_seconds": self.uptime_seconds}
+        out = {"version": 1, "failure_times": list(self.failure_times),
+               "uptime_seconds": self.uptime_seconds}
+        if self.goodput:  # optional: readers that predate it ignore the key
+            out["goodput"] = dict(self.goodput)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FailureHistory":
@@ -115,4 +122,8 @@ class FailureHistory:
             raise ValueError(f"failure history field failure_times={times!r} must be a list of numbers")
         if not isinstance(uptime, (int, float)) or uptime < 0:
             raise ValueError(f"failure history field uptime_seconds={uptime!r} must be a number >= 0")
-        return cls(failure_times=[float(t) for t in times], uptime_seconds=float(uptime))
+        goodput = data.get("goodput", {})
+        if not isinstance(goodput, dict):
+            raise ValueError(f"failure history field goodput={goodput!r} must be an object")
+        return cls(failure_times=[float(t) for t in times], uptime_seconds=float(uptime),
+                   goodput=goodput)

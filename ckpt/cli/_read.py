@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ckpt.cadence import GOODPUT_CATEGORIES, load_goodput
 from ckpt.cli import inspection
 from ckpt.cli._lineage import print_trajectories, trajectories
 from ckpt.cli._common import (
@@ -376,6 +377,11 @@ def cmd_history(args) -> int:
         raise
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        ledger = load_goodput(store.storage)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    info["goodput"] = ledger.breakdown() if ledger is not None else None
     info["trajectories"] = trajectories(store)
     if args.json:
         print(jsonio.dumps(info, indent=1).decode())
@@ -404,8 +410,25 @@ def cmd_history(args) -> int:
               f"{lease.get('holder', '-')} (job {lease.get('job', '-')}, host "
               f"{lease.get('host', '-')}, pid {lease.get('pid', '-')}), last heartbeat "
               f"{fmt_time(lease.get('heartbeat_unix'))}")
+    _print_goodput(info["goodput"])
     print_trajectories(info["trajectories"])
     return 0
+
+
+def _print_goodput(goodput: dict[str, Any] | None) -> None:
+    """Where the job's wall time went (its goodput record, as the monitoring exports it)."""
+    if goodput is None:
+        print("  goodput      no record (no trainer has written one here yet)")
+        return
+    wall = goodput["wall_seconds"]
+    share = f"{100 * goodput['goodput']:.1f}%" if goodput["goodput"] is not None else "-"
+    print(f"  goodput      {share} of {fmt_seconds(wall)} since the job first started "
+          f"({fmt_time(goodput['first_start_unix'])}; recorded "
+          f"{fmt_time(goodput['recorded_unix'])})")
+    for category in GOODPUT_CATEGORIES:
+        seconds = goodput["seconds"][category]
+        print(f"    {category.replace('_', ' '):<18} {fmt_seconds(seconds):>7} "
+              f"{100 * seconds / wall if wall > 0 else 0.0:5.1f}%")
 
 
 def cmd_export(args) -> int:

@@ -71,6 +71,7 @@ BATCH_BYTES = 4 << 20
 arena), so that the transfer of one batch overlaps the reading of the next."""
 
 TRANSFER_TAG = 83
+_OFFSET_BITS = 44  # a location's file and offset as one sort key (files under 16 TiB)
 
 
 def aligned(nbytes: np.ndarray | int) -> Any:
@@ -109,82 +110,110 @@ def assign(wanted: Sequence[Wanted | None]) -> list[Exchange] | None:
 
     ``wanted[r]``: rank ``r``'s locations (None: it wants none). Returns one
     :class:`Exchange` per rank, or None when no location is wanted twice (nothing to
-    share: every rank reads its own). A location is its file and offset; ranks that name
-    the same one with different lengths cannot share it (each reads its own).
+    share: every rank reads its own). A location is its file, offset and length. Linear in
+    the rows after one sort: no pass per rank or per pair of ranks.
     """
     names: dict[str, int] = {}
     rows = []
+    limit = 1 << _OFFSET_BITS
     for rank, w in enumerate(wanted):
         if w is None or not len(w.table):
             continue
         ids = np.array([names.setdefault(f, len(names)) for f in w.files], dtype=np.int64)
         t = np.asarray(w.table, dtype=np.int64).reshape(-1, 3)
+        if len(t) and (t[:, 1].max() >= limit or t[:, 1].min() < 0):
+            return None  # beyond the key's range (16 TiB files): each rank reads its own
         n = len(t)
         rows.append(np.stack([ids[t[:, 0]], t[:, 1], t[:, 2], np.full(n, rank),
                               np.arange(n)], axis=1))
     if not rows:
         return None
+    if len(names) >= 1 << (63 - _OFFSET_BITS):
+        return None  # beyond the key's range (half a million files): each reads its own
     table = np.concatenate(rows)  # file id, offset, length, rank, index
-    _, loc, count = np.unique(table[:, 0:3], axis=0, return_inverse=True, return_counts=True)
-    loc = loc.reshape(-1)
-    shared = count[loc] > 1
-    if not shared.any():
-        return None
+    # One sort by (file, offset, length, rank): a location's rows side by side, its
+    # holders in order (an empty item and the next one share an offset, not a length).
+    where = table[:, 0] << _OFFSET_BITS | table[:, 1]
+    order = np.lexsort((table[:, 3], table[:, 2], where))
+    st, where = table[order], where[order]
+    new = np.r_[True, (where[1:] != where[:-1]) | (st[1:, 2] != st[:-1, 2])]
+    if new.all():
+        return None  # nothing wanted twice: the common case of a sharded load, cheaply
+    starts = np.flatnonzero(new)
+    count = np.diff(np.r_[starts, len(st)])
+    loc = np.empty(len(table), dtype=np.int64)
+    loc[order] = np.cumsum(new) - 1
+    shared_loc = count > 1
+    shared = shared_loc[loc]
     world = len(wanted)
-    load = np.bincount(table[~shared, 3], weights=table[~shared, 2], minlength=world)
-    reader = _readers(table, loc, shared, load)
+    load = np.bincount(table[~shared, 3], weights=table[~shared, 2],
+                       minlength=world).astype(np.float64)
+    reader = _readers(st, starts, count, shared_loc, load, world)
     # Slots: each reader's shared locations by file, then offset.
     who = reader[loc]
     mine = shared & (who == table[:, 3])  # the reader's own row of each shared location
     rrows = np.flatnonzero(mine)
     rrows = rrows[np.lexsort((table[rrows, 1], table[rrows, 0], who[rrows]))]
     slot_of = np.full(len(count), -1, dtype=np.int64)
-    first = np.r_[0, np.flatnonzero(np.diff(who[rrows]) != 0) + 1]
-    pos = np.arange(len(rrows)) - np.repeat(first, np.diff(np.r_[first, len(rrows)]))
-    slot_of[loc[rrows]] = pos
+    batch_of = np.full(len(count), -1, dtype=np.int64)
     out = [Exchange(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), {}, {})
            for _ in range(world)]
-    batch_of = np.full(len(count), -1, dtype=np.int64)
-    for r in range(world):
-        of_r = rrows[who[rrows] == r]
+    for r, of_r in _split(rrows, who[rrows]):
+        slot_of[loc[of_r]] = np.arange(len(of_r))
         out[r].read = table[of_r, 4]
         out[r].batches = batches_of(table[of_r, 2])
         batch_of[loc[of_r]] = out[r].batches
     # Receivers: every other holder, in slot order per sender.
     xrows = np.flatnonzero(shared & ~mine)
     xrows = xrows[np.lexsort((slot_of[loc[xrows]], who[xrows], table[xrows, 3]))]
-    for dst in np.unique(table[xrows, 3]):
-        of_dst = xrows[table[xrows, 3] == dst]
-        for src in np.unique(who[of_dst]):
-            rows_ = of_dst[who[of_dst] == src]
-            slots = slot_of[loc[rows_]]
-            out[int(dst)].recv[int(src)] = (table[rows_, 4], slots, batch_of[loc[rows_]])
-            out[int(src)].send[int(dst)] = slots
+    for dst, of_dst in _split(xrows, table[xrows, 3]):
+        for src, pair in _split(of_dst, who[of_dst]):
+            slots = slot_of[loc[pair]]
+            out[dst].recv[src] = (table[pair, 4], slots, batch_of[loc[pair]])
+            out[src].send[dst] = slots
     return out
 
 
-def _readers(table: np.ndarray, loc: np.ndarray, shared: np.ndarray,
-             load: np.ndarray) -> np.ndarray:
-    """The reader of each shared location (-1 elsewhere). ``load``: bytes each rank reads
-    alone (updated). Locations with the same holders are taken together, the largest such
-    set first, in file order, and cut into one contiguous stretch per holder (in rank
-    order) so that every holder ends up as near the set's mean load as whole items allow:
-    a reader's items lie side by side in the files, so its reads stay few and read no
-    bytes between them that it does not need."""
-    rows = np.flatnonzero(shared)
-    rows = rows[np.lexsort((table[rows, 3], loc[rows]))]  # by location, then rank
-    cut = np.flatnonzero(np.r_[True, np.diff(loc[rows]) != 0])
-    edges = np.r_[cut, len(rows)]
-    by_holders: dict[tuple[int, ...], list[int]] = {}
-    for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
-        by_holders.setdefault(tuple(table[rows[a:b], 3].tolist()), []).append(rows[a])
-    reader = np.full(int(loc.max()) + 1, -1, dtype=np.int64)
-    sets = [(holders, np.array(firsts)) for holders, firsts in by_holders.items()]
-    sets.sort(key=lambda hs: -int(table[hs[1], 2].sum()))
-    for holders, firsts in sets:
-        firsts = firsts[np.lexsort((table[firsts, 1], table[firsts, 0]))]  # file order
-        lengths = table[firsts, 2].astype(np.float64)
-        have = load[list(holders)]
+def _split(rows: np.ndarray, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """``rows`` cut where ``keys`` (sorted alike) changes: ``[(key, rows with it)]``."""
+    if not len(rows):
+        return []
+    cut = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    edges = np.r_[0, cut, len(rows)]
+    return [(int(keys[a]), rows[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def _readers(st: np.ndarray, starts: np.ndarray, count: np.ndarray, shared_loc: np.ndarray,
+             load: np.ndarray, world: int) -> np.ndarray:
+    """The reader of each location (-1 where not shared). ``st``: the rows sorted by
+    (file, offset, length, rank), location ``k``'s from ``starts[k]`` on, ``count[k]`` of them;
+    ``load``: bytes each rank reads alone (updated). Locations with the same holders are
+    taken together, the largest such set first, in file order, and cut into one contiguous
+    stretch per holder (in rank order) so that every holder ends up as near the set's mean
+    load as whole items allow: a reader's items lie side by side in the files, so its reads
+    stay few and read no bytes between them that it does not need."""
+    # Locations grouped by holder set: a random 64-bit value per rank, summed per location,
+    # names the set; each group is then checked to hold exactly its first location's ranks.
+    weights = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=world, dtype=np.int64)
+    ranks = st[:, 3]
+    with np.errstate(over="ignore"):
+        names = np.add.reduceat(weights[ranks], starts)
+    locs = np.flatnonzero(shared_loc)
+    reader = np.full(len(starts), -1, dtype=np.int64)
+    sets = []
+    for name in np.unique(names[locs]).tolist():
+        members = locs[names[locs] == name]
+        first = int(members[0])
+        holders = ranks[starts[first]:starts[first] + count[first]]
+        n = len(holders)
+        rows = starts[members][:, None] + np.arange(n)
+        if not ((count[members] == n).all() and (ranks[rows] == holders).all()):
+            raise AssertionError("two holder sets share a name")  # 2**-62: never
+        sets.append((holders, members))
+    sets.sort(key=lambda hm: -int(st[starts[hm[1]], 2].sum()))
+    for holders, members in sets:  # already in file order: ``st`` is sorted so
+        lengths = st[starts[members], 2].astype(np.float64)
+        have = load[holders]
         mean = (lengths.sum() + have.sum()) / len(holders)
         quota = np.maximum(0.0, mean - have)
         if quota.sum() > 0:
@@ -193,9 +222,9 @@ def _readers(table: np.ndarray, loc: np.ndarray, shared: np.ndarray,
         middles = np.cumsum(lengths) - lengths / 2
         which = np.minimum(np.searchsorted(np.cumsum(quota), middles, side="right"),
                            len(holders) - 1)
-        chosen = np.asarray(holders)[which]
-        reader[loc[firsts]] = chosen
-        np.add.at(load, chosen, lengths)
+        chosen = holders[which]
+        reader[members] = chosen
+        load += np.bincount(chosen, weights=lengths, minlength=world)
     return reader
 
 

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
+from trainer.comms import CommMeter
 from trainer.config import ModelConfig, ParallelConfig
 from trainer.mesh import dp_mesh
 from trainer.model import Transformer, cross_entropy_loss
@@ -61,6 +62,8 @@ class ParallelModel:
             interleaved pipelining), never wrapped: parameter names equal the full model's.
         mesh: the (pp, dp, tp) DeviceMesh (HSDP: (pp, dp_replicate, dp_shard, tp) with a
             flattened "dp"; see ``trainer.mesh``), or None for a plain single process.
+        comm: the :class:`trainer.comms.CommMeter` of this rank's gradient and parameter
+            collectives (DDP buckets, FSDP2, the pipeline's flat all-reduce and sends).
     """
 
     def __init__(self, model_cfg, par, mesh, parts, runners, stages, schedule, device,
@@ -77,6 +80,7 @@ class ParallelModel:
         self._fsdp = mesh is not None and par.dp > 1 and par.dp_mode == "fsdp"
         self._loss_divisor = 1.0
         self.holds_last_stage = stages is None or any(s.is_last for s in stages)
+        self.comm = CommMeter(device)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """All parameters of this rank (for the optimizer)."""
@@ -121,7 +125,9 @@ class ParallelModel:
                 by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
+            mark = self.comm.start()
+            self.comm.timed("all_reduce", flat.numel() * flat.element_size(),
+                            dist.all_reduce(flat, group=group), mark)
             flat /= self.par.dp
             for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(reduced.view_as(g))
@@ -378,5 +384,19 @@ def build_parallel_model(
         pm = ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device, param_dtype)
         pm._schedule = build_schedule(stages, par.pp_schedule, par.num_microbatches,
                                       pm._pipeline_loss)
-        return pm
-    return ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device, param_dtype)
+        return _metered(pm)
+    return _metered(ParallelModel(model_cfg, par, mesh, parts, runners, stages, None, device,
+                                  param_dtype))
+
+
+def _metered(pm: ParallelModel) -> ParallelModel:
+    """Attach ``pm.comm`` to the collectives it measures (``trainer.comms``), before the
+    first step."""
+    for part, runner in zip(pm.model_parts, pm._runners):
+        if isinstance(runner, nn.parallel.DistributedDataParallel):
+            pm.comm.attach_ddp(runner)
+        else:
+            pm.comm.attach_fsdp(part)
+    for stage in pm._stages or ():
+        pm.comm.attach_stage(stage)
+    return pm

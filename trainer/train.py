@@ -66,6 +66,7 @@ from trainer.distributed import (
 )
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 from trainer.ft import ReplicaState, WriterRole
+from trainer.goodput import GoodputRecorder
 from trainer.hf import carried_attachments, hf_attachments, import_hf
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
@@ -150,7 +151,7 @@ class Trainer:
                                    stall_min_seconds=m.stall_min_seconds,
                                    stall_max_seconds=hang / 2 if hang > 0 else math.inf,
                                    startup_seconds=m.startup_seconds,
-                                   age_slack_seconds=m.age_slack_seconds)
+                                   age_slack_seconds=m.age_slack_seconds, device=env.device)
             port = self.metrics.serve(m.port + env.local_rank, m.host)
             log.info("rank %d metrics on http://%s:%d/metrics", env.rank, m.host, port)
         if cfg.metrics.jsonl_path and env.rank == 0:
@@ -179,6 +180,12 @@ class Trainer:
                 self.events.emit("lease_lost", None, reason="held by another job at start")
                 self._end_metrics(EXIT_LEASE_LOST)
                 raise
+        # Where the job's wall time went, continued from the root's history (trainer/goodput).
+        self.goodput = GoodputRecorder(self.events, coordinator=env.rank == 0,
+                                       manager=self.manager, storage=self.writer and
+                                       self.writer.storage)
+        if self.metrics is not None:
+            self.metrics.observe_goodput(self.goodput.ledger)
         # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
         # `ckpt export --format hf` writes a folder from_pretrained loads.
         self.hf_files = hf_attachments(self.model_cfg) or None
@@ -198,9 +205,11 @@ class Trainer:
 
     # -- checkpointing -----------------------------------------------------------------------
     def _metadata(self, loss: float | None) -> dict[str, Any]:
-        """A save's user metadata: the step's loss (``ckpt list`` shows it), the config and
-        what the newest save before it took (``last_save``)."""
-        return {"loss": loss, "config": self.config_record, "last_save": self.last_save}
+        """A save's user metadata: the step's loss (``ckpt list`` shows it), the config,
+        what the newest save before it took (``last_save``) and the job's productive
+        training seconds so far (a resume from it knows what it keeps: trainer/goodput.py)."""
+        return {"loss": loss, "config": self.config_record, "last_save": self.last_save,
+                "productive_seconds": self.goodput.productive_seconds()}
 
     def _note_save(self, event) -> None:
         """A durable commit: remember its time, and check it against the preemption grace."""
@@ -274,7 +283,8 @@ class Trainer:
                      "" if same else f" (saved on layout {manifest.layout}, resharded)",
                      f"; checkpoint.initial_load ({c.initial_load}) is not read: a resume "
                      f"wins" if c.initial_load else "")
-        self.events.emit("resumed", manifest.step, same_layout=same)
+        self.events.emit("resumed", manifest.step, same_layout=same, productive_seconds=(
+            manifest.user_metadata or {}).get("productive_seconds"))
         return manifest.step
 
     def _import_initial(self) -> int:
@@ -410,6 +420,7 @@ class Trainer:
             return
         if self.writer.try_acquire(self.step, now=now):
             self.manager = self.writer.manager
+            self.goodput.attach(self.manager)
             if self.metrics is not None:
                 self.metrics.observe_store(self.manager.store)
                 if self.manager.cadence is not None:
@@ -524,9 +535,11 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 tokens_per_step = quorum * group_tokens
                 self.losses.append((self.step, loss))
+                comm_bytes, comm_seconds = self.model.comm.take()
                 self.events.emit("train_step", self.step, loss=loss, grad_norm=grad_norm,
                                  step_seconds=dt, tokens_per_second=tokens_per_step / dt,
-                                 lr=self.schedulers[0].get_last_lr()[0])
+                                 lr=self.schedulers[0].get_last_lr()[0],
+                                 comm_bytes=comm_bytes, comm_seconds=comm_seconds)
                 if self.env.rank == 0 and (self.step % t.log_every == 0 or self.step == 1
                                            or self.step == t.steps):
                     log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step%s",
@@ -568,6 +581,7 @@ class Trainer:
             watchdog.stop()
             self.preemption.uninstall()
             self._leave_replicas()
+            self.goodput.stop(ended=not crashed and not stopped)  # before the last history write
             if self.manager is not None:
                 self.manager.close(flush=True)
             if crashed and self.metrics is not None:

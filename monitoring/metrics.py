@@ -60,12 +60,16 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
+from ckpt.cadence import GOODPUT_CATEGORIES, GoodputLedger
 from ckpt.dcp import PHASES
 from ckpt.events import Event, EventBus, tier_of
+from monitoring.hardware import GpuSource, HardwareCollector
+from trainer.comms import COMM_KINDS
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS",
-           "REPLICA_OUTCOMES"]
+           "REPLICA_OUTCOMES", "COMM_KINDS", "GOODPUT_CATEGORIES"]
 
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -95,7 +99,8 @@ class Metrics:
     def __init__(self, bus: EventBus | None = None, *, rank: int = 0,
                  registry: CollectorRegistry | None = None, stall_factor: float = 20.0,
                  stall_min_seconds: float = 60.0, stall_max_seconds: float = math.inf,
-                 startup_seconds: float = 900.0, age_slack_seconds: float = 300.0):
+                 startup_seconds: float = 900.0, age_slack_seconds: float = 300.0,
+                 device: Any = None, gpu: GpuSource | None = None):
         self.registry = registry or CollectorRegistry()
         self.rank = rk = str(rank)
         self.stall_factor, self.stall_min_seconds = stall_factor, stall_min_seconds
@@ -234,6 +239,19 @@ class Metrics:
                                   "Steps committed with fewer than every replica group")
         self.ft_uncommitted = counter("train_ft_uncommitted_steps_total",
                                       "Steps not committed (a group failed in them), run again")
+        # Collectives by kind (trainer.comms), from the train_step events.
+        self.comm_bytes = counter("train_comm_bytes_total",
+                                  "Bytes of this rank's collectives by kind (the whole buffer, "
+                                  "as nccl-tests count size)", ["kind"], [(k,) for k in COMM_KINDS])
+        self.comm_seconds = counter("train_comm_seconds_total",
+                                    "Seconds of this rank's collectives by kind, call to "
+                                    "completion (send_recv: not timed, stays 0)", ["kind"],
+                                    [(k,) for k in COMM_KINDS])
+        # Memory, the GPU (read at each scrape) and goodput (the ledger, read at each scrape).
+        r.register(HardwareCollector(rk, device, gpu))
+        self._goodput = GoodputLedger.start(None, process_start_unix=self.start_time)
+        self._own_goodput = True  # fed by on_event until observe_goodput() hands another
+        r.register(_GoodputCollector(self))
         # State behind the derived gauges and the de-duplication of skipped saves.
         self._typical: float | None = None
         self._grace = 0.0
@@ -263,6 +281,12 @@ class Metrics:
             manifest.step if manifest is not None else -1)
         self.last_time.labels(self.rank, "durable").set(
             manifest.created_unix if manifest is not None else self.start_time)
+
+    def observe_goodput(self, ledger: GoodputLedger) -> None:
+        """Export ``ledger`` (the trainer's, which continues the job's record across
+        restarts: ``trainer.goodput``) instead of this exporter's own, which counts from
+        this process's start. The caller feeds it the events."""
+        self._goodput, self._own_goodput = ledger, False
 
     def allow_grace(self, extra_seconds: float) -> None:
         """Raise the stall threshold by ``extra_seconds`` until the next step (the hang
@@ -317,6 +341,8 @@ class Metrics:
     def on_event(self, ev: Event) -> None:
         f: dict[str, Any] = ev.fields
         rk = self.rank
+        if self._own_goodput:
+            self._goodput.on_event(ev)
         tier, k = tier_of(ev.kind)
         if tier == "local":
             self._on_local_event(k, ev)
@@ -382,6 +408,11 @@ class Metrics:
                     (1 - _EWMA) * self._typical + _EWMA * dt)
             self._update_derived()
             self.train_last.labels(rk).set(ev.time)
+            for family, values in ((self.comm_bytes, f.get("comm_bytes")),
+                                   (self.comm_seconds, f.get("comm_seconds"))):
+                for kind, value in (values or {}).items():
+                    if kind in COMM_KINDS and isinstance(value, (int, float)) and value > 0:
+                        family.labels(rk, kind).inc(value)
         elif k == "failure":
             self.failures.labels(rk, str(f.get("failure", "unknown"))).inc()
         elif k == "resumed":
@@ -463,3 +494,37 @@ class Metrics:
             server.shutdown()
             server.server_close()
             self._server = None
+
+
+class _GoodputCollector:
+    """The goodput ledger a :class:`Metrics` exports, read at each scrape (live: the time
+    since the last event counts too)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        m, rk = self.metrics, self.metrics.rank
+        b = m._goodput.breakdown(time.time())
+        seconds = GaugeMetricFamily(
+            "train_goodput_seconds", "The job's wall time since it first started, by category "
+            "(productive, startup, restart, recomputed, checkpoint_stall, reduced_quorum, "
+            "uncommitted, other); they add up to train_goodput_wall_seconds",
+            labels=["rank", "category"])
+        for category in GOODPUT_CATEGORIES:
+            seconds.add_metric([rk, category], b["seconds"][category])
+        yield seconds
+        for name, doc, value in (
+                ("train_goodput_wall_seconds", "The job's wall time since it first started "
+                 "(pauses after a normal end left out)", b["wall_seconds"]),
+                ("train_goodput_ratio", "Productive training seconds / wall seconds; NaN "
+                 "before any time passed", b["goodput"] if b["goodput"] is not None
+                 else math.nan),
+                ("train_goodput_job_start_timestamp_seconds", "Unix time the job first "
+                 "started (its first process)", b["first_start_unix"])):
+            g = GaugeMetricFamily(name, doc, labels=["rank"])
+            g.add_metric([rk], value)
+            yield g

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Event", "EventBus", "JsonlEventLog", "KINDS", "LOCAL_PREFIX", "tier_of"]
+__all__ = ["Event", "EventBus", "JsonlEventLog", "KINDS", "LOCAL_PREFIX", "COMM_KINDS",
+           "tier_of"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,10 @@ job's bus as ``local_<kind>`` (``local_save_committed`` ...) with the same field
 ``tier="local"``: a consumer that reads ``save_committed`` sees the durable tier's saves
 only, and the event log tells the tiers apart at a glance. Kinds without the prefix are the
 durable tier's (or not a tier's at all)."""
+
+COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
+"""The kinds of collectives ``train_step`` events count (``comm_bytes``, ``comm_seconds``):
+what each is and where the trainer measures it is ``trainer.comms``."""
 
 # Every kind ckpt and the trainer emit, with the names of its fields (``step`` and ``time``,
 # ``rank`` are on every event). A field listed may be absent from some events of its kind

@@ -47,6 +47,12 @@ the last step's quorum, how many groups heartbeat to the lighthouse and whether 
 started, how long the quorum stayed below full (on the groups that stayed), steps committed
 with fewer groups and steps not committed, and whether this group writes the checkpoints.
 
+The rank's hardware (memory, its GPU from NVML: ``monitoring.hardware``) and the job's
+goodput (``ckpt.cadence.goodput``: this exporter's own ledger from its events, or the
+trainer's, which continues the job's record, once handed over by :meth:`Metrics.observe_goodput`)
+are read at each scrape; the collectives' bytes and seconds by kind come with the
+``train_step`` events (``trainer.comms``).
+
 Size: the exporter: one definition per series, next to the event that updates it, so that
 the series list stays checkable against events.KINDS and the dashboard.
 """
@@ -64,12 +70,11 @@ from prometheus_client.core import GaugeMetricFamily
 
 from ckpt.cadence import GOODPUT_CATEGORIES, GoodputLedger
 from ckpt.dcp import PHASES
-from ckpt.events import Event, EventBus, tier_of
+from ckpt.events import COMM_KINDS, Event, EventBus, tier_of
 from monitoring.hardware import GpuSource, HardwareCollector
-from trainer.comms import COMM_KINDS
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS",
-           "REPLICA_OUTCOMES", "COMM_KINDS", "GOODPUT_CATEGORIES"]
+           "REPLICA_OUTCOMES"]
 
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -242,7 +247,8 @@ class Metrics:
         # Collectives by kind (trainer.comms), from the train_step events.
         self.comm_bytes = counter("train_comm_bytes_total",
                                   "Bytes of this rank's collectives by kind (the whole buffer, "
-                                  "as nccl-tests count size)", ["kind"], [(k,) for k in COMM_KINDS])
+                                  "as nccl-tests count size)", ["kind"],
+                                  [(k,) for k in COMM_KINDS])
         self.comm_seconds = counter("train_comm_seconds_total",
                                     "Seconds of this rank's collectives by kind, call to "
                                     "completion (send_recv: not timed, stays 0)", ["kind"],

@@ -6,7 +6,7 @@ event (``comm_bytes``, ``comm_seconds``: ``{kind: value}``), which ``monitoring/
 ``train_comm_bytes_total`` / ``train_comm_seconds_total``; their rates' ratio is the achieved
 bandwidth per kind.
 
-Kinds (:data:`COMM_KINDS`) and where each is measured:
+Kinds (``ckpt.events.COMM_KINDS``) and where each is measured:
 
 =================  ==========================================================================
 ``all_reduce``     DDP's gradient buckets (a DDP comm hook that is DDP's own default,
@@ -53,9 +53,9 @@ from torch.distributed.fsdp import FSDPModule
 # documents them there but exports them only from this module).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-__all__ = ["COMM_KINDS", "CommMeter"]
+from ckpt.events import COMM_KINDS
 
-COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
+__all__ = ["CommMeter"]
 
 
 class CommMeter:

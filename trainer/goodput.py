@@ -12,8 +12,8 @@ each rank's metrics); the coordinator's is the one written to the root. Contract
 2. With a manager, or on :meth:`attach` (a replica group that becomes the checkpoint
    writer), the manager's history is the one written: every change of the ledger goes into
    that history, which the manager writes at each commit (at most once a minute) and at its
-   close, and which the recorder's thread writes every :data:`RECORD_SECONDS`
-   (coordinator, holding the lease).
+   close, and which the recorder's thread writes every :data:`RECORD_SECONDS` from
+   :meth:`start` (the training loop's start) on (coordinator, holding the lease).
 3. :meth:`stop` when the run is over, before the manager closes: the time up to now is
    accounted, and whether the run trained to its end (else the next process counts its
    restart from here).
@@ -85,6 +85,7 @@ class GoodputRecorder:
         events.subscribe(self.ledger.on_event)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False
         if manager is not None:
             self.attach(manager)
 
@@ -95,7 +96,17 @@ class GoodputRecorder:
         self._manager = durable
         self._history = durable.history
         self._record(self.ledger.to_dict())
-        if self.coordinator and self._thread is None:
+        self._start_thread()
+
+    def start(self) -> None:
+        """The training loop starts: the coordinator writes the ledger every
+        :data:`RECORD_SECONDS` from now until :meth:`stop`."""
+        self._running = True
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        if self._running and self.coordinator and self._manager is not None \
+                and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="goodput-record",
                                             daemon=True)
             self._thread.start()
@@ -108,6 +119,7 @@ class GoodputRecorder:
         """End the writes and account the time up to now; ``ended``: the run trained to its
         last step (else it crashed or stopped early: the next start counts a restart).
         Before the manager's close, which writes the history a last time."""
+        self._running = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)

@@ -487,6 +487,7 @@ class Trainer:
             self._join_replicas()
         watchdog.grace_seconds = 120.0  # first steps include warm-up
         watchdog.start()
+        self.goodput.start()
         group_tokens = t.global_batch_size // self.num_groups * t.seq_len
         quorum = self.num_groups
         exit_code = EXIT_OK

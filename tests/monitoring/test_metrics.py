@@ -23,11 +23,19 @@ from trainer.config import MetricsConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
+# Read at each scrape, not moved by events: the hardware and the goodput ledger's live time.
+_LIVE = ("train_device_memory_", "train_host_memory_", "train_memory_", "train_gpu_",
+         "train_goodput_")
+
+
+def _samples(metrics: Metrics, live: bool = True) -> dict[tuple[str, tuple], float]:
+    """Every sample served; ``live=False`` leaves out those read at each scrape."""
     from prometheus_client import generate_latest
 
     out = {}
     for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        if not live and fam.name.startswith(_LIVE):
+            continue
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -315,7 +323,7 @@ def test_local_tier_events_feed_only_the_local_series():
     no durable series and nothing the alerts read moves."""
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
-    before = _samples(m)
+    before = _samples(m, live=False)
     bus.emit("local_save_staged", 3, tier="local", stall_seconds=0.5, bytes=10)
     bus.emit("local_save_committed", 3, tier="local", outcome="committed", retries=4,
              persist_seconds=1.0, bytes_per_second=10.0)
@@ -324,7 +332,7 @@ def test_local_tier_events_feed_only_the_local_series():
     bus.emit("local_save_skipped", 6, tier="local", reason="previous save in flight")
     bus.emit("local_lease_lost", None, tier="local", reason="taken over")
     bus.emit("local_retention_failed", 2, tier="local", error="denied")
-    after = _samples(m)
+    after = _samples(m, live=False)
     moved = {key for key in after if after[key] != before.get(key)}
     assert moved and all(dict(labels).get("tier") == "local" for _, labels in moved), moved
     local = dict(tier="local")
@@ -400,13 +408,13 @@ def test_copies_on_the_next_node_feed_their_own_series():
     by outcome, their bytes, the newest copy's lag and step; nothing a tier's series reads."""
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
-    before = _samples(m)
+    before = _samples(m, live=False)
     bus.emit("replica_committed", 4, peer_node=1, bytes=1000, seconds=0.2, lag_seconds=0.5)
     bus.emit("replica_committed", 6, peer_node=1, bytes=3000, seconds=0.4, lag_seconds=0.75)
     bus.emit("replica_failed", 8, node=0, peer_node=1, error="checksum mismatch")
     bus.emit("replica_skipped", 10, reason="a newer local step is queued")
     bus.emit("replica_restored", 6, peer_node=1, bytes=3000, seconds=0.3)
-    after = _samples(m)
+    after = _samples(m, live=False)
     moved = {name for name, labels in after if after[(name, labels)] != before.get((name, labels))}
     assert moved == {"ckpt_replicas_total", "ckpt_replicated_bytes_total",
                      "ckpt_replication_lag_seconds", "ckpt_replicated_step"}, moved

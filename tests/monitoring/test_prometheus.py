@@ -1,11 +1,20 @@
-"""Metrics scraped by a real Prometheus server; alert rules and dashboard queries checked by it."""
+"""Metrics scraped by a real Prometheus server; alert rules and dashboard queries checked by it.
+
+Beside the exporter, Prometheus scrapes a recorded dcgm-exporter exposition
+(``fixtures/dcgm_exporter.prom``: two H100s of one host) served from loopback, as an
+operator runs dcgm-exporter beside the job. The exporter's rank is given that host's first
+GPU (a recorded NVML reading: no GPU here), so the rules' joins of dcgm-exporter's series
+with the rank's (on the GPU's UUID) and every dashboard panel that reads them return data.
+"""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -15,20 +24,51 @@ import pytest
 
 from ckpt.events import EventBus
 from monitoring import Metrics
+from monitoring.hardware import GpuReading
 from tests.dist import free_port
-from tests.monitoring.test_rules import alert_names, dashboard_exprs
+from tests.monitoring.test_rules import alert_names, dashboard_exprs, recorded_names
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "monitoring" / "prometheus" / "alerts.yml"
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboard.json"
+DCGM = Path(__file__).parent / "fixtures" / "dcgm_exporter.prom"
+DCGM_GPU = {"Hostname": "gpu-node-0", "gpu": "0",  # the fixture's first GPU
+            "UUID": "GPU-4f1a9c2e-7b3d-4e8a-9c61-2d5e8f0a1b37",
+            "modelName": "NVIDIA H100 80GB HBM3"}
+
+
+class RecordedGpu:
+    """A GPU source (``monitoring.hardware.GpuSource``) replaying one NVML reading of the
+    fixture's first GPU."""
+
+    identity = DCGM_GPU
+
+    def read(self) -> GpuReading:
+        return GpuReading(temperature_celsius=64.0, power_watts=612.3, utilization_ratio=0.97,
+                          memory_used_bytes=71459 * 2**20)
+
+
+class _Exposition(http.server.BaseHTTPRequestHandler):
+    body = DCGM.read_bytes()
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):  # quiet
+        pass
 
 
 def _need(binary: str) -> str:
     path = shutil.which(binary)
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail(f"{binary} is not installed; .ci/run installs Debian's 'prometheus'")
-        pytest.skip(f"{binary} not installed (apt-get install prometheus)")
+            pytest.fail(f"{binary} is not installed; scripts/test.sh installs Debian's "
+                        "'prometheus' as root")
+        pytest.skip(f"{binary} not installed (sudo apt-get install prometheus)")
     return path
 
 
@@ -43,8 +83,10 @@ def prometheus(tmp_path):
     """A Prometheus server on loopback scraping one exporter every second."""
     binary = _need("prometheus")
     bus = EventBus(rank=0)
-    metrics = Metrics(bus, rank=0)
+    metrics = Metrics(bus, rank=0, gpu=RecordedGpu())
     exporter_port = metrics.serve(0, "127.0.0.1")
+    dcgm = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exposition)
+    threading.Thread(target=dcgm.serve_forever, daemon=True).start()
     prom_port = free_port()
     rules = tmp_path / "alerts.yml"
     shutil.copy(ALERTS, rules)
@@ -52,7 +94,9 @@ def prometheus(tmp_path):
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         f"rule_files: ['{rules}']\n"
         "scrape_configs:\n  - job_name: train\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n")
+        f"    static_configs:\n      - targets: ['127.0.0.1:{exporter_port}']\n"
+        "  - job_name: dcgm\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{dcgm.server_address[1]}']\n")
     proc = subprocess.Popen(
         [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
          f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -77,6 +121,8 @@ def prometheus(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         metrics.shutdown()
+        dcgm.shutdown()
+        dcgm.server_close()
 
 
 def _wait_value(port: int, expr: str, want: float, timeout: float = 20.0) -> float:
@@ -134,8 +180,9 @@ def test_every_dashboard_query_returns_data_from_a_fresh_exporter(prometheus):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/rules", timeout=5) as r:
         groups = json.load(r)["data"]["groups"]
     names = {rule["name"] for g in groups for rule in g["rules"]}
-    assert set(alert_names()) == names
-    _wait_value(port, "count(up == 1)", 1)
+    assert set(alert_names()) | recorded_names() == names
+    _wait_value(port, "count(up == 1)", 2)  # the exporter and dcgm-exporter
+    _wait_value(port, 'count(train_rank:dcgm_gpu_temperature_celsius{job="train"})', 1)
     time.sleep(3)  # a few scrapes, so that rate() has two samples
     exprs = dashboard_exprs()
     assert len(exprs) >= 20
@@ -145,6 +192,29 @@ def test_every_dashboard_query_returns_data_from_a_fresh_exporter(prometheus):
         assert out["status"] == "success", expr
         assert out["data"]["result"], f"no data: {expr}"
     assert not _alerts(port), "a fresh exporter must not page"
+
+
+def test_dcgm_exporter_series_join_the_rank_of_their_gpu(prometheus):
+    """dcgm-exporter's series of the rank's GPU carry the rank's labels (job, instance,
+    rank) and dcgm-exporter's names of the GPU; its other GPU, which no rank uses, joins
+    nothing; the exporter's own NVML series agree with the recorded reading."""
+    _, port = prometheus
+    temp = 'train_rank:dcgm_gpu_temperature_celsius{job="train"}'
+    _wait_value(port, f"count({temp})", 1)
+    (sample,) = _query(port, temp)["data"]["result"]
+    labels = sample["metric"]
+    assert float(sample["value"][1]) == 64.0  # the fixture's GPU 0, not GPU 1's 83
+    assert labels["rank"] == "0" and labels["job"] == "train"
+    assert {k: labels[k] for k in DCGM_GPU} == DCGM_GPU
+    for name, want in (("train_rank:dcgm_power_watts", 612.348),
+                       ("train_rank:dcgm_fb_used_bytes", 71459 * 2**20),
+                       ("train_rank:dcgm_fb_total_bytes", (71459 + 9186) * 2**20),
+                       ("train_rank:dcgm_nvlink_bytes_per_second", 118734529536 + 118802857984),
+                       ("train_rank:dcgm_pcie_bytes_per_second", 1123456789 + 2234567890)):
+        _wait_value(port, f'{name}{{job="train",rank="0"}}', want)
+    _wait_value(port, 'train_gpu_known{job="train"}', 1)
+    _wait_value(port, 'train_gpu_temperature_celsius{job="train"}', 64.0)
+    _wait_value(port, 'count(DCGM_FI_DEV_GPU_TEMP{job="dcgm"})', 2)
 
 
 def test_a_single_event_fires_its_alert(prometheus):

@@ -1,7 +1,8 @@
 """The shipped alert rules and dashboard, checked without a running server: promtool's rule
 check and unit tests, a runbook entry per alert, every alert name the docs, the config
 help and the exporter's help mention being a shipped alert, and every dashboard query
-reading only metrics the exporter defines (and every exporter metric on a panel)."""
+reading only metrics the exporter defines, the rules record or dcgm-exporter serves (and
+every exporter metric on a panel)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,11 @@ ALERTS = PROM / "alerts.yml"
 RULE_TESTS = PROM / "alerts_test.yml"
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboard.json"
 DOCS = ROOT / "docs" / "monitoring.md"
-_NAME = re.compile(r"\b((?:ckpt|train)_[a-z0-9_]+)\b")
+DCGM_FIXTURE = ROOT / "tests" / "monitoring" / "fixtures" / "dcgm_exporter.prom"
+# The exporter's names; a recording rule's (level:name) is not one of them.
+_NAME = re.compile(r"(?<![\w:])((?:ckpt|train)_[a-z0-9_]+)(?![\w:])")
+_RECORDED = re.compile(r"\b([a-z_]+:[a-z0-9_:]+)\b")
+_DCGM = re.compile(r"\b(DCGM_FI_[A-Z0-9_]+)\b")
 # An alert name is CamelCase; the words that say a sentence speaks of alerts.
 _CAMEL = re.compile(r"(?<![\w.])([A-Z][a-z0-9]+(?:[A-Z][a-z0-9]+)+)(?![\w(])")
 _ALERT_WORDS = re.compile(r"(?<![\w-])(?:alerts?|alerting|fires?|fired|firing|runbook)(?![\w-])",
@@ -35,8 +40,9 @@ def _promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("promtool is not installed; .ci/run installs Debian's 'prometheus'")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+            pytest.fail("promtool is not installed; scripts/test.sh installs Debian's "
+                        "'prometheus' as root")
+        pytest.skip("promtool not installed (sudo apt-get install prometheus)")
     return path
 
 
@@ -55,6 +61,16 @@ def alert_rules() -> dict[str, str]:
 def dashboard_exprs() -> list[str]:
     dashboard = json.loads(DASHBOARD.read_text())
     return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def recorded_names() -> set[str]:
+    """The series the shipped recording rules make."""
+    return set(re.findall(r"^\s*- record: (\S+)$", ALERTS.read_text(), re.M))
+
+
+def dcgm_names() -> set[str]:
+    """dcgm-exporter's metric names, from the recorded exposition the tests serve."""
+    return set(re.findall(r"^# TYPE (DCGM_\w+) ", DCGM_FIXTURE.read_text(), re.M))
 
 
 def exporter_series() -> dict[str, str]:
@@ -168,18 +184,25 @@ def test_dashboard_queries_read_only_exporter_metrics_and_cover_them_all():
     used_families = set()
     exprs = dashboard_exprs()
     assert exprs and all(e.strip() for e in exprs), "empty panel query"
+    recorded, dcgm = recorded_names(), dcgm_names()
     for expr in exprs:
         names = _NAME.findall(expr)
-        assert names, f"panel query reads no exporter metric: {expr}"
+        assert names or _RECORDED.findall(expr), f"panel query reads no exporter metric: {expr}"
         for name in names:
             assert name in series, f"panel query reads unknown metric {name!r}: {expr}"
             used_families.add(series[name])
+        for name in _RECORDED.findall(expr):
+            assert name in recorded, f"panel query reads a series no rule records: {name!r}"
     families = set(series.values())
     assert families <= used_families, f"metrics on no panel: {sorted(families - used_families)}"
-    # Alert expressions, likewise, read only what the exporter defines.
-    for alert, rule in alert_rules().items():
-        for name in _NAME.findall(rule):
-            assert name in series, f"{alert} reads unknown metric {name!r}"
+    # Alert and recording rules, likewise, read only what the exporter defines, what a rule
+    # records and what dcgm-exporter serves.
+    for name in _NAME.findall(ALERTS.read_text()):
+        assert name in series, f"alerts.yml reads unknown metric {name!r}"
+    for name in _RECORDED.findall(re.sub(r"#.*", "", ALERTS.read_text())):
+        assert name in recorded, f"alerts.yml reads a series no rule records: {name!r}"
+    for name in _DCGM.findall(re.sub(r"#.*", "", ALERTS.read_text())):
+        assert name in dcgm, f"alerts.yml reads {name!r}, which dcgm-exporter does not serve"
 
 
 def tiered_series() -> set[str]:

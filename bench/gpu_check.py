@@ -6,7 +6,7 @@ skipped and exits 0 at once::
 
     bash scripts/gpu_check.sh            # = python bench/gpu_check.py [--sizes 1,4 ...]
 
-Sections, in this order (``--only train,dtensor,devices,stall``):
+Sections, in this order (``--only train,dtensor,devices,metrics,stall``):
 
 * **train**: the trainer (``configs/tiny.toml``, bf16, FSDP2, ``training.deterministic`` at
   its default, on) under torchrun on 1 GPU with checkpoints: an uninterrupted run, and a
@@ -32,6 +32,12 @@ Sections, in this order (``--only train,dtensor,devices,stall``):
   committed and after ``close``, a rank's process must hold no CUDA context on the other
   GPU (asked of the driver) and NVML must list no memory of its pid there (rank 1: none on
   GPU 0).
+* **metrics** (bench/_gpu_metrics.py, the trainer under torchrun on 1 GPU, and on 2 where two
+  are present, each rank's ``/metrics`` read while it trains): every rank must serve its GPU
+  known to NVML (``train_gpu_known`` 1, needs ``pip install 'ckpt[nvml]'``) with a UUID, and
+  non-zero temperature, power, utilization, NVML memory, allocator bytes (allocated,
+  reserved, peak) and device memory; on 2 GPUs, non-zero bytes and seconds of FSDP2's
+  all-gathers and reduce-scatters.
 * **stall** (1 and 4 GiB, bf16 and fp32 tensors on the GPU; a warm-up round, then
   ``--repeats`` interleaved rounds, every ratio the median of per-round ratios; cases that
   would start after 390 s are skipped, to stay within the 8 minutes):
@@ -45,13 +51,16 @@ Sections, in this order (``--only train,dtensor,devices,stall``):
   (time until it returns) and asynchronous staging (until its staging completes, which a
   loop must wait for before the next optimizer step).
 
-``--train-device cpu``, ``--dtensor-device cpu`` and ``--devices-device cpu`` run those
-sections' harness on CPU (gloo everywhere, 1 and 2 ranks for dtensor, 2 for devices, no GPU
-memory measured); tests/test_gpu_check_harness.py does.
+``--train-device cpu``, ``--dtensor-device cpu``, ``--devices-device cpu`` and
+``--metrics-device cpu`` run those sections' harness on CPU (gloo everywhere, 1 and 2 ranks
+for dtensor, 2 for devices and metrics, no GPU memory measured; metrics: the GPU series
+unknown, the host's known); tests/test_gpu_check_harness.py and
+tests/monitoring/test_gpu_metrics_check.py do.
 
 Results: ``bench/results/gpu_check.json`` and ``gpu_check.md`` (``--out``). Exit status 1
 when a check fails (resume not bit for bit, a wrong backend, a staged copy that differs or
-holds GPU memory, a rank's context or memory on another GPU), 0 otherwise.
+holds GPU memory, a rank's context or memory on another GPU, a GPU series unknown or zero),
+0 otherwise.
 """
 
 from __future__ import annotations
@@ -444,6 +453,10 @@ def _markdown(results: dict[str, Any]) -> str:
         lines.append("")
     if results.get("devices"):
         lines += _devices_rows(results["devices"])
+    if results.get("metrics"):
+        from _gpu_metrics import rows as metrics_rows
+
+        lines += metrics_rows(results["metrics"])
     t = results.get("train")
     if t:
         lines += [f"Trainer, bf16 FSDP2, torchrun with 1 rank on {t['device']}, SIGKILL after "
@@ -465,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,4", help="state sizes in GiB (default 1,4)")
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds after a warm-up")
-    p.add_argument("--only", default="train,dtensor,devices,stall", help="sections to run "
-                   "(default train,dtensor,devices,stall)")
+    p.add_argument("--only", default="train,dtensor,devices,metrics,stall",
+                   help="sections to run (default train,dtensor,devices,metrics,stall)")
     p.add_argument("--steps", type=int, default=300, help="trainer steps per run")
     p.add_argument("--interval", type=int, default=25, help="trainer checkpoint interval")
     p.add_argument("--dir", default=None, help="work folder (default: /dev/shm if large "
@@ -478,12 +491,15 @@ def main(argv: list[str] | None = None) -> int:
                    "section's harness without a GPU (on 1 and 2 gloo ranks)")
     p.add_argument("--devices-device", default="cuda", help="'cpu' checks the devices "
                    "section's harness without a GPU (2 gloo ranks, nothing to measure)")
+    p.add_argument("--metrics-device", default="cuda", help="'cpu' checks the metrics "
+                   "section's harness without a GPU (2 gloo ranks: the GPU series unknown)")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
-    harness = (only <= {"train", "dtensor", "devices"}
+    harness = (only <= {"train", "dtensor", "devices", "metrics"}
                and ("train" not in only or args.train_device == "cpu")
                and ("dtensor" not in only or args.dtensor_device == "cpu")
-               and ("devices" not in only or args.devices_device == "cpu"))
+               and ("devices" not in only or args.devices_device == "cpu")
+               and ("metrics" not in only or args.metrics_device == "cpu"))
     if not harness and not torch.cuda.is_available():
         _log(f"gpu_check: skipped: no CUDA device here (torch {torch.__version__}, "
              f"cuda {torch.version.cuda})")
@@ -499,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results: dict[str, Any] = {"device": device, "torch": torch.__version__,
                                "work_dir": str(work), "stall": [], "train": None,
-                               "dtensor": [], "devices": None}
+                               "dtensor": [], "devices": None, "metrics": None}
     t_start = time.monotonic()
     ok = True
     try:
@@ -528,6 +544,18 @@ def main(argv: list[str] | None = None) -> int:
                 _log(f"== devices: skipped: {d['skipped']}")
             ok &= d["ok"]
             _log(json.dumps(d, indent=1, default=str)[:20000])
+        if "metrics" in only:
+            from _gpu_metrics import metrics_check
+
+            if args.metrics_device == "cuda":
+                world = 2 if torch.cuda.device_count() >= 2 else 1
+            else:
+                world = 2
+            _log(f"== metrics: the hardware and communication series, {world} rank(s) on "
+                 f"{args.metrics_device}")
+            results["metrics"] = m = metrics_check(work / "metrics", args.metrics_device, world)
+            ok &= m["ok"]
+            _log(json.dumps(m, indent=1, default=str)[:20000])
         if "stall" in only:
             for size in sizes:
                 for name in args.dtypes.split(","):

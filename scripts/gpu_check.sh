@@ -4,7 +4,9 @@
 # host, holding no GPU memory (1 GPU, and 2 where present); on 2 GPUs, rank 1's save (with
 # and without prepare()) leaving no CUDA context and no memory of its process on GPU 0
 # (skipped on one GPU, and said so); the staging stall against a pinned copy and DCP's
-# pinned async_save, and the training stream's wait.
+# pinned async_save, and the training stream's wait; every rank's GPU metrics (NVML's
+# temperature, power, utilization, memory; the allocator's; on 2 GPUs the collectives)
+# known and non-zero (bash scripts/gpu_check.sh --only metrics; needs pip install 'ckpt[nvml]').
 # Under 8 minutes on one GPU; prints that it skipped and exits 0 where there is no CUDA.
 # Only the 2-GPU check: bash scripts/gpu_check.sh --only devices
 # Results: bench/results/gpu_check.{json,md}. Arguments go to bench/gpu_check.py (--help).

@@ -2,6 +2,22 @@
 # Set up everything from nothing and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The monitoring tests run the shipped rules in a real Prometheus (promtool and prometheus,
+# Debian's 'prometheus'); as root with apt-get, install it when missing. Otherwise say at
+# once which tests skip and what installs it.
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }; } \
+      || true
+  fi
+  if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "note: prometheus is not installed, so the real-Prometheus tests skip (fail with" \
+      "CI set): promtool's in tests/monitoring/test_rules.py, test_prometheus.py," \
+      "test_alerts_e2e.py; to run them: sudo apt-get install prometheus" >&2
+  fi
+fi
 bash scripts/setup.sh
 # tests/e2e/test_slurm.py starts a one-node Slurm of its own (munged, slurmctld, slurmd); on
 # Debian, as root, install the packages when missing. Elsewhere those tests skip, saying why.

@@ -181,9 +181,9 @@ class Trainer:
                 self._end_metrics(EXIT_LEASE_LOST)
                 raise
         # Where the job's wall time went, continued from the root's history (trainer/goodput).
-        self.goodput = GoodputRecorder(self.events, coordinator=env.rank == 0,
-                                       manager=self.manager, storage=self.writer and
-                                       self.writer.storage)
+        self.goodput = GoodputRecorder(
+            self.events, coordinator=env.rank == 0, manager=self.manager,
+            storage=self.writer.storage if self.writer is not None else None)
         if self.metrics is not None:
             self.metrics.observe_goodput(self.goodput.ledger)
         # Every save carries config.json and the weights' Llama names (trainer/hf.py), so

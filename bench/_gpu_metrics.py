@@ -111,16 +111,17 @@ def check_rank(readings: list[dict], device: str, world: int) -> dict[str, Any]:
             "ok": not problems}
 
 
-def metrics_check(work: Path, device: str, world: int, steps_before: int = 30) -> dict[str, Any]:
+def metrics_check(work: Path, device: str, world: int) -> dict[str, Any]:
     """Run the section (see the module docstring); ``{"ranks": [...], "ok": bool}``."""
+    gpu = device == "cuda"
+    steps_before, pause = (30, 1.0) if gpu else (10, 0.2)  # the harness: nothing to wait for
     from tests.e2e._jobs import Job, base_env, trainer_argv
 
     work.mkdir(parents=True, exist_ok=True)
     port, jsonl = _ports(world), work / "events.jsonl"
     argv = trainer_argv(f"--training.device={device}", "--parallel.dp_mode=fsdp",
                         "--training.steps=100000000", "--training.log_every=1000",
-                        *(("--training.mixed_precision=bf16", *WIDER) if device == "cuda"
-                          else ()),
+                        *(("--training.mixed_precision=bf16", *WIDER) if gpu else ()),
                         f"--metrics.port={port}", "--metrics.host=127.0.0.1",
                         f"--metrics.jsonl_path={jsonl}", nproc=world)
     job = Job(argv, work / "logs", "metrics", jsonl, env=base_env())
@@ -133,7 +134,7 @@ def metrics_check(work: Path, device: str, world: int, steps_before: int = 30) -
                 with urllib.request.urlopen(f"http://127.0.0.1:{port + rank}/metrics",
                                             timeout=10) as r:
                     readings[rank].append(parse(r.read().decode()))
-            time.sleep(1.0)
+            time.sleep(pause)
         out["ranks"] = [check_rank(r, device, world) for r in readings]
         out["ok"] = all(r["ok"] for r in out["ranks"])
     except AssertionError as exc:

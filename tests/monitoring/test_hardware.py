@@ -62,7 +62,9 @@ def test_resident_memory_follows_a_growing_allocation():
     before = _value(m, "train_host_memory_rss_bytes")
     kept = bytearray(b"\x01") * (256 << 20)  # written: resident
     grown = _value(m, "train_host_memory_rss_bytes") - before
-    assert grown >= 200 << 20, grown
+    # At least half of it: pages the process freed earlier (other tests in this worker)
+    # may already be resident and be reused.
+    assert grown >= 128 << 20, grown
     assert _value(m, "train_host_memory_peak_bytes") >= before + grown
     del kept
 

@@ -85,7 +85,7 @@ def test_main_sets_them_before_the_process_group_starts(loose, monkeypatch, tmp_
 
     monkeypatch.setattr(main_mod, "init_distributed", fake_init)
     monkeypatch.setattr(main_mod, "shutdown", fake_shutdown)
-    monkeypatch.setattr(main_mod, "run", lambda cfg, env: 0)
+    monkeypatch.setattr(main_mod, "run", lambda cfg, env, *handlers: 0)
     with pytest.raises(SystemExit):
         main_mod.main(["--config", str(TINY), "--fault.hang_timeout_seconds=200"])
     assert {k: seen[k] for k in ON} == ON

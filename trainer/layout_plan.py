@@ -14,6 +14,9 @@ its flags carry ``--training.activation_checkpointing=full``).
 
 ``python -m trainer plan`` wires :func:`add_plan_arguments` and :func:`run_plan`. The formulas
 and their sources are in docs/layout-planner.md; memory is reported in GiB (2**30 bytes).
+
+Size: the planner's ranking and its report/CLI, one concept (the memory model itself is
+:mod:`trainer.memory_model`).
 """
 
 from __future__ import annotations

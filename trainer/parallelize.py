@@ -3,8 +3,8 @@
 Order, per pipeline stage module (all built on the meta device, so no rank ever holds
 the full model): tensor parallel on ``mesh["tp"]`` -> activation checkpointing of the
 chosen blocks (``apply_activation_checkpointing``, torchtitan's place: after TP, before
-FSDP, so FSDP's all-gather hooks stay outside the recomputed region) -> FSDP2 on ``mesh["dp"]`` (HSDP:
-on the 2-D ``mesh["dp_replicate", "dp_shard"]``, sharded over dp_shard, replicated over
+FSDP, so FSDP's all-gather hooks stay outside the recomputed region) -> FSDP2 on
+``mesh["dp"]`` (HSDP: on the 2-D ``mesh["dp_replicate", "dp_shard"]``, sharded over dp_shard, replicated over
 dp_replicate; FSDP2 reduce-scatters within a replica and all-reduces across them) ->
 ``to_empty`` + ``init_weights(seed)`` (layout-independent values, see ``trainer.model``)
 -> DDP wrapper when ``dp_mode == "ddp"`` (pp == 1; with pp > 1 the gradients are
@@ -17,6 +17,9 @@ The TP plan and the FSDP2 groups of one stage module are :mod:`trainer.parallel_
 ``ParallelModel``; the train loop only needs ``train_step`` / ``forward_backward``,
 ``clip_grad_norm_``, ``parameters``/``model_parts`` and the state-dict helpers. All methods that communicate must be called by every rank
 of the mesh, in the same order.
+
+Size: the one order in which the parallelisms are applied to a stage, each step of it
+short; kept together so that the order reads in one place.
 """
 
 from __future__ import annotations

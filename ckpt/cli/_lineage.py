@@ -46,7 +46,8 @@ def trajectories(store: CheckpointStore) -> dict[str, Any]:
     runs: dict[Any, dict[str, Any]] = {}
     for rec in traj.runs:
         runs[rec["run"]] = {
-            "run": rec["run"], "parent": rec.get("parent"), "started": _iso(rec.get("started_unix")),
+            "run": rec["run"], "parent": rec.get("parent"),
+            "started": _iso(rec.get("started_unix")),
             "job": rec.get("job"), "host": rec.get("host"), "tier": rec.get("tier"),
             "current": rec["run"] == traj.tip, "on_trajectory": rec["run"] in traj.chain,
             "live": [], "abandoned": [], "left_behind": rec.get("abandoned", []),

@@ -10,6 +10,9 @@ the default group, which under NCCL cannot carry them: without a ``process_group
 the default group, they run on the store's gloo group over the world (``ckpt.ranks.groups``; made
 at the first such call, collectively, and reused); with a group that has a CPU backend, on
 it. A subgroup without one (NCCL) is refused with ``ValueError``: pass a gloo group.
+
+Size: the store's public save and load entry points and the one transaction each runs
+(agreement, verification, fallback), which every manager, tier and tool goes through.
 """
 
 from __future__ import annotations

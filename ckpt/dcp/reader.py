@@ -28,6 +28,10 @@ Call order (DCP's contract, then ours): every rank ``set_up_storage_reader`` ->
 cooperative load sends and receives, with two all-reduces of its own on the group;
 stages and verifies only); then, once every rank's ``read_data`` succeeded, every rank
 ``apply`` (or ``discard`` after a failure anywhere).
+
+Size: one StorageReader contract (find, read, verify, and apply only when every rank
+succeeded); its cooperative side (who reads a shared range) is in ``_coop``, its layouts in
+``layout``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ cannot read goes as an empty message (which the receiver refuses), and a receive
 refused a copy in phase 3 still takes every message that follows. So a crafted or damaged
 version is refused in bounded time, and the caller goes on to its next candidate: the two
 sides never wait on each other until a timeout.
+
+Size: one protocol (the three phases every pair of nodes runs in step, the sender's and
+the receiver's side of each, and the verdict that ends it), kept in one module so that both
+sides of every message read side by side.
 """
 
 from __future__ import annotations

@@ -542,7 +542,7 @@ class Lifecycle:
                 self.raise_if_taken_over(f"step {manifest.step} was being committed")
                 if isinstance(exc, FileNotFoundError):
                     raise
-                if self._committed_id(manifest.step) == manifest.save_id:
+                if self.committed_by(manifest.step, [manifest.save_id]) is not None:
                     break  # this very create landed (a request retried after it had)
                 self._make_room(manifest.step, replace=False)
         else:
@@ -610,14 +610,6 @@ class Lifecycle:
             return None
         self._note(step, True)
         return manifest
-
-    def _committed_id(self, step: int) -> str | None:
-        """The save id of the manifest that counts at ``step`` now, read back as readers
-        read it (None: none, or unreadable)."""
-        try:
-            return self.read_committed(step).save_id
-        except (CheckpointNotFoundError, CorruptCheckpointError):
-            return None
 
     def _confirm_after_commit(self, manifest: Manifest) -> None:
         """The manifest exists: learn whether it counts, by reading back (a renewal of the

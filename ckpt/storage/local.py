@@ -9,6 +9,9 @@ either: a file is written to a fresh temporary name in the same folder
 (``O_CREAT|O_EXCL|O_NOFOLLOW``), fsync'd and renamed over the target (the rename replaces a
 link, it does not follow it); a link in the way of a delete is removed itself, never what
 it points to; folders are created one at a time, each checked to be a folder.
+
+Size: one backend: every operation of the storage interface on local disk under the one
+no-link rule, the lease's compare-and-swap included, since each must hold it alike.
 """
 
 from __future__ import annotations

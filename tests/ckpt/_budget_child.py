@@ -1,7 +1,8 @@
 """A saving process for tests/ckpt/test_staging_budget.py: peak resident memory of saves.
 
 Run as ``python -m tests.ckpt._budget_child ROOT BUDGET`` (BUDGET in bytes, or ``none``).
-It builds a 64 MiB state of CPU tensors and a ``CheckpointManager`` with that staging
+It saves a small state once (to ``ROOT-warm-up``: code imported and threads started by a
+first save), builds a 64 MiB state of CPU tensors and a ``CheckpointManager`` with that staging
 budget, takes its resident memory (VmRSS) as the baseline and resets the peak (``echo 5 >
 /proc/self/clear_refs``), saves three steps (each ``save`` then ``wait``), and prints one
 JSON line: ``peak_growth`` (VmHWM - baseline), ``committed_on_return`` (whether every
@@ -44,6 +45,12 @@ def main(root: str, budget: str) -> None:
 
     warnings.filterwarnings("ignore")
     live = state(1)
+    # A small save first, to another root: code a first save imports and the threads it
+    # starts are not what the budget bounds.
+    warm = CheckpointManager(root + "-warm-up", retention=[KeepLast(1)], use_lease=False)
+    warm.save(1, {"w": torch.ones(1024)})
+    warm.wait()
+    warm.close()
     mgr = CheckpointManager(root, retention=[KeepLast(1)], use_lease=False,
                             staging_budget_bytes=None if budget == "none" else int(budget))
     gc.collect()

@@ -17,7 +17,7 @@ coordinator, all cached    every rank names the cached plan's id and sends the d
                            holder sets expect: no global planning; the cached metadata is
                            this save's. A holder set whose digests differ: ``Replan``.
 coordinator, all full      the full global plan (a linear check of the chunks,
-                           :mod:`ckpt.dcp._coverage`), then cached with a new id; each
+                           :mod:`ckpt.format.coverage`), then cached with a new id; each
                            rank's final plan tells it that id and its holder sets.
 coordinator, mixed         (one rank's layout changed, or a rank has no cache: a new
                            process after a resume on other ranks): ``Replan``.

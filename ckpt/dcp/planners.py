@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItemType
 
-from ckpt.dcp._coverage import chunk_problems
 from ckpt.dcp.plancache import (
     GlobalPlan,
     PlanCache,
@@ -41,9 +40,9 @@ from ckpt.dcp.plancache import (
 )
 from ckpt.dcp.savecost import SaveCost
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
-from ckpt.format import crc32c_of, decode_object, dtype_name, encode_object
+from ckpt.format import coverage_problem, crc32c_of, decode_object, dtype_name, encode_object
 
-__all__ = ["SafeSavePlanner", "SafeLoadPlanner", "PackedNode", "placeholder"]
+__all__ = ["SafeSavePlanner", "SafeLoadPlanner", "PackedNode", "placeholder", "tiling_problem"]
 
 _HASH_KEY = "__ckpt_object_crc__:"
 _CACHED_KEY = "__ckpt_cached__"  # an unusable local plan: [cached plan id, {set: digest}]
@@ -266,12 +265,12 @@ class SafeSavePlanner(DefaultSavePlanner):
             self._dedup_save_plans(cleaned))
         if self.flatten_state_dict:
             metadata = dataclasses.replace(metadata, planner_data=merged)
-        # Not DCP's _validate_global_plan: it compares chunks pairwise (ckpt.dcp._coverage).
+        # Not DCP's _validate_global_plan: it compares chunks pairwise (quadratic); the
+        # format's coverage rule is linear (ckpt.format.coverage).
+        partial = len(all_plans) == 1 or self.partial
         problems = [p for fqn, md in metadata.state_dict_metadata.items()
                     if isinstance(md, TensorStorageMetadata)
-                    for p in chunk_problems(fqn, md.size, md.chunks,
-                                            need_cover=len(all_plans) > 1
-                                            and not self.partial)]
+                    and (p := tiling_problem(fqn, md.size, md.chunks, partial=partial))]
         if problems:
             raise ValueError(f"Failed to validate global plan: {'; '.join(problems[:10])}"
                              + (f" and {len(problems) - 10} more" if len(problems) > 10
@@ -292,6 +291,25 @@ class SafeSavePlanner(DefaultSavePlanner):
             data = self._encoded.get(fqn)
             return io.BytesIO(data if data is not None else encode_object(object, fqn))
         return object
+
+
+def tiling_problem(fqn: str, size: Any, chunks: Any, *, partial: bool = False) -> str | None:
+    """What is wrong with the ``chunks`` (objects with ``offsets`` and ``sizes``) a global
+    save plan gives the tensor ``fqn`` of shape ``size`` (None: nothing): a chunk outside the
+    tensor, or chunks that do not tile it (format.md's coverage rule; ``partial``: they may
+    leave elements uncovered, never overlap). The sentence names the key and the chunk."""
+    size = list(size)
+    if not size:
+        return None  # a 0-d tensor is its one chunk
+    boxes = []
+    for i, c in enumerate(chunks):
+        offs, lens = list(c.offsets), list(c.sizes)
+        if len(offs) != len(size) or len(lens) != len(size) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offs, lens, size)):
+            return (f"key {fqn!r}.chunks[{i}] (offsets {offs}, sizes {lens}) lies outside "
+                    f"the tensor's shape {size}")
+        boxes.append((offs, lens))
+    return coverage_problem(size, boxes, where=f"key {fqn!r}", partial=partial)
 
 
 def _ranks(ranks: list[int]) -> str:

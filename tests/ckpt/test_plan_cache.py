@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckpt.dcp import SafeSavePlanner
-from ckpt.dcp._coverage import chunk_problems
+from ckpt.dcp.planners import tiling_problem
 from tests.ckpt._helpers import least_cpu_seconds
 from tests.dist import run_ranks
 
@@ -291,24 +291,33 @@ class _C:
         self.offsets, self.sizes = offsets, sizes
 
 
-@pytest.mark.parametrize("chunks,problem", [
-    ([((0, 0), (2, 4)), ((2, 0), (2, 4))], None),  # rows
-    ([((0, 0), (4, 1)), ((0, 1), (4, 3))], None),  # uneven columns
-    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], None),  # grid
-    ([((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))], None),  # no grid, still tiles
-    ([((0, 0), (4, 4)), ((4, 0), (0, 4))], None),  # an empty chunk at the edge
-    ([((0, 0), (2, 4)), ((1, 0), (3, 4))], "overlapping"),
-    ([((0, 0), (2, 4)), ((0, 0), (2, 4)), ((2, 0), (2, 4))], "overlapping"),  # twice
-    ([((0, 0), (2, 4)), ((2, 0), (1, 4))], "invalid fill"),  # a row missing
-    ([((0, 0), (2, 2)), ((2, 2), (2, 2))], "invalid fill"),  # grid cells missing
-    ([((0, 0), (2, 4)), ((2, 0), (3, 4))], "out of bounds"),
+@pytest.mark.parametrize("chunks,problem,gap", [
+    ([((0, 0), (2, 4)), ((2, 0), (2, 4))], None, False),  # rows
+    ([((0, 0), (4, 1)), ((0, 1), (4, 3))], None, False),  # uneven columns
+    ([((0, 0), (2, 2)), ((0, 2), (2, 2)), ((2, 0), (2, 2)), ((2, 2), (2, 2))], None,
+     False),  # grid
+    ([((0, 0), (2, 4)), ((2, 0), (2, 1)), ((2, 1), (2, 3))], None, False),  # no grid, tiles
+    ([((0, 0), (4, 4)), ((4, 0), (0, 4))], None, False),  # an empty chunk at the edge
+    ([((0, 0), (2, 4)), ((1, 0), (3, 4))], "key 'w': chunks hold 20", False),  # overlap
+    ([((0, 0), (2, 4)), ((1, 0), (1, 4)), ((3, 0), (1, 4))],
+     "key 'w'.chunks[0] (offsets [0, 0], sizes [2, 4]) overlaps another", False),  # same count
+    ([((0, 0), (2, 4)), ((0, 0), (2, 4)), ((2, 0), (2, 4))], "key 'w': chunks hold 24",
+     False),  # twice
+    ([((0, 0), (2, 4)), ((2, 0), (1, 4))], "key 'w': chunks hold 12 elements", True),  # a row
+    ([((0, 0), (2, 2)), ((2, 2), (2, 2))], "key 'w': chunks hold 8", True),  # grid cells
+    ([((0, 0), (2, 4)), ((2, 0), (3, 4))],
+     "key 'w'.chunks[1] (offsets [2, 0], sizes [3, 4]) lies outside", False),
 ])
-def test_chunk_check_finds_every_overlap_gap_and_stray_chunk(chunks, problem):
-    got = chunk_problems("w", (4, 4), [_C(o, s) for o, s in chunks])
+def test_chunk_check_finds_every_overlap_gap_and_stray_chunk(chunks, problem, gap):
+    boxes = [_C(o, s) for o, s in chunks]
+    got = tiling_problem("w", (4, 4), boxes)
     if problem is None:
-        assert got == []
+        assert got is None
     else:
-        assert got and problem in got[0], got
+        assert got and problem in got, got
+    # One node's share (partial) may leave a gap, never an overlap or a stray chunk.
+    assert (tiling_problem("w", (4, 4), boxes, partial=True) is None) == (problem is None
+                                                                          or gap)
     # DCP's planner refuses the same plans (and accepts the same ones).
     plans = []
     for offs, sizes in chunks:

@@ -66,7 +66,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
                       modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Candidate]:
-    """Every layout of ``num_gpus`` with TP inside a node and dividing the heads, pp at most
+    """Every layout of ``num_gpus`` with TP inside a node and dividing the (query and
+    key/value) heads, pp at most
     n_layers, in preference order. Sharded modes need dp > 1; TP composes only with FSDP
     (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1. With 'fsdp' and several nodes,
     also HSDP with a node's worth of shard ranks (``dp_shard = gpus_per_node / tp``, at least
@@ -74,7 +75,8 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
     tp), so each shard group is one node."""
     out = []
     for tp in _divisors(num_gpus):
-        if tp > gpus_per_node or gpus_per_node % tp or shape.n_heads % tp:
+        if tp > gpus_per_node or gpus_per_node % tp or shape.n_heads % tp or \
+                (shape.n_kv_heads or shape.n_heads) % tp:
             continue
         for pp in _divisors(num_gpus // tp):
             if pp > shape.n_layers:
@@ -166,8 +168,10 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
                           "GPUs: its per-layer all-reduces would run over the inter-node network "
                           "(~50 GB/s per GPU) instead of NVLink (600-900 GB/s); keep tp <= "
                           f"{gpus_per_node} and dividing it"))
-        if sh.n_heads % requested.tp:
-            warns.append(("tp-heads", f"TP{requested.tp} does not divide n_heads={sh.n_heads}"))
+        for what, n in (("n_heads", sh.n_heads), ("n_kv_heads", sh.n_kv_heads or sh.n_heads)):
+            if n % requested.tp:
+                warns.append(("tp-heads", f"TP{requested.tp} does not divide {what}={n}"))
+                break
         if requested.tp > 1 and requested.sharding != "fsdp":
             warns.append(("tp-needs-fsdp", f"the trainer composes TP only with FSDP; use "
                           f"--parallel.dp_mode=fsdp instead of {requested.sharding}"))
@@ -242,6 +246,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dim", type=int)
     g.add_argument("--layers", type=int)
     g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int,
+                   help="key/value heads (grouped-query attention; default --heads)")
     g.add_argument("--vocab", type=int, help="vocabulary size (default 32000)")
     g.add_argument("--ffn-dim", type=int, help="MLP hidden size (default 4 * dim)")
     g.add_argument("--activation", choices=("swiglu", "gelu"),
@@ -293,14 +299,20 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
         if not (args.dim and args.layers and args.heads):
             raise ValueError("--dim, --layers and --heads go together; give all three")
         shape = shape_from_dims(args.dim, args.layers, args.heads, vocab, args.ffn_dim or 0,
-                                (args.activation or "swiglu") == "swiglu")
+                                (args.activation or "swiglu") == "swiglu", args.kv_heads)
     elif cfg:
         m = cfg.model
         shape = shape_from_dims(m.dim, m.n_layers, m.n_heads, vocab, m.hidden_ffn_dim,
-                                (args.activation or m.activation) == "swiglu")
+                                (args.activation or m.activation) == "swiglu",
+                                args.kv_heads or m.kv_heads)
     else:
         raise ValueError("give the model as --params 7B, as --dim/--layers/--heads, "
                          "or as --config FILE")
+    if args.kv_heads is not None and (args.kv_heads < 1 or shape.n_heads % args.kv_heads):
+        raise ValueError(f"--kv-heads: {args.kv_heads} does not divide the {shape.n_heads} "
+                         "query heads; pick a divisor (or leave it out for as many)")
+    if args.params and args.kv_heads:
+        shape = replace(shape, n_kv_heads=args.kv_heads)
     requested = None
     p = cfg.parallel if cfg else None
     pp, tp = args.pp or (p.pp if p else None), args.tp or (p.tp if p else None)
@@ -344,7 +356,8 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
 def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> str:
     w, sh = advice.work, advice.work.shape
     pc = PRECISIONS[w.precision]
-    shape = f"dim {sh.dim}, {sh.n_layers} layers, {sh.n_heads} heads, vocab {sh.vocab_size}"
+    kv = f" ({sh.n_kv_heads} key/value)" if sh.n_kv_heads not in (None, sh.n_heads) else ""
+    shape = f"dim {sh.dim}, {sh.n_layers} layers, {sh.n_heads} heads{kv}, vocab {sh.vocab_size}"
     lines = [
         f"Model     {_count(sh.num_params)} params ({'assumed shape: ' if sh.inferred else ''}"
         f"{shape}{'; pass --dim/--layers/--heads for exact activations' if sh.inferred else ''})",

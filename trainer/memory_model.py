@@ -44,13 +44,22 @@ class ModelShape:
     ffn_dim: int
     gated_mlp: bool = False
     inferred: bool = False
+    n_kv_heads: int | None = None
+
+    @property
+    def kv_dim(self) -> int:
+        """Output size of the key and of the value projection: the key/value heads
+        (``n_kv_heads``, fewer than ``n_heads`` under grouped-query attention; None = as
+        many) times the head size."""
+        return (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
 
     def stage_params(self, n_layers: int, first: bool, last: bool) -> int:
         """Parameters of a pipeline stage of ``n_layers`` blocks; the ``first`` holds the
         embedding, the ``last`` the final norm and the output projection."""
         return num_transformer_params(self.dim, self.ffn_dim, self.vocab_size,
                                       n_layers=n_layers, gated_mlp=self.gated_mlp,
-                                      has_embedding=first, has_output=last)
+                                      has_embedding=first, has_output=last,
+                                      kv_dim=self.kv_dim)
 
     @property
     def layer_params(self) -> int:
@@ -63,9 +72,12 @@ class ModelShape:
 
 
 def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
-                    ffn_dim: int = 0, gated_mlp: bool = False) -> ModelShape:
-    """Exact shape; ``ffn_dim = 0`` means 4 * dim."""
-    s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp)
+                    ffn_dim: int = 0, gated_mlp: bool = False,
+                    n_kv_heads: int | None = None) -> ModelShape:
+    """Exact shape; ``ffn_dim = 0`` means 4 * dim, ``n_kv_heads = None`` as many key/value
+    heads as query heads."""
+    s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp,
+                   n_kv_heads=n_kv_heads)
     return replace(s, num_params=s.shape_params)
 
 

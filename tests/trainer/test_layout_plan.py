@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ParallelConfig, load_config
+from trainer.config import ModelConfig, ParallelConfig, load_config
 from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
 from trainer.layout_plan import (
     add_plan_arguments,
@@ -315,3 +315,30 @@ def test_long_sequences_are_advised_full_recompute(params, seq, gpus):
     assert "--training.activation_checkpointing=full" in \
         plan.to_dict()["recommended"]["overrides"]
     assert not plan.fits(estimate_memory(work, plan.recommended[0]))
+
+
+# --- grouped-query attention: k and v are d x kv_dim, not d x d ------------------------------
+
+
+def test_grouped_query_attention_counts_kv_dim(capsys, tmp_path):
+    gqa = ModelConfig(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4,
+                      ffn_dim=2816)
+    shape = shape_from_dims(gqa.dim, gqa.n_layers, gqa.n_heads, gqa.vocab_size,
+                            gqa.hidden_ffn_dim, True, n_kv_heads=gqa.n_kv_heads)
+    assert shape.num_params == gqa.num_params()
+    assert shape.kv_dim == 256 and shape.layer_params == \
+        2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2 * 1024
+    # A config with n_kv_heads is planned with its own count.
+    toml = tmp_path / "gqa.toml"
+    toml.write_text("[model]\nvocab_size = 32000\ndim = 1024\nn_layers = 8\nn_heads = 16\n"
+                    "n_kv_heads = 4\nffn_dim = 2816\n")
+    rc, out = _run(capsys, "--config", str(toml), "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["workload"]["shape"]["num_params"] == gqa.num_params()
+    # TP must divide the key/value heads too (as ParallelConfig.check says).
+    assert {c.tp for c in candidate_layouts(8, 8, shape)} == {1, 2, 4}
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(["--dim", "1024", "--layers", "8", "--heads", "16",
+                                       "--kv-heads", "3"])) == 2
+    assert "plan: error: --kv-heads: 3 does not divide the 16" in capsys.readouterr().err

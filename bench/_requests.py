@@ -14,11 +14,11 @@ and by ``tests/ckpt/test_commit_requests.py``.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import Counter
 from typing import Any
 
+from ckpt.format._schema import is_data_file
 from ckpt.storage import Storage
 
 __all__ = ["CountingStorage", "S3RequestLog", "KINDS", "DATA_KINDS"]
@@ -26,7 +26,10 @@ __all__ = ["CountingStorage", "S3RequestLog", "KINDS", "DATA_KINDS"]
 KINDS = ("read", "list", "exists", "size", "write", "create", "swap", "delete", "mkdir",
          "rmdir", "data", "data_delete")
 DATA_KINDS = ("data", "data_delete")
-_DATA_FILE = re.compile(r"(?:^|/)r\d{5}_[0-9a-f]+_\d+\.bin$")
+
+
+def _is_data(path: str) -> bool:
+    return is_data_file(path.rsplit("/", 1)[-1])
 
 
 class CountingStorage(Storage):
@@ -87,7 +90,7 @@ class CountingStorage(Storage):
         return super().makedirs(rel)
 
     def write_buffers(self, rel, buffers, **kwargs):
-        self._count("data" if _DATA_FILE.search(rel) else "write", rel)
+        self._count("data" if _is_data(rel) else "write", rel)
         return super().write_buffers(rel, buffers, **kwargs)
 
     def create_exclusive(self, rel, data):
@@ -99,7 +102,7 @@ class CountingStorage(Storage):
         return super().replace_if_unchanged(rel, data, expected)
 
     def delete(self, rel, recursive=False):
-        self._count("data_delete" if _DATA_FILE.search(rel) else "delete", rel)
+        self._count("data_delete" if _is_data(rel) else "delete", rel)
         return super().delete(rel, recursive=recursive)
 
     def delete_many(self, rels):
@@ -147,5 +150,5 @@ class S3RequestLog:
         """Requests by HTTP method after the first ``start`` ones; writes of data files
         (``PUT``, multipart parts included) apart, as ``data``."""
         with self._lock:
-            return Counter("data" if m == "PUT" and _DATA_FILE.search(url) else m
+            return Counter("data" if m == "PUT" and _is_data(url) else m
                            for m, url in self.requests[start:])

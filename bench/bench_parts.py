@@ -39,6 +39,7 @@ from ckpt.format import (  # noqa: E402
     Manifest,
     Part,
     PartRecord,
+    data_file_name,
     jsonio,
     part_name,
     part_sha256,
@@ -63,7 +64,7 @@ def _rank_part(model_name: str, world: int, tp: int, rank: int) -> tuple[Part, M
     model = MODELS[model_name]
     dp = world // tp
     d, t = divmod(rank, tp)
-    files = [f"r{rank:05d}_{_SAVE_ID}_{k}.bin" for k in range(_FILES)]
+    files = [data_file_name(rank, _SAVE_ID, k) for k in range(_FILES)]
     offsets = [0] * _FILES
     part, tensors = Part(rank), {}
     k = 0

@@ -41,7 +41,7 @@ from ckpt.errors import (
     FencedCheckpointError,
 )
 from ckpt.export import check_out_dir, check_out_file, export, parse_dtype, select_keys
-from ckpt.format import jsonio, step_dirname
+from ckpt.format import data_file_id, jsonio, step_dirname
 from ckpt.job import read_pins, read_retention
 from ckpt.root import (
     COMMITTED,
@@ -51,7 +51,6 @@ from ckpt.root import (
     CheckpointInfo,
     CheckpointStore,
     Lease,
-    data_file_id,
 )
 from ckpt.units import parse_size
 

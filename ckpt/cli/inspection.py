@@ -27,6 +27,7 @@ from ckpt.format import (
     dtype_from_name,
     is_packed,
     step_dirname,
+    step_file,
 )
 from ckpt.root import COMMITTED, CheckpointStore, read_lease
 
@@ -91,7 +92,7 @@ def _read_item(store: CheckpointStore, m: Manifest, loc: ItemLocation, start: in
                end: int | None = None) -> bytes:
     """Bytes ``[start, end)`` of one item (relative to the item); size-checked."""
     end = loc.length if end is None else end
-    rel = f"{step_dirname(m.step)}/{loc.file}"
+    rel = step_file(m.step, loc.file)
     data = store.storage.read_bytes(rel, loc.offset + start, loc.offset + end)
     if len(data) != end - start:
         where = store.storage.describe(rel)
@@ -103,7 +104,7 @@ def _read_item(store: CheckpointStore, m: Manifest, loc: ItemLocation, start: in
 
 def _crc_failed(store: CheckpointStore, m: Manifest, loc: ItemLocation, crc: int
                 ) -> CorruptCheckpointError:
-    where = store.storage.describe(f"{step_dirname(m.step)}/{loc.file}")
+    where = store.storage.describe(step_file(m.step, loc.file))
     return crc_mismatch_error(where, loc.crc32c, crc, span=(loc.offset, loc.offset + loc.length))
 
 

@@ -58,14 +58,16 @@ from ckpt.format import (
     Part,
     PartRecord,
     crc32c_combine,
+    attachment_file,
     crc32c_of,
+    data_file_name,
     dtype_from_name,
     new_run_id,
     dtype_name,
     part_name,
     part_sha256,
 )
-from ckpt.root import Lifecycle, attachment_file
+from ckpt.root import Lifecycle
 from ckpt.storage import Storage
 
 __all__ = ["CkptWriter"]
@@ -208,7 +210,6 @@ class CkptWriter(StorageWriter):
 
     def _write_data(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         rank, save_id = self.rank, self.save_id
-        prefix = f"r{rank:05d}_{save_id}"
         items = list(plan.items)
         # The planner already checksummed this rank's plain tensors (the replica check), over
         # the very bytes written here: those checksums are reused, not computed again.
@@ -254,7 +255,7 @@ class CkptWriter(StorageWriter):
                 return [crc32c_of([b]) for b in bufs]
 
         def write_bucket(k: int, bucket):
-            name = f"{prefix}_{k}.bin"
+            name = data_file_name(rank, save_id, k)
             rel = f"{self.step_dir}/{name}"
             bufs = [buf for _, buf, _ in bucket]
             todo = [i for i, (_, _, crc) in enumerate(bucket) if crc is None]

@@ -2,7 +2,8 @@
 
 The lowest layer of the manifest: what a manifest is made of (file, item and attachment
 records), the dtype names it may hold, the format's name and version, and the names of the
-manifest file and of the step folders. :mod:`ckpt.format._check` validates untrusted
+manifest file, of the step folders and of every file in them (each built by one function
+here, recognised by one pattern here). :mod:`ckpt.format._check` validates untrusted
 documents into these records; :mod:`ckpt.format.manifest` holds the :class:`Manifest` that puts
 them together. Nothing here reads storage.
 """
@@ -27,6 +28,21 @@ __all__ = [
     "Attachment",
     "PartRecord",
     "part_name",
+    "data_file_name",
+    "marker_name",
+    "attachment_file",
+    "rolled_back_name",
+    "fenced_name",
+    "damaged_manifest_name",
+    "step_file",
+    "data_file_id",
+    "is_data_file",
+    "marker_id",
+    "rolled_back_id",
+    "fenced_id",
+    "is_damaged_manifest",
+    "LEGACY_MARKER_NAME",
+    "LEGACY_ROLLED_NAME",
     "MAX_ATTACHMENT_BYTES",
     "check_attachment_name",
     "step_dirname",
@@ -100,9 +116,99 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def step_file(step: int, name: str) -> str:
+    """The path, relative to the root, of file ``name`` of step ``step``'s folder."""
+    return f"{step_dirname(step)}/{name}"
+
+
+# The names inside a step folder: each built by one function here and recognised by one
+# pattern here (docs/format.md; the life-cycle, :mod:`ckpt.root.lifecycle`, says which
+# transition writes which). Attempt (save) ids are lowercase hex.
+_ID = r"[0-9a-f]{6,64}"
+_DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
+_PART_RE = re.compile(rf"^part-r\d{{5}}_({_ID})\.json$")
+_ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
+_MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
+_ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
+_FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
+_DAMAGED_RE = re.compile(r"^damaged-manifest-[0-9a-f]{6,64}\.json$")
+LEGACY_MARKER_NAME = "pending.json"
+"""An attempt marker of an older writer (no save id in its name)."""
+LEGACY_ROLLED_NAME = "rolled-back-manifest.json"
+"""An un-committed manifest of an older writer (no save id in its name)."""
+
+
 def part_name(rank: int, save_id: str) -> str:
     """The file name of rank ``rank``'s part of attempt ``save_id`` (format version 2)."""
     return f"part-r{rank:05d}_{save_id}.json"
+
+
+def data_file_name(rank: int, save_id: str, k: int) -> str:
+    """The name of rank ``rank``'s ``k``-th data file of attempt ``save_id``."""
+    return f"r{rank:05d}_{save_id}_{k}.bin"
+
+
+def attachment_file(save_id: str, name: str) -> str:
+    """The stored name of attachment ``name`` (already validated) of attempt ``save_id``."""
+    return f"a_{save_id}_{name}"
+
+
+def marker_name(save_id: str) -> str:
+    """The attempt marker of attempt ``save_id``, written before any of its data."""
+    return f"pending-{save_id}.json"
+
+
+def rolled_back_name(save_id: str) -> str:
+    """Where the manifest of attempt ``save_id`` goes when it is un-committed (restorable)."""
+    return f"rolled-back-{save_id}.json"
+
+
+def fenced_name(save_id: str) -> str:
+    """Where a fenced-off writer's late manifest of attempt ``save_id`` is moved aside."""
+    return f"fenced-{save_id}.json"
+
+
+def damaged_manifest_name(tag: str) -> str:
+    """Where a damaged manifest is moved aside (``tag``: 12 random hex digits)."""
+    return f"damaged-manifest-{tag}.json"
+
+
+def data_file_id(name: str) -> str | None:
+    """The attempt id in a data, part or attachment file's name, or None for a name not ours.
+
+    Every rule that decides which files belong to an attempt (abandon, cleanup's leftovers,
+    the size of an incomplete attempt) goes through this one function.
+    """
+    m = _DATA_RE.match(name) or _PART_RE.match(name) or _ATTACHMENT_RE.match(name)
+    return m.group(1) if m else None
+
+
+def is_data_file(name: str) -> bool:
+    """Whether ``name`` (a file name, no folder) is a data file (not a part or attachment)."""
+    return _DATA_RE.match(name) is not None
+
+
+def marker_id(name: str) -> str | None:
+    """The attempt id of an attempt marker's name, or None."""
+    m = _MARKER_RE.match(name)
+    return m.group(1) if m else None
+
+
+def rolled_back_id(name: str) -> str | None:
+    """The attempt id of an un-committed manifest's name, or None."""
+    m = _ROLLED_RE.match(name)
+    return m.group(1) if m else None
+
+
+def fenced_id(name: str) -> str | None:
+    """The attempt id of a fenced-off manifest's name, or None."""
+    m = _FENCED_RE.match(name)
+    return m.group(1) if m else None
+
+
+def is_damaged_manifest(name: str) -> bool:
+    """Whether ``name`` is a damaged manifest moved aside."""
+    return _DAMAGED_RE.match(name) is not None
 
 
 @dataclass(frozen=True)

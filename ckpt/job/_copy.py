@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 
 from ckpt.errors import CheckpointError
-from ckpt.format import Manifest, crc32c_of, jsonio, step_dirname
+from ckpt.format import Manifest, crc32c_of, jsonio, step_dirname, step_file
 from ckpt.ranks import CHUNK_BYTES, swap_bytes
 from ckpt.root import Lifecycle
 from ckpt.storage import Storage, fsync_dir
@@ -120,11 +120,10 @@ class Outgoing:
         """Phase 3: each file in chunks (nothing when skipped); never raises."""
         if self.manifest is None or self.skipped:
             return
-        rel_dir = step_dirname(self.manifest.step)
         for name, size in self.files:
             start = 0
             for length in _chunk_sizes(size):
-                yield self._read(f"{rel_dir}/{name}", start, length)
+                yield self._read(step_file(self.manifest.step, name), start, length)
                 start += length
 
     def messages(self) -> Iterator[torch.Tensor]:
@@ -317,7 +316,7 @@ class Incoming:
             raise CheckpointError(f"{name} from {self.source} arrived short ({msg.numel()} of "
                                   f"{length} bytes: the sender could not read it)")
         self._crc = crc32c_of([msg.numpy()], 0 if first else self._crc)
-        rel = f"{step_dirname(self.step)}/{name}"
+        rel = step_file(self.step, name)
         if self._streamed:
             # Written on a thread of its own while the next chunk arrives: a receiver's disk
             # must not hold up the sender (in a ring, every node). One chunk waits at most.
@@ -332,7 +331,7 @@ class Incoming:
         record = self.manifest.files[name]
         if self._crc != record.crc32c:
             raise CheckpointError(
-                f"{self.root}/{step_dirname(self.step)}/{name}: checksum mismatch "
+                f"{self.root}/{step_file(self.step, name)}: checksum mismatch "
                 f"(expected crc32c {record.crc32c:08x}, got {self._crc:08x}); the copy is "
                 f"refused")
         if not self._streamed:

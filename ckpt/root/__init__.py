@@ -24,9 +24,6 @@ from ckpt.root.lifecycle import (
     Lifecycle,
     acquire_for_ranks,
     acquire_lease,
-    attachment_file,
-    data_file_id,
-    marker_name,
     parse_marker,
     release_lease,
 )
@@ -45,7 +42,7 @@ __all__ = [
     "Lifecycle", "Entry", "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
     "MOVED_ASIDE",
     "acquire_lease", "acquire_for_ranks", "release_lease",
-    "attachment_file", "data_file_id", "marker_name", "parse_marker",
+    "parse_marker",
     "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
     "read_part", "read_parts", "parts_for_rank", "complete_parts",
     "verify_checkpoint", "verify_attachments",

@@ -24,10 +24,12 @@ attempt with a new id)::
     written and verified by the caller, then ``commit_copy`` (the manifest re-issued under
     this root's lease) instead of ``commit``; ``abandon`` when the copy fails.
 
-Names inside ``step_NNNNNNNNN/`` (all written by this module only)::
+Names inside ``step_NNNNNNNNN/`` (each built and recognised by :mod:`ckpt.format._schema`
+alone; written by this module, but for the data, part and attachment files, which the
+writer, ``ckpt.dcp.writer``, writes under the names it asks for there)::
 
     pending-<id>.json       attempt marker, written before any data: writer, lease generation
-    r<rank>_<id>_<k>.bin    data files of attempt <id> (names chosen by the writer in dcp_io)
+    r<rank>_<id>_<k>.bin    data files of attempt <id> (``data_file_name``)
     part-r<rank>_<id>.json  rank <rank>'s part of attempt <id> (format version 2: the chunks
                             of sharded tensors it wrote); listed in its manifest's ``files``
     a_<id>_<name>           attachment <name> of attempt <id> (``attachment_file``), written
@@ -73,13 +75,25 @@ from ckpt.errors import (
     LeaseLostError,
 )
 from ckpt.format import (
+    LEGACY_MARKER_NAME,
+    LEGACY_ROLLED_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     Lineage,
     Manifest,
+    damaged_manifest_name,
+    data_file_id,
+    fenced_id,
+    fenced_name,
+    is_damaged_manifest,
     jsonio,
+    marker_id,
+    marker_name,
     parse_step_dirname,
+    rolled_back_id,
+    rolled_back_name,
     step_dirname,
+    step_file,
 )
 from ckpt.root.fence import Fence
 from ckpt.root.lease import Lease
@@ -98,40 +112,11 @@ log = logging.getLogger(__name__)
 COMMITTED, INCOMPLETE, CORRUPT, ROLLED_BACK, FENCED, MOVED_ASIDE = (
     "committed", "incomplete", "corrupt", "rolled-back", "fenced", "moved-aside")
 
-_ID = r"[0-9a-f]{6,64}"
-_MARKER_RE = re.compile(rf"^pending-({_ID})\.json$")
-_ROLLED_RE = re.compile(rf"^rolled-back-({_ID})\.json$")
-_FENCED_RE = re.compile(rf"^fenced-({_ID})\.json$")
-_DAMAGED_RE = re.compile(r"^damaged-manifest-[0-9a-f]{6,64}\.json$")
-_DATA_RE = re.compile(rf"^r\d{{5}}_({_ID})_\d+\.bin$")
-_PART_RE = re.compile(rf"^part-r\d{{5}}_({_ID})\.json$")
-_ATTACHMENT_RE = re.compile(rf"^a_({_ID})_[A-Za-z0-9][A-Za-z0-9._-]*$")
-_TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")
-_LEGACY_MARKER = "pending.json"
-_LEGACY_ROLLED = "rolled-back-manifest.json"
+_TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")  # a storage write in progress
 
 
 MAX_MARKER_BYTES = 1 << 20
 """The most an attempt marker may hold (it holds a few fields)."""
-
-
-def marker_name(save_id: str) -> str:
-    return f"pending-{save_id}.json"
-
-
-def attachment_file(save_id: str, name: str) -> str:
-    """The stored name of attachment ``name`` (already validated) of attempt ``save_id``."""
-    return f"a_{save_id}_{name}"
-
-
-def data_file_id(name: str) -> str | None:
-    """The attempt id in a data, part or attachment file's name, or None for a name not ours.
-
-    Every rule that decides which files belong to an attempt (abandon, cleanup's leftovers,
-    the size of an incomplete attempt) goes through this one function.
-    """
-    m = _DATA_RE.match(name) or _PART_RE.match(name) or _ATTACHMENT_RE.match(name)
-    return m.group(1) if m else None
 
 
 @dataclass
@@ -164,8 +149,7 @@ class _Folder:
 def _attempt_of(name: str) -> str | None:
     """The attempt a file of ours belongs to: its data, part and attachment files, its
     marker and its fenced manifest; None for any other name."""
-    m = _MARKER_RE.match(name) or _FENCED_RE.match(name)
-    return m.group(1) if m else data_file_id(name)
+    return marker_id(name) or fenced_id(name) or data_file_id(name)
 
 
 def _unreadable(entries: list[Entry]) -> list[Entry]:
@@ -193,16 +177,16 @@ def _dead_files(folder: _Folder, entries: list[Entry]) -> list[str]:
     if any(e.holds is None or e.newer for e in unreadable):
         return []
     named = set().union(*(e.holds for e in unreadable))
-    begun = {m.group(1) for m in map(_MARKER_RE.match, folder.files) if m}
+    begun = {i for i in map(marker_id, folder.files) if i}
 
     def dead(name: str) -> bool:
-        if name in keep or name == MANIFEST_NAME or _ROLLED_RE.match(name) \
-                or name == _LEGACY_ROLLED:
+        if name in keep or name == MANIFEST_NAME or rolled_back_id(name) \
+                or name == LEGACY_ROLLED_NAME:
             return False
         if _TMP_RE.search(name):
             return True  # an unfinished write: never the only copy of anything
         if not unreadable:
-            return bool(_attempt_of(name) or name == _LEGACY_MARKER)
+            return bool(_attempt_of(name) or name == LEGACY_MARKER_NAME)
         attempt = _attempt_of(name)
         return attempt is not None and attempt in begun and attempt not in named
 
@@ -296,7 +280,7 @@ class Lifecycle:
         return sorted(out)
 
     def has_manifest(self, step: int) -> bool:
-        return self.storage.exists(f"{step_dirname(step)}/{MANIFEST_NAME}")
+        return self.storage.exists(step_file(step, MANIFEST_NAME))
 
     def known_committed(self) -> list[int]:
         """Steps whose folder holds a ``manifest.json`` (counted or not), ascending, as the
@@ -375,7 +359,7 @@ class Lifecycle:
             except CheckpointNotFoundError:
                 pass  # un-committed meanwhile
         for name in sorted(folder.files):
-            rolled = _ROLLED_RE.match(name) or (name == _LEGACY_ROLLED)
+            rolled = rolled_back_id(name) or (name == LEGACY_ROLLED_NAME)
             if not rolled:
                 continue
             try:
@@ -392,7 +376,7 @@ class Lifecycle:
                              problem="un-committed (rollback); `ckpt restore --id "
                                      f"{m.save_id}` re-commits it"))
         for name in sorted(folder.files):
-            if _DAMAGED_RE.match(name):
+            if is_damaged_manifest(name):
                 out.append(Entry(step, None, MOVED_ASIDE, name, bytes=folder.files[name],
                                  problem="a damaged manifest, moved aside so that this step "
                                          "could be committed again; kept for inspection, "
@@ -401,8 +385,8 @@ class Lifecycle:
                                  holds=self._named_ids(f"{d}/{name}", folder)))
         known = {e.id for e in out}
         for name in sorted(folder.files):
-            m = _MARKER_RE.match(name)
-            if not m and name != _LEGACY_MARKER:
+            m = marker_id(name)
+            if not m and name != LEGACY_MARKER_NAME:
                 continue
             marker = None
             try:
@@ -411,7 +395,7 @@ class Lifecycle:
                                       self.storage.describe(f"{d}/{name}"))
             except (CorruptCheckpointError, FileNotFoundError):
                 pass
-            sid = m.group(1) if m else (marker or {}).get("save_id") \
+            sid = m if m else (marker or {}).get("save_id") \
                 if isinstance(marker, dict) else None
             if sid in known:
                 continue
@@ -426,7 +410,7 @@ class Lifecycle:
         """The entry of manifest ``name`` that failed to read with ``exc``: kept, with the
         attempt ids its bytes name (none read for a newer format: left whole)."""
         newer = isinstance(exc, FormatVersionError)
-        holds = None if newer else self._named_ids(f"{step_dirname(step)}/{name}", folder)
+        holds = None if newer else self._named_ids(step_file(step, name), folder)
         return Entry(step, None, CORRUPT, name, problem=str(exc), bytes=folder.files.get(name, 0),
                      holds=holds, newer=newer)
 
@@ -679,8 +663,7 @@ class Lifecycle:
         try:
             m = self.read_committed(step)
         except FencedCheckpointError:
-            self._move(step, MANIFEST_NAME, f"fenced-{self._read_doc(self._rel(step)).save_id}"
-                                            f".json")
+            self._move(step, MANIFEST_NAME, fenced_name(self._read_doc(self._rel(step)).save_id))
             return
         except CheckpointNotFoundError:
             return  # gone meanwhile: try again
@@ -705,13 +688,13 @@ class Lifecycle:
         """Move ``step``'s damaged ``manifest.json`` to ``damaged-manifest-<hex>.json``
         (kept and listed, ``ckpt list --all``; never deleted but by ``ckpt gc --damaged``).
         Returns the new name. The lease holder only."""
-        aside = f"damaged-manifest-{os.urandom(6).hex()}.json"
+        aside = damaged_manifest_name(os.urandom(6).hex())
         self._move(step, MANIFEST_NAME, aside)
         self._note(step, False)
         return aside
 
     def _rel(self, step: int, name: str = MANIFEST_NAME) -> str:
-        return f"{step_dirname(step)}/{name}"
+        return step_file(step, name)
 
     def _move(self, step: int, src: str, dst: str) -> None:
         """Copy then delete (no rename on S3): a crash in between leaves both, never none."""
@@ -750,7 +733,7 @@ class Lifecycle:
         """Un-commit ``step`` reversibly; returns the id of the kept version."""
         self._require_lease(renew=True)
         m = self.read_committed(step)
-        self._move(step, MANIFEST_NAME, f"rolled-back-{m.save_id}.json")
+        self._move(step, MANIFEST_NAME, rolled_back_name(m.save_id))
         self._note(step, False)
         return m.save_id
 
@@ -831,7 +814,7 @@ class Lifecycle:
         names = {entry.name}
         if entry.id:
             names |= {n for n in folder.files if data_file_id(n) == entry.id
-                      or n in (marker_name(entry.id), f"fenced-{entry.id}.json")}
+                      or n in (marker_name(entry.id), fenced_name(entry.id))}
         if entry.manifest is not None:
             names |= set(entry.manifest.files) & set(folder.files)
         return self._remove(entry.step, sorted((names - keep) & set(folder.files)))
@@ -947,7 +930,7 @@ class Lifecycle:
                 continue
             for e in entries:
                 if e.status == FENCED and e.name == MANIFEST_NAME:
-                    aside = f"fenced-{e.id}.json"
+                    aside = fenced_name(e.id)
                     self._move(step, MANIFEST_NAME, aside)
                     folder.files[aside] = folder.files.pop(MANIFEST_NAME)
             if MANIFEST_NAME in folder.files:
@@ -1038,5 +1021,3 @@ def release_lease(life: Lifecycle) -> None:
                         life.storage.url, exc)
     lease.release()
 
-
-__all__ += ["marker_name", "data_file_id", "attachment_file", "MANIFEST_NAME"]

@@ -15,7 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from ckpt.errors import CorruptCheckpointError, missing_file_error, size_mismatch_error
-from ckpt.format import MAX_PART_BYTES, Manifest, Part, complete_manifest, step_dirname
+from ckpt.format import (
+    MAX_PART_BYTES,
+    Manifest,
+    Part,
+    complete_manifest,
+    step_dirname,
+    step_file,
+)
 from ckpt.storage import Storage
 
 __all__ = ["read_part", "read_parts", "parts_for_rank", "complete_parts"]
@@ -23,7 +30,7 @@ __all__ = ["read_part", "read_parts", "parts_for_rank", "complete_parts"]
 
 def read_part(storage: Storage, manifest: Manifest, name: str) -> Part:
     """Part ``name`` of ``manifest``: read, checked against the root, parsed, validated."""
-    rel = f"{step_dirname(manifest.step)}/{name}"
+    rel = step_file(manifest.step, name)
     where = storage.describe(rel)
     record = manifest.files.get(name)
     if record is None or name not in manifest.parts:

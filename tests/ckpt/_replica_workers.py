@@ -78,8 +78,7 @@ def train_body(rank: int, world: int, root: str, local_root: str, last: int,
 def _die_while_copying(step: int) -> None:
     """Die (SIGKILL) once the first chunk of a data file of ``step``'s copy is written, its
     file not yet synced or closed: a copy torn in the middle of a file."""
-    from ckpt.format import step_dirname
-    from ckpt.root import data_file_id
+    from ckpt.format import data_file_id, step_dirname
     from ckpt.storage import Storage
 
     create = Storage.create_local

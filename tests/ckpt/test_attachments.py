@@ -13,9 +13,15 @@ import torch
 import ckpt
 from ckpt.cli import main as ckpt_main
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import MAX_ATTACHMENT_BYTES, Manifest, manifest_bytes, step_dirname
+from ckpt.format import (
+    MAX_ATTACHMENT_BYTES,
+    Manifest,
+    data_file_id,
+    manifest_bytes,
+    step_dirname,
+)
 from ckpt.job import CheckpointManager
-from ckpt.root import ROLLED_BACK, CheckpointStore, acquire_lease, data_file_id, release_lease
+from ckpt.root import ROLLED_BACK, CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
 from tests.ckpt._helpers import flip_byte
 

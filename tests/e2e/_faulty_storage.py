@@ -31,8 +31,8 @@ import os
 import sys
 import time
 
-from ckpt.format import parse_step_dirname
-from ckpt.root import LEASE_NAME, data_file_id, marker_name
+from ckpt.format import data_file_id, marker_name, parse_step_dirname
+from ckpt.root import LEASE_NAME
 from ckpt.storage import Storage
 
 _FAIL_FROM = int(os.environ.get("E2E_FAIL_FROM_STEP", "-1"))

@@ -16,7 +16,7 @@ import sys
 import time
 
 from ckpt.format import parse_step_dirname
-from ckpt.root import data_file_id
+from ckpt.format import data_file_id
 from ckpt.storage import Storage
 
 _FROM_STEP = int(os.environ["E2E_SLOW_FROM_STEP"])

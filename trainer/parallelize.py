@@ -161,6 +161,8 @@ class ParallelModel:
         """
         n_mb = self.par.num_microbatches
         self._loss_divisor = float(n_mb * num_accum_steps)
+        for part in self.model_parts:  # the balancing loss is divided as the cross-entropy
+            part.set_aux_loss_scale(1.0 / self._loss_divisor)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         with self._autocast():
             if self._schedule is not None:
@@ -200,6 +202,11 @@ class ParallelModel:
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
                 p.grad = g.redistribute(g.device_mesh, placements)
+
+    def take_router_stats(self) -> dict:
+        """Router statistics of this rank's MoE blocks since the last call, by global layer
+        index (``trainer.model.RouterStats``; empty for a dense model). Local."""
+        return {k: v for part in self.model_parts for k, v in part.take_router_stats().items()}
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One forward+backward of a whole optimizer step (no accumulation); see ``forward_backward``."""

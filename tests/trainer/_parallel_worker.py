@@ -12,10 +12,15 @@ from trainer.config import ModelConfig, ParallelConfig
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
-__all__ = ["MODEL", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "layout", "make_batches", "train",
+__all__ = ["MODEL", "MOE", "MODELS", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "layout", "make_batches", "train",
            "rank_train"]
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
+# The tiny mixture of experts: blocks 1 and 3 route to 4 experts, top-2, plus a shared one.
+MOE = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16,
+                  n_experts=4, experts_per_token=2, moe_every=2, n_shared_experts=1,
+                  moe_ffn_dim=32)
+MODELS = {"dense": MODEL, "moe": MOE}
 GLOBAL_BATCH = 8
 SEQ_LEN = 16
 STEPS = 20
@@ -23,14 +28,14 @@ SEED = 1234
 MAX_NORM = 1.0
 
 
-def layout(**kwargs) -> ParallelConfig:
+def layout(model: ModelConfig = MODEL, **kwargs) -> ParallelConfig:
     """The layout for ``kwargs`` (dp defaults to dp_replicate * dp_shard, or 1; not the
-    config's -1), checked against MODEL and the test batch the way ``Config.resolved``
+    config's -1), checked against ``model`` and the test batch the way ``Config.resolved``
     checks a job's."""
     dp = kwargs.get("dp_replicate", 1) * kwargs.get("dp_shard", 1)
     par = ParallelConfig(**{"dp": dp, **kwargs})
     par = par.resolved(par.world_size)
-    par.check(MODEL, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN)
+    par.check(model, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN)
     return par
 
 
@@ -94,7 +99,7 @@ def _local(value):
 def check_state_dict_roundtrip(pm, optims, par, mesh) -> None:
     """Load ``pm``'s model and optimizer state into a freshly built model (another seed) and
     check every local shard is equal afterwards."""
-    fresh = build_parallel_model(MODEL, par, mesh, SEED + 1)
+    fresh = build_parallel_model(pm.model_cfg, par, mesh, SEED + 1)
     fresh_optims = [torch.optim.AdamW(p.parameters(), lr=1e-2, foreach=False) for p in fresh.model_parts]
     # AdamW state is created lazily: one zero-gradient step creates it so it can be loaded into.
     for p in fresh.parameters():
@@ -135,12 +140,15 @@ def _flush_result_queue_at_exit() -> None:
     os._exit = exit_after_flush
 
 
-def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1, check_keys: bool = False):
-    """Body run on each rank by ``tests.dist.run_ranks``: build the layout, train, report."""
+def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1,
+               check_keys: bool = False, model: str = "dense"):
+    """Body run on each rank by ``tests.dist.run_ranks``: build the layout of ``MODELS[model]``,
+    train, report."""
     _flush_result_queue_at_exit()
-    par = layout(**par_kwargs)
+    cfg = MODELS[model]
+    par = layout(cfg, **par_kwargs)
     mesh = build_mesh(par, "cpu")
-    pm = build_parallel_model(MODEL, par, mesh, SEED)
+    pm = build_parallel_model(cfg, par, mesh, SEED)
     result = train(pm, dp_mesh(mesh).get_local_rank(), par.dp, accum, check_keys)
     if check_keys:
         check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)

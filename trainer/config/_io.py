@@ -302,17 +302,26 @@ device, activation_checkpointing*) because checkpoints reshard across layouts (a
 activations changes no value)."""
 
 
+MOE_KEYS = ("n_experts", "experts_per_token", "moe_every", "n_shared_experts", "moe_ffn_dim",
+            "router_aux_loss_coef")
+"""The ``[model]`` keys of a mixture of experts: they shape nothing while n_experts = 0."""
+
+
 def config_fingerprint(cfg: Config) -> str:
     """16 hex chars of SHA-256 over :data:`FINGERPRINT_FIELDS`. Equal fingerprints mean the
     resumed run continues the same problem. ``data.path`` enters by base name only, so a
     dataset mounted elsewhere keeps the fingerprint; ``model.n_kv_heads`` only when it
     differs from ``n_heads`` (a model without grouped-query attention keeps the fingerprint
-    it had before the key existed, and so do its checkpoints)."""
+    it had before the key existed, and so do its checkpoints); the mixture-of-experts keys
+    (:data:`MOE_KEYS`) only when ``model.n_experts > 0``, for the same reason."""
     d = config_to_dict(cfg)
     picked = {s: {k: d[s][k] for k in keys} for s, keys in FINGERPRINT_FIELDS.items()}
     picked["data"]["path"] = os.path.basename(picked["data"]["path"])
     if cfg.model.kv_heads == cfg.model.n_heads:
         del picked["model"]["n_kv_heads"]
+    if not cfg.model.n_experts:
+        for key in MOE_KEYS:
+            del picked["model"][key]
     blob = json.dumps(picked, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

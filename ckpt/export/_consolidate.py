@@ -218,8 +218,9 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
             raise ValueError(f"--format hf holds tensors only, and {objects[0]!r} (of "
                              f"{len(objects)} such keys) is not a tensor; use --select to keep "
                              f"the model's weights, e.g. --select app.model.")
-        if names is not None:
-            rename_keys(keys, names, source)  # every key named, before anything is read
+        if names is not None:  # every key named (and split to fit), before anything is read
+            rename_keys(keys, names, source, shapes={
+                new: tuple(manifest.tensors[old]["shape"]) for new, old in keys.items()})
     if attachments_dir is not None:
         check_no_clash(attached, attachments_dir, force)
     if out is not None:
@@ -249,7 +250,7 @@ def _export_weights(storage: Storage, manifest: Manifest, out: str, fmt: str, *,
                     select: Sequence[str] | None, cast_to: torch.dtype | None,
                     attached: dict[str, bytes], max_shard_bytes: int, force: bool,
                     progress: Callable[[int, int], None] | None = None,
-                    names: dict[str, str] | None = None) -> None:
+                    names: dict[str, str | list[str]] | None = None) -> None:
     state, manifest = consolidate(storage, manifest, verify=verify, select=select,
                                   nested=False, progress=progress)
     state = cast_floats(state, cast_to)

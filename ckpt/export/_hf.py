@@ -7,7 +7,10 @@ so ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
 without one (unless the caller asks for the weights alone). A checkpoint whose model names
 its weights otherwise than the Hugging Face class does carries ``hf_export.json``
 (:data:`HF_EXPORT_NAME`): ``{"select": PREFIX, "names": {key: Hugging Face key}}``, read by
-:func:`read_hf_names`; it is not copied into the folder.
+:func:`read_hf_names`; it is not copied into the folder. A key may name a list of ``n``
+Hugging Face keys instead: its tensor is then ``n`` tensors stacked on the first dimension
+(``[n, ...]``, e.g. a mixture of experts' stacked expert weights), and the ``i``-th name gets
+``tensor[i]`` (the per-expert ``experts.{i}.w1.weight`` of Mixtral's layout).
 
 The folder is built in a fresh temporary folder beside ``out`` and renamed into place, so
 a failure never leaves a folder that looks complete.
@@ -64,7 +67,7 @@ def _normalize(prefixes: Sequence[str]) -> list[str]:
 
 
 def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, source: str
-                  ) -> tuple[Sequence[str] | None, dict[str, str] | None]:
+                  ) -> tuple[Sequence[str] | None, dict[str, str | list[str]] | None]:
     """The selection and the renaming an hf export of checkpoint ``source`` applies.
 
     Without ``hf_export.json`` among ``attached``: ``(select, None)``. With it, its prefix
@@ -82,25 +85,50 @@ def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, sour
     if not isinstance(prefix, str) or not prefix.strip("."):
         raise ValueError(f"{where}: 'select' must be a key prefix such as 'app.model.'; "
                          f"export with --select and --no-config, or fix the attachment")
-    if not isinstance(names, dict) or not all(isinstance(v, str) and v for v in names.values()):
-        raise ValueError(f"{where}: 'names' must map each key to a non-empty name; export "
-                         f"with --select and --no-config, or fix the attachment")
-    if len(set(names.values())) != len(names):
-        raise ValueError(f"{where}: 'names' gives two keys one name; fix the attachment")
+    def named(v: Any) -> bool:
+        return isinstance(v, str) and bool(v)
+
+    if not isinstance(names, dict) or not all(
+            named(v) or isinstance(v, list) and v and all(map(named, v))
+            for v in names.values()):
+        raise ValueError(f"{where}: 'names' must map each key to a non-empty name (or a "
+                         f"non-empty list of names, one per slice of its first dimension); "
+                         f"export with --select and --no-config, or fix the attachment")
+    flat = [n for v in names.values() for n in ([v] if isinstance(v, str) else v)]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"{where}: 'names' gives two tensors one name; fix the attachment")
     if select is None:
         return [prefix], names
     return select, (names if _normalize(select) == _normalize([prefix]) else None)
 
 
-def rename_keys(tensors: dict[str, Any], names: dict[str, str], source: str
-                ) -> dict[str, Any]:
-    """``tensors`` under their Hugging Face names; every key must have one."""
+def rename_keys(tensors: dict[str, Any], names: dict[str, str | list[str]], source: str,
+                shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """``tensors`` under their Hugging Face names; every key must have one. A key named by
+    a list of ``n`` names holds ``n`` tensors stacked on its first dimension: each name
+    gets its slice (a copy: safetensors refuses tensors that share memory). ``shapes``
+    (the keys' global shapes, when ``tensors`` holds something else: checking before the
+    tensors are read) or the tensors' own shapes must have that first dimension."""
     unnamed = [k for k in tensors if k not in names]
     if unnamed:
         raise ValueError(f"{source} attachment {HF_EXPORT_NAME} names no Hugging Face key "
                          f"for {unnamed[0]!r} ({len(unnamed)} key(s) unnamed); fix the "
                          f"attachment, or export another --select")
-    return {names[k]: v for k, v in tensors.items()}
+    out: dict[str, Any] = {}
+    for key, value in tensors.items():
+        name = names[key]
+        if isinstance(name, str):
+            out[name] = value
+            continue
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else \
+            (shapes or {}).get(key)
+        if shape is not None and (not shape or shape[0] != len(name)):
+            raise ValueError(f"{source} attachment {HF_EXPORT_NAME} splits {key!r} into "
+                             f"{len(name)} tensors, but its shape is {list(shape)} (the first "
+                             f"dimension must be {len(name)}); fix the attachment")
+        for i, n in enumerate(name):
+            out[n] = value[i].clone() if isinstance(value, torch.Tensor) else value
+    return out
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:

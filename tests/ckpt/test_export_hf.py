@@ -457,9 +457,34 @@ def test_hf_export_names_from_the_checkpoint(tmp_path):
     assert "hf_export.json" in os.listdir(tmp_path / "files")
 
 
+def test_hf_export_splits_a_stacked_tensor_into_named_slices(tmp_path):
+    """A key named by a list of n names is n tensors stacked on its first dimension (a
+    mixture of experts' experts): each name gets its slice, as a tensor of its own."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "root")
+    stacked = torch.arange(24.0).view(3, 4, 2)
+    ckpt.save({"m": {"experts": stacked, "b": torch.zeros(3)}}, root, 1,
+              attachments={"config.json": b'{"model_type": "x"}', "hf_export.json": json.dumps(
+                  {"select": "m.", "names": {"experts": [f"e.{i}.w" for i in range(3)],
+                                             "b": "model.b"}}).encode()})
+    export(root, 1, str(tmp_path / "hf"), format="hf", max_shard_size=100)
+    got = {}
+    for name in os.listdir(tmp_path / "hf"):
+        if name.endswith(".safetensors"):
+            got.update(load_file(tmp_path / "hf" / name))
+    assert set(got) == {"e.0.w", "e.1.w", "e.2.w", "model.b"}
+    for i in range(3):
+        assert torch.equal(got[f"e.{i}.w"], stacked[i])
+
+
 @pytest.mark.parametrize("doc, needle", [
     ({"select": "m.", "names": {"w": "model.w"}}, "names no Hugging Face key for 'b'"),
-    ({"select": "m.", "names": {"w": "x", "b": "x"}}, "two keys one name"),
+    ({"select": "m.", "names": {"w": "x", "b": "x"}}, "two tensors one name"),
+    ({"select": "m.", "names": {"w": ["x", "y", "z"], "b": "b"}},
+     "splits 'w' into 3 tensors, but its shape is [2] (the first dimension must be 3)"),
+    ({"select": "m.", "names": {"w": ["x", "y"], "b": ["b", "x"]}}, "two tensors one name"),
+    ({"select": "m.", "names": {"w": [], "b": "b"}}, "'names' must map each key"),
     ({"select": "", "names": {}}, "'select' must be a key prefix"),
     ({"select": "m.", "names": ["w"]}, "'names' must map each key"),
     ({"select": "m.", "names": {"w": 5, "b": "y"}}, "'names' must map each key"),

@@ -65,7 +65,7 @@ def cmd_rollback(args) -> int:
         store = CheckpointStore(life.storage, lifecycle=life)
         store.verify(args.step, full=True)
         branch = branch_of(store, [s for s in store.committed_steps() if s > args.step])
-        for s, kept, exc in store.uncommit_newer(args.step):
+        for s, kept, exc in life.uncommit_newer(args.step):
             if exc is not None:
                 print(f"step {s}: not a valid checkpoint, left as it is ({exc})")
                 continue

@@ -325,7 +325,7 @@ class Replicas:
             return
         for newer in newer_steps:
             try:
-                self.peer_store.delete(newer)
+                self.peer_life.delete(newer)
             except Exception as exc:  # noqa: BLE001 - the others still go
                 log.warning("could not delete the copy of step %d (newer than step %d) in "
                             "%s: %s; it belongs to an abandoned run and is never combined "

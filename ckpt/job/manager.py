@@ -596,7 +596,7 @@ class CheckpointManager:
         failed: Exception | None = None
         if self.rank == 0:
             try:
-                for newer, kept, exc in self.store.uncommit_newer(step):
+                for newer, kept, exc in self.life.uncommit_newer(step):
                     if exc is not None:
                         log.warning("left checkpoint step %d as it is (%s)", newer, exc)
                         continue

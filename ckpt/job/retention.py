@@ -259,7 +259,7 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
     deleted = []
     for step in doomed():
         try:
-            store.delete(step)
+            store.life.delete(step)  # the root's life-cycle, the one the store reads through
             deleted.append(step)
             if on_deleted:
                 on_deleted(step)

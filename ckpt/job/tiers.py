@@ -485,7 +485,7 @@ class TieredCheckpointManager:
             return
         for newer in newer_steps:
             try:
-                self.local.store.delete(newer)
+                self.local.life.delete(newer)
             except Exception as exc:  # noqa: BLE001 - the others still go
                 log.warning("could not delete local step %d (newer than the resumed step "
                             "%d) in %s: %s; it belongs to an abandoned run and is never "

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from ckpt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedCheckpointError,
@@ -736,6 +737,19 @@ class Lifecycle:
         self._move(step, MANIFEST_NAME, rolled_back_name(m.save_id))
         self._note(step, False)
         return m.save_id
+
+    def uncommit_newer(self, step: int) -> list[tuple[int, str | None, CheckpointError | None]]:
+        """Un-commit every committed step newer than ``step``, newest first (rollback, and a
+        resume that went past newer checkpoints). Returns ``(step, kept id, None)`` for each
+        one rolled back and ``(step, None, error)`` for each left as it was because it is
+        damaged beyond reading (it does not count anyway)."""
+        out: list[tuple[int, str | None, CheckpointError | None]] = []
+        for newer in reversed([s for s in self.steps() if s > step and self.has_manifest(s)]):
+            try:
+                out.append((newer, self.uncommit(newer), None))
+            except CheckpointError as exc:
+                out.append((newer, None, exc))
+        return out
 
     def restore(self, save_id: str, *, replace: bool = False) -> Manifest:
         """Re-commit the rolled-back version ``save_id`` under the current lease.

@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterable
 
 from ckpt.errors import (
     AllCheckpointsDamagedError,
-    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     RankFailuresError,
@@ -88,10 +87,13 @@ def _info(store: "CheckpointStore", e: Entry) -> CheckpointInfo:
 
 
 class CheckpointStore:
-    """Read-side view of a checkpoint root. Safe to use from any one process.
+    """Read-side view of a checkpoint root: it lists, reads and verifies, and changes
+    nothing. Safe to use from any one process.
 
-    ``delete`` and ``uncommit`` go through the root's :class:`~ckpt.root.lifecycle.Lifecycle`;
-    a job's manager gives the store its own (the one holding the write lease).
+    It reads through ``lifecycle`` (default: a new one), the root's
+    :class:`~ckpt.root.lifecycle.Lifecycle`; a job's manager gives it its own (the one
+    holding the write lease, which knows the committed steps without listing them). Every
+    change (delete, un-commit, restore) is the life-cycle's.
     """
 
     def __init__(self, root: str | Storage, storage_options: dict[str, Any] | None = None,
@@ -195,28 +197,6 @@ class CheckpointStore:
         """
         return walk_newest(self.candidates(), check=check,
                            trajectory=self.trajectory()).manifest
-
-    # -- changes (through the life-cycle) -------------------------------------------------
-    def delete(self, step: int) -> None:
-        """Delete the committed checkpoint of ``step`` (manifest first, then its files)."""
-        self.life.delete(step)
-
-    def uncommit(self, step: int) -> str:
-        """Un-commit ``step`` reversibly; returns the id of the kept (rolled-back) version."""
-        return self.life.uncommit(step)
-
-    def uncommit_newer(self, step: int) -> list[tuple[int, str | None, CheckpointError | None]]:
-        """Un-commit every committed step newer than ``step``, newest first (rollback, and a
-        resume that went past newer checkpoints). Returns ``(step, kept id, None)`` for each
-        one rolled back and ``(step, None, error)`` for each left as it was because it is
-        damaged beyond reading (it does not count anyway)."""
-        out: list[tuple[int, str | None, CheckpointError | None]] = []
-        for newer in reversed([s for s in self.committed_steps() if s > step]):
-            try:
-                out.append((newer, self.life.uncommit(newer), None))
-            except CheckpointError as exc:
-                out.append((newer, None, exc))
-        return out
 
 
 # -- the walk to the newest usable checkpoint ------------------------------------------------

@@ -124,7 +124,7 @@ def test_retention_without_listing_follows_the_root_as_it_changes(tmp_path):
         assert store.committed_steps() == [3, 4, 5]
         # A resume from step 4 un-commits 5 (through the manager's own store); 5 is saved
         # again, not skipped as "already committed".
-        assert [s for s, _, _ in mgr.store.uncommit_newer(4)] == [5]
+        assert [s for s, _, _ in mgr.life.uncommit_newer(4)] == [5]
         set_pinned(store, 3)  # an operator pins 3 meanwhile
         os.unlink(os.path.join(root, "step_000000004", "manifest.json"))  # and removes 4
         snap = storage.snapshot()

@@ -587,3 +587,19 @@ def test_a_clean_release_never_hides_its_checkpoints(tmp_path):
         stop.set()
         t.join(30)
     assert not seen, seen[:2]
+
+
+def test_the_store_only_reads_and_the_life_cycle_uncommits_newer(tmp_path):
+    """The read side (CheckpointStore) has no verb that changes the root; un-committing
+    the steps past a resume point is the life-cycle's, newest first, each restorable."""
+    storage = Storage(str(tmp_path / "root"))
+    life = Lifecycle(storage)
+    for step in (1, 2, 3):
+        _save(life, step, float(step))
+    store = CheckpointStore(storage)
+    changing = {"delete", "uncommit", "uncommit_newer", "restore", "commit", "begin",
+                "abandon", "cleanup", "delete_entry"}
+    assert not changing & {n for n in dir(store) if not n.startswith("_")}
+    assert [(s, exc) for s, _, exc in life.uncommit_newer(1)] == [(3, None), (2, None)]
+    assert store.committed_steps() == [1]
+    assert [e.status for s in (2, 3) for e in store.entries(s)] == [ROLLED_BACK] * 2

@@ -286,7 +286,7 @@ def test_save_load_list_verify_roundtrip(any_root):
     # load_latest picks it; deleting un-commits it.
     assert ckpt.load_latest({"train": ModelState(net2, opt2), "extra": dict(extra2)}, url,
                             storage_options=opts).step == 7
-    store.delete(7)
+    store.life.delete(7)
     assert store.list() == []
     assert ckpt.load_latest({"extra": dict(extra2)}, url, storage_options=opts) is None
 

@@ -175,7 +175,7 @@ def test_checkpoint_age_comes_from_the_store_at_start_up(tmp_path):
     assert _value(empty, "ckpt_last_committed_step") == -1
     # A fresh start over damaged checkpoints un-commits them: none is committed any more,
     # and the series says so instead of keeping the step read at start-up.
-    assert sorted(s for s, _, exc in CheckpointStore(root).uncommit_newer(-1) if exc is None) \
+    assert sorted(s for s, _, exc in CheckpointStore(root).life.uncommit_newer(-1) if exc is None) \
         == [7, 9]
     m.observe_store(CheckpointStore(root))
     assert _value(m, "ckpt_last_committed_step") == -1

@@ -203,13 +203,14 @@ def export(root: str | Storage, step: int | None, out: str | None, *, verify: st
     source = f"step {manifest.step}"
     if fmt == "hf":
         check_hf_attachment_names(manifest.attachments)
-        check_hf_config(manifest.attachments, source, no_config)
     # Attachments are read (and verified) before any tensor, and written after the weights.
     attached = _read_attachments(storage, manifest) \
         if fmt == "hf" or attachments_dir is not None else {}
     names = None
     if fmt == "hf":
-        select, names = read_hf_names(attached, select, source)
+        # A model's own reason to have no Hugging Face class first, then config.json's.
+        select, names = read_hf_names(attached, select, source, no_config)
+        check_hf_config(manifest.attachments, source, no_config)
         keys = select_keys([*manifest.tensors, *manifest.objects], select,
                            f"step {manifest.step}") if select \
             else {k: k for k in [*manifest.tensors, *manifest.objects]}

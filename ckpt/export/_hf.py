@@ -10,7 +10,10 @@ its weights otherwise than the Hugging Face class does carries ``hf_export.json`
 :func:`read_hf_names`; it is not copied into the folder. A key may name a list of ``n``
 Hugging Face keys instead: its tensor is then ``n`` tensors stacked on the first dimension
 (``[n, ...]``, e.g. a mixture of experts' stacked expert weights), and the ``i``-th name gets
-``tensor[i]`` (the per-expert ``experts.{i}.w1.weight`` of Mixtral's layout).
+``tensor[i]`` (the per-expert ``experts.{i}.w1.weight`` of Mixtral's layout). A model no
+Hugging Face class can hold carries ``{"select": PREFIX, "refused": ONE LINE}`` instead:
+an hf export is then refused with that line (why, and the fix), or with ``--no-config``
+writes the selection's weights under their own names.
 
 The folder is built in a fresh temporary folder beside ``out`` and renamed into place, so
 a failure never leaves a folder that looks complete.
@@ -66,14 +69,17 @@ def _normalize(prefixes: Sequence[str]) -> list[str]:
     return sorted(p if p.endswith(".") else p + "." for p in prefixes)
 
 
-def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, source: str
+def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, source: str,
+                  no_config: bool = False
                   ) -> tuple[Sequence[str] | None, dict[str, str | list[str]] | None]:
     """The selection and the renaming an hf export of checkpoint ``source`` applies.
 
     Without ``hf_export.json`` among ``attached``: ``(select, None)``. With it, its prefix
     is the selection when ``select`` is None, and its names apply when the selection is
-    that prefix (another selection keeps the keys as they are). ``ValueError`` naming the
-    attachment and field when it is malformed (it comes from storage: untrusted).
+    that prefix (another selection keeps the keys as they are). When it says the model has
+    no Hugging Face class (``refused``), ``ValueError`` with its line, unless ``no_config``
+    (the weights alone, under their own names). ``ValueError`` naming the attachment and
+    field when it is malformed (it comes from storage: untrusted).
     """
     data = attached.get(HF_EXPORT_NAME)
     if data is None:
@@ -85,6 +91,15 @@ def read_hf_names(attached: dict[str, bytes], select: Sequence[str] | None, sour
     if not isinstance(prefix, str) or not prefix.strip("."):
         raise ValueError(f"{where}: 'select' must be a key prefix such as 'app.model.'; "
                          f"export with --select and --no-config, or fix the attachment")
+    if "refused" in doc:
+        refused = doc["refused"]
+        if not isinstance(refused, str) or not refused.strip() or "\n" in refused:
+            raise ValueError(f"{where}: 'refused' must be one line saying why; export with "
+                             f"--select and --no-config, or fix the attachment")
+        if not no_config:
+            raise ValueError(f"{source} has no Hugging Face architecture: {refused}")
+        return (select if select is not None else [prefix]), None
+
     def named(v: Any) -> bool:
         return isinstance(v, str) and bool(v)
 

@@ -478,7 +478,30 @@ def test_hf_export_splits_a_stacked_tensor_into_named_slices(tmp_path):
         assert torch.equal(got[f"e.{i}.w"], stacked[i])
 
 
+def test_hf_export_refused_by_the_checkpoint_names_why(tmp_path, capsys):
+    """A model no Hugging Face class holds says why in its hf_export.json: the export is
+    refused with that line (not the generic missing config.json), and --no-config writes
+    the selected weights under their own names."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "root")
+    why = "model.moe_every=2: dense blocks between MoE ones; set model.moe_every=1"
+    ckpt.save({"m": {"w": torch.ones(2)}, "opt": {"lr": 0.1}}, root, 1, attachments={
+        "hf_export.json": json.dumps({"select": "m.", "refused": why}).encode()})
+    with pytest.raises(ValueError, match=re.escape(f"step 1 has no Hugging Face "
+                                                   f"architecture: {why}")):
+        export(root, 1, str(tmp_path / "hf"), format="hf")
+    code, _, err = _cli(capsys, "export", root, "--format", "hf", "--out",
+                        str(tmp_path / "hf"))
+    assert code == 2 and why in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "hf")
+    export(root, 1, str(tmp_path / "hf"), format="hf", no_config=True)
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
+    assert set(load_file(tmp_path / "hf" / "model.safetensors")) == {"w"}
+
+
 @pytest.mark.parametrize("doc, needle", [
+    ({"select": "m.", "refused": "two\nlines"}, "'refused' must be one line"),
     ({"select": "m.", "names": {"w": "model.w"}}, "names no Hugging Face key for 'b'"),
     ({"select": "m.", "names": {"w": "x", "b": "x"}}, "two tensors one name"),
     ({"select": "m.", "names": {"w": ["x", "y", "z"], "b": "b"}},

@@ -13,15 +13,29 @@ heads; ``num_key_value_heads``), a SwiGLU MLP ``w2(silu(w1 x) * w3 x)``, no bias
 an output projection not tied to the embedding. Only the weights' names differ (:func:`hf_names`). ``tests/trainer/test_hf.py``
 loads the export with ``from_pretrained`` and compares logits with the model's.
 
-With ``activation = "gelu"`` no Hugging Face architecture matches (Llama's MLP is gated,
-and the GELU models use LayerNorm, learned positions or biases): its checkpoints carry
-neither file, and ``ckpt export --format hf`` then needs ``--no-config`` (the weights
-alone, under the model's own names).
+A mixture of experts (``model.n_experts > 0``) with an MoE block everywhere
+(``moe_every = 1``), no shared experts and SwiGLU experts is Mixtral's architecture,
+transformers' ``MixtralForCausalLM``: the same attention, norms and embeddings, and in
+each block ``block_sparse_moe``: a router ``gate`` (Mixtral's routing is the model's:
+softmax in fp32, top-k, the k weights renormalised) and ``experts.{e}.w1/w2/w3`` per
+expert, which the model stacks as ``moe.experts.w1/w2/w3`` ``[n_experts, ...]``: the export
+splits them (``hf_export.json`` names a stacked weight by a list, one name per expert).
+The per-expert layout is Mixtral's published one (``mistralai/Mixtral-8x7B-v0.1``); every
+transformers version loads it (5.x fuses the experts into ``gate_up_proj`` /
+``down_proj`` on load).
 
-Every save attaches (:func:`hf_attachments`) ``config.json``, a ``LlamaConfig``, and
-``hf_export.json``: the selection holding the weights (``app.model.``, where
-:meth:`trainer.train.Trainer.checkpoint_state` puts them) and each weight's Llama name
-(``ckpt.export`` applies them; docs/store.md, "Export").
+With ``activation = "gelu"`` no Hugging Face architecture matches (Llama's and Mixtral's
+MLPs are gated, and the GELU models use LayerNorm, learned positions or biases), nor with
+experts that Mixtral cannot hold (``moe_every > 1``: dense blocks between the MoE ones;
+``n_shared_experts > 0``): :func:`hf_unavailable` says why in one line naming the
+``[model]`` key and the fix, and that line is what ``ckpt export --format hf`` refuses the
+checkpoint with (``--no-config`` exports the weights alone, under the model's own names).
+
+Every save attaches (:func:`hf_attachments`) ``config.json``, a ``LlamaConfig`` (or
+``MixtralConfig``), and ``hf_export.json``: the selection holding the weights
+(``app.model.``, where :meth:`trainer.train.Trainer.checkpoint_state` puts them) and each
+weight's Hugging Face name (``ckpt.export`` applies them; docs/store.md, "Export"), or,
+without an architecture, only ``hf_export.json`` with the reason.
 
 The other way (``checkpoint.initial_load``): :func:`import_hf` checks a folder's
 ``config.json`` against ``[model]`` field by field (:func:`check_hf_config`) and reads
@@ -47,12 +61,16 @@ from ckpt.storage import Storage
 from trainer.config import ConfigError, ModelConfig
 from trainer.model import Transformer
 
-__all__ = ["HF_SELECT", "hf_config", "hf_names", "hf_attachments", "check_hf_config",
-           "import_hf", "carried_attachments"]
+__all__ = ["HF_SELECT", "hf_unavailable", "hf_config", "hf_names", "hf_attachments",
+           "check_hf_config", "import_hf", "carried_attachments"]
 
 HF_SELECT = "app.model."  # the checkpoint keys of the model's weights (checkpoint_state)
 
-# The model's parameter names -> LlamaForCausalLM's, applied in order (first match).
+# The model's parameter names -> LlamaForCausalLM's (MixtralForCausalLM's: the same, plus
+# the MoE block's), applied in order (first match).
+_MIXTRAL_ROUTER = (r"layers\.(\d+)\.moe\.router\.weight",
+                   r"model.layers.\1.block_sparse_moe.gate.weight")
+_MIXTRAL_EXPERTS = r"layers\.(\d+)\.moe\.experts\.(w[123])"  # one name per expert
 _LLAMA_NAMES = [
     (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
     (r"layers\.(\d+)\.attention\.w([qkvo])\.weight", r"model.layers.\1.self_attn.\2_proj.weight"),
@@ -66,21 +84,51 @@ _LLAMA_NAMES = [
 ]
 
 
-def _maps_to_llama(cfg: ModelConfig) -> bool:
-    return cfg.activation == "swiglu"
+def hf_unavailable(cfg: ModelConfig) -> str | None:
+    """Why the model has no Hugging Face architecture, one line naming the ``[model]`` key
+    and the fix; None when it has one (Llama's, or Mixtral's for a mixture of experts)."""
+    alone = "or export the weights alone with `ckpt export --format hf --no-config`"
+    if cfg.activation != "swiglu":
+        return (f"model.activation={cfg.activation!r}: no Hugging Face architecture has this "
+                f"model's MLP (Llama's and Mixtral's are gated, the GELU models use LayerNorm, "
+                f"learned positions or biases); train with model.activation='swiglu', {alone}")
+    if cfg.n_experts and cfg.moe_every != 1:
+        return (f"model.moe_every={cfg.moe_every}: Mixtral (MixtralForCausalLM) has an MoE "
+                f"MLP in every block and this model dense ones between them; train with "
+                f"model.moe_every=1, {alone}")
+    if cfg.n_experts and cfg.n_shared_experts:
+        return (f"model.n_shared_experts={cfg.n_shared_experts}: Mixtral (MixtralForCausalLM) "
+                f"has no shared experts; train with model.n_shared_experts=0, {alone}")
+    return None
 
 
 def hf_config(cfg: ModelConfig) -> dict | None:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with the model's sizes; None when the
-    model has no Hugging Face architecture (GELU MLP)."""
-    if not _maps_to_llama(cfg):
+    """The ``config.json`` of a ``LlamaForCausalLM`` (a ``MixtralForCausalLM`` for a
+    mixture of experts) with the model's sizes; None when the model has no Hugging Face
+    architecture (:func:`hf_unavailable`)."""
+    if hf_unavailable(cfg) is not None:
         return None
+    if cfg.n_experts:
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                **_common_config(cfg, cfg.expert_ffn_dim),
+                "num_local_experts": cfg.n_experts,
+                "num_experts_per_tok": cfg.experts_per_token,
+                "router_aux_loss_coef": cfg.router_aux_loss_coef,
+                "output_router_logits": False,
+                "router_jitter_noise": 0.0,
+                "sliding_window": None,
+                "attention_dropout": 0.0}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            **_common_config(cfg, cfg.hidden_ffn_dim), "attention_bias": False,
+            "mlp_bias": False}
+
+
+def _common_config(cfg: ModelConfig, intermediate_size: int) -> dict:
+    """What Llama's and Mixtral's ``config.json`` say alike."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
-        "intermediate_size": cfg.hidden_ffn_dim,
+        "intermediate_size": intermediate_size,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
@@ -89,38 +137,45 @@ def hf_config(cfg: ModelConfig) -> dict | None:
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "attention_bias": False,
-        "mlp_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": cfg.init_std,
     }
 
 
-def hf_names(cfg: ModelConfig) -> dict[str, str] | None:
-    """``{the model's parameter name: LlamaForCausalLM's}`` for every parameter; None when
-    the model has no Hugging Face architecture."""
-    if not _maps_to_llama(cfg):
+def hf_names(cfg: ModelConfig) -> dict[str, str | list[str]] | None:
+    """``{the model's parameter name: LlamaForCausalLM's}`` for every parameter (or
+    MixtralForCausalLM's, where a stacked expert weight ``[n_experts, ...]`` is named by
+    the list of its experts' names, ``experts.{e}.w1.weight`` ...); None when the model has
+    no Hugging Face architecture."""
+    if hf_unavailable(cfg) is not None:
         return None
     with torch.device("meta"):
         names = list(Transformer(cfg).state_dict())
-    out = {}
+    out: dict[str, str | list[str]] = {}
     for name in names:
-        for pattern, repl in _LLAMA_NAMES:
+        stacked = re.fullmatch(_MIXTRAL_EXPERTS, name)
+        if stacked:
+            out[name] = [f"model.layers.{stacked[1]}.block_sparse_moe.experts.{e}."
+                         f"{stacked[2]}.weight" for e in range(cfg.n_experts)]
+            continue
+        for pattern, repl in [_MIXTRAL_ROUTER, *_LLAMA_NAMES]:
             new, n = re.subn(rf"^{pattern}$", repl, name)
             if n:
                 out[name] = new
                 break
         else:
-            raise AssertionError(f"no Llama name for the parameter {name!r}")
+            raise AssertionError(f"no Hugging Face name for the parameter {name!r}")
     return out
 
 
 def hf_attachments(cfg: ModelConfig) -> dict[str, bytes]:
     """What every checkpoint carries for ``ckpt export --format hf``: ``config.json`` and
-    ``hf_export.json``; nothing when the model has no Hugging Face architecture."""
+    ``hf_export.json``; when the model has no Hugging Face architecture, ``hf_export.json``
+    alone, saying why (:func:`hf_unavailable`, the line the export is refused with)."""
     config, names = hf_config(cfg), hf_names(cfg)
     if config is None or names is None:
-        return {}
+        return {HF_EXPORT_NAME: json.dumps({"select": HF_SELECT,
+                                            "refused": hf_unavailable(cfg)}).encode() + b"\n"}
     return {HF_CONFIG_NAME: json.dumps(config, indent=2).encode() + b"\n",
             HF_EXPORT_NAME: json.dumps({"select": HF_SELECT, "names": names},
                                        indent=1).encode() + b"\n"}
@@ -136,16 +191,28 @@ _SIZES = (("vocab_size", "vocab_size", lambda c: c.vocab_size),
           ("intermediate_size", "ffn_dim", lambda c: c.hidden_ffn_dim),
           ("rms_norm_eps", "norm_eps", lambda c: c.norm_eps),
           ("rope_theta", "rope_theta", lambda c: c.rope_theta))
+# A mixture of experts: Mixtral's intermediate_size is one expert's, and its experts.
+_MOE_SIZES = (("intermediate_size", "moe_ffn_dim", lambda c: c.expert_ffn_dim),
+              ("num_local_experts", "n_experts", lambda c: c.n_experts),
+              ("num_experts_per_tok", "experts_per_token", lambda c: c.experts_per_token))
 # What the reference model is, whatever its sizes (hf_config writes these values).
 _FIXED = (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
           ("tie_word_embeddings", False))
 
 
-def _folder_values(config: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's values for :data:`_SIZES`, with transformers' defaults: as many
+def _sizes(cfg: ModelConfig) -> tuple:
+    """The sizes a folder must share with ``cfg``: :data:`_SIZES`, and for a mixture of
+    experts :data:`_MOE_SIZES` in place of the MLP's."""
+    if not cfg.n_experts:
+        return _SIZES
+    return tuple(s for s in _SIZES if s[0] != "intermediate_size") + _MOE_SIZES
+
+
+def _folder_values(config: Mapping[str, Any], sizes: tuple) -> dict[str, Any]:
+    """config.json's values for ``sizes``, with transformers' defaults: as many
     key/value heads as query heads; ``rope_theta`` at the top (transformers < 5) or in
     ``rope_parameters`` (5)."""
-    out = {key: config.get(key) for key, _, _ in _SIZES}
+    out = {key: config.get(key) for key, _, _ in sizes}
     if out["num_key_value_heads"] is None:
         out["num_key_value_heads"] = config.get("num_attention_heads")
     rope = config.get("rope_parameters")
@@ -168,13 +235,16 @@ def check_hf_config(cfg: ModelConfig, config: Mapping[str, Any], where: str) -> 
     values and the overrides that fix them, or what the reference model cannot be (another
     architecture, biases, tied embeddings, scaled rotary embeddings). A head size other
     than ``dim / n_heads`` is refused too. ``max_position_embeddings`` is not compared:
-    no weight depends on it."""
-    kind = config.get("model_type")
-    if kind != "llama":
-        raise ConfigError(f"{_KEY}: {where} is a {kind!r} model, and the reference model "
-                          f"imports Llama-architecture folders only (model_type 'llama'); "
-                          f"load other models with ckpt.load_hf into their own class",
-                          key=_KEY)
+    no weight depends on it. A mixture of experts imports Mixtral folders (model_type
+    'mixtral'), a dense model Llama ones."""
+    kind, own = config.get("model_type"), "mixtral" if cfg.n_experts else "llama"
+    if kind != own:
+        what = (f"a mixture of experts (model.n_experts={cfg.n_experts}) imports Mixtral "
+                f"folders only (model_type 'mixtral')" if cfg.n_experts else
+                "the reference model imports Llama-architecture folders only (model_type "
+                "'llama'; a Mixtral folder into model.n_experts > 0)")
+        raise ConfigError(f"{_KEY}: {where} is a {kind!r} model, and {what}; load other "
+                          f"models with ckpt.load_hf into their own class", key=_KEY)
     for key, value in _FIXED:
         if not _equal(config.get(key, value), value):
             raise ConfigError(f"{_KEY}: {where} has {key}={json.dumps(config.get(key))}, but "
@@ -188,8 +258,9 @@ def check_hf_config(cfg: ModelConfig, config: Mapping[str, Any], where: str) -> 
         raise ConfigError(f"{_KEY}: {where} scales its rotary embeddings (rope type "
                           f"{json.dumps(rope_type)}), which the reference model does not; "
                           f"import a folder with rope type 'default'", key=_KEY)
-    values = _folder_values(config)
-    wrong = [(key, mkey, values[key], get(cfg)) for key, mkey, get in _SIZES
+    sizes = _sizes(cfg)
+    values = _folder_values(config, sizes)
+    wrong = [(key, mkey, values[key], get(cfg)) for key, mkey, get in sizes
              if not _equal(values[key], get(cfg))]
     head_dim = config.get("head_dim")
     if head_dim is not None and not wrong and not _equal(head_dim, cfg.head_dim):
@@ -218,9 +289,11 @@ def import_hf(path: str, cfg: ModelConfig, model: Any, *,
     model is built and before training; one rank's failure raises on every rank."""
     names = hf_names(cfg)
     if names is None:
-        raise ConfigError(f"{_KEY}: model.activation={cfg.activation!r} has no Hugging Face "
-                          f"architecture to import; set model.activation='swiglu' (Llama's "
-                          f"MLP)", key=_KEY)
+        fix = ("set model.activation='swiglu' (Llama's and Mixtral's MLP)"
+               if cfg.activation != "swiglu" else
+               "set model.moe_every=1 and model.n_shared_experts=0 (Mixtral's)")
+        raise ConfigError(f"{_KEY}: this model has no Hugging Face architecture to import "
+                          f"({hf_unavailable(cfg).split(':')[0]}); {fix}", key=_KEY)
     error: BaseException | None = None
     try:
         folder = HFFolder(path, storage_options)

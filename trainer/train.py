@@ -67,7 +67,7 @@ from trainer.distributed import (
 from trainer.faults import HangWatchdog, LossGuard, NanInjector, Preemption, StragglerDetector
 from trainer.ft import ReplicaState, WriterRole
 from trainer.goodput import GoodputRecorder
-from trainer.hf import carried_attachments, hf_attachments, import_hf
+from trainer.hf import carried_attachments, hf_attachments, hf_unavailable, import_hf
 from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
@@ -186,13 +186,13 @@ class Trainer:
             storage=self.writer.storage if self.writer is not None else None)
         if self.metrics is not None:
             self.metrics.observe_goodput(self.goodput.ledger)
-        # Every save carries config.json and the weights' Llama names (trainer/hf.py), so
-        # `ckpt export --format hf` writes a folder from_pretrained loads.
-        self.hf_files = hf_attachments(self.model_cfg) or None
-        if self.manager is not None and self.hf_files is None and env.rank == 0:
-            log.info("model.activation=%r has no Hugging Face architecture (a SwiGLU model is "
-                     "a LlamaForCausalLM): checkpoints carry no config.json, and `ckpt export "
-                     "--format hf` needs --no-config", self.model_cfg.activation)
+        # Every save carries config.json and the weights' Llama (Mixtral) names
+        # (trainer/hf.py), so `ckpt export --format hf` writes a folder from_pretrained loads.
+        self.hf_files = hf_attachments(self.model_cfg)
+        unavailable = hf_unavailable(self.model_cfg)
+        if self.manager is not None and unavailable is not None and env.rank == 0:
+            log.info("the model has no Hugging Face architecture, so checkpoints carry no "
+                     "config.json and `ckpt export --format hf` refuses them: %s", unavailable)
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # checkpoint age across restarts
             if self.manager.cadence is not None:

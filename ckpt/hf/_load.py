@@ -92,9 +92,12 @@ def _piece_of(key: str, value: torch.Tensor) -> tuple[torch.Tensor, tuple, tuple
     return local, offsets, sizes
 
 
-def _plan(sd: Mapping[str, Any], folder: HFFolder, names: Mapping[str, str] | None
+def _plan(sd: Mapping[str, Any], folder: HFFolder,
+          names: Mapping[str, str | list[str]] | None
           ) -> tuple[list[_Item], list[tuple[str, str]], list[str]]:
-    """This rank's reads, and its missing and mismatched keys (checked before any read)."""
+    """This rank's reads, and its missing and mismatched keys (checked before any read).
+    A key named by a list is that many folder tensors stacked on its first dimension: this
+    rank reads those of the rows its piece holds, each into its row."""
     items, missing, mismatched = [], [], []
     for key, value in sd.items():
         if not isinstance(value, torch.Tensor):
@@ -102,21 +105,32 @@ def _plan(sd: Mapping[str, Any], folder: HFFolder, names: Mapping[str, str] | No
                             f"Hugging Face folder holds tensors only: pass the model's "
                             f"state_dict()")
         name = names.get(key, key) if names is not None else key
-        if name not in folder.weight_map:
-            missing.append((key, name))
+        if isinstance(name, str):
+            pieces = [(name, tuple(value.shape), lambda: _piece_of(key, value))]
+        elif value.dim() == 0 or value.shape[0] != len(name):
+            mismatched.append(f"{key}: {len(name)} folder tensors stacked on the first "
+                              f"dimension, but its shape is {list(value.shape)} in the state")
             continue
-        entry = folder.entry(name)
-        named = key if name == key else f"{key} ({name})"
-        if entry.shape != tuple(value.shape):
-            mismatched.append(f"{named}: shape {list(entry.shape)} in the folder, "
-                              f"{list(value.shape)} in the state")
-        elif not _castable(entry.dtype, value.dtype):
-            mismatched.append(f"{named}: dtype {str(entry.dtype).removeprefix('torch.')} in "
-                              f"the folder, {str(value.dtype).removeprefix('torch.')} in the "
-                              f"state (only floating-point tensors are cast)")
         else:
             local, offsets, sizes = _piece_of(key, value)
-            items.append(_Item(key, name, folder.weight_map[name], entry, local, offsets, sizes))
+            pieces = [(name[row], tuple(value.shape[1:]),
+                       lambda row=row: (local[row - offsets[0]], offsets[1:], sizes[1:]))
+                      for row in range(offsets[0], offsets[0] + sizes[0])]
+        for name, shape, piece in pieces:
+            if name not in folder.weight_map:
+                missing.append((key, name))
+                continue
+            entry = folder.entry(name)
+            named = key if name == key else f"{key} ({name})"
+            if entry.shape != shape:
+                mismatched.append(f"{named}: shape {list(entry.shape)} in the folder, "
+                                  f"{list(shape)} in the state")
+            elif not _castable(entry.dtype, value.dtype):
+                mismatched.append(f"{named}: dtype {str(entry.dtype).removeprefix('torch.')} in "
+                                  f"the folder, {str(value.dtype).removeprefix('torch.')} in the "
+                                  f"state (only floating-point tensors are cast)")
+            else:
+                items.append(_Item(key, name, folder.weight_map[name], entry, *piece()))
     return items, missing, mismatched
 
 
@@ -242,7 +256,7 @@ class _Reader:
 
 
 def load_hf(state: Mapping[str, torch.Tensor] | nn.Module, path: str | HFFolder, *,
-            names: Mapping[str, str] | None = None, strict: bool = True,
+            names: Mapping[str, str | list[str]] | None = None, strict: bool = True,
             storage_options: dict[str, Any] | None = None, process_group=None,
             num_threads: int | None = None) -> HFLoadReport:
     """Fill ``state`` in place from the Hugging Face folder ``path`` (a local folder or any
@@ -255,7 +269,10 @@ def load_hf(state: Mapping[str, torch.Tensor] | nn.Module, path: str | HFFolder,
     shards: each rank reads only the bytes of its own shard). Floating-point tensors are
     cast to the state's dtype on the way. ``names``: ``{state key: folder name}`` for keys
     whose names differ (the ``names`` of ``hf_export.json``, so an export's names come back);
-    keys it does not list are looked up as they are.
+    keys it does not list are looked up as they are. A key named by a list of ``n`` names
+    is ``n`` folder tensors stacked on its first dimension (Mixtral's per-expert weights
+    into a model's stacked ``[n_experts, ...]`` ones): each rank reads the ones of the rows
+    its shard holds (an expert-parallel rank its own experts).
 
     ``strict`` (default): a state key the folder lacks, or a folder tensor no rank's state
     asked for, is a ``StateMismatchError`` naming them, raised before any tensor is read;
@@ -277,8 +294,10 @@ def load_hf(state: Mapping[str, torch.Tensor] | nn.Module, path: str | HFFolder,
     agree = Agreement(group)
     sd = state.state_dict() if isinstance(state, nn.Module) else state
     if names is not None and not (isinstance(names, Mapping) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in names.items())):
-        raise TypeError("names must map each state key to its name in the folder (str -> str)")
+            isinstance(k, str) and (isinstance(v, str) or isinstance(v, list) and v and all(
+                isinstance(n, str) for n in v)) for k, v in names.items())):
+        raise TypeError("names must map each state key to its name in the folder (str -> str), "
+                        "or to the names of the tensors stacked in it (str -> list of str)")
     error: BaseException | None = None
     folder = None
     items: list[_Item] = []
@@ -329,7 +348,8 @@ def load_hf(state: Mapping[str, torch.Tensor] | nn.Module, path: str | HFFolder,
         raise error or CorruptCheckpointError(
             f"loading {where} failed on another rank (see its error); this rank's state may "
             f"be partly loaded", path=where)
-    return HFLoadReport(loaded=[i.key for i in items], missing=[k for k, _ in missing],
+    return HFLoadReport(loaded=list(dict.fromkeys(i.key for i in items)),
+                        missing=list(dict.fromkeys(k for k, _ in missing)),
                         unexpected=unexpected, bytes_read=folder.bytes_read,
                         tensor_bytes_read=reader.tensor_bytes, num_reads=folder.num_reads,
                         seconds=time.perf_counter() - t0)

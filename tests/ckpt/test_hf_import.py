@@ -129,6 +129,21 @@ def test_zero_size_tensors_and_metadata_are_valid(tmp_path):
     assert sorted(report.loaded) == ["a", "empty", "scalar"]
 
 
+def test_a_key_named_by_a_list_stacks_those_tensors(tmp_path):
+    """Mixtral's per-expert weights into a model's stacked ones: row e from the e-th name;
+    a count that is not the first dimension, or a missing expert, is named in one line."""
+    header = {f"e.{i}": _t(shape=(2,), offsets=(8 * i, 8 * i + 8)) for i in range(3)}
+    _safetensors(tmp_path / "model.safetensors", header, struct.pack("<6f", *range(6)))
+    state = {"w": torch.zeros(3, 2)}
+    report = load_hf(state, str(tmp_path), names={"w": ["e.0", "e.1", "e.2"]})
+    assert state["w"].tolist() == [[0, 1], [2, 3], [4, 5]] and report.loaded == ["w"]
+    with pytest.raises(StateMismatchError, match=r"w: 2 folder tensors stacked on the first "
+                                                 r"dimension, but its shape is \[3, 2\]"):
+        load_hf({"w": torch.zeros(3, 2)}, str(tmp_path), names={"w": ["e.0", "e.1"]})
+    with pytest.raises(StateMismatchError, match=r"w \(as e\.9\)"):
+        load_hf({"w": torch.zeros(3, 2)}, str(tmp_path), names={"w": ["e.0", "e.1", "e.9"]})
+
+
 # -- folders ------------------------------------------------------------------------------
 class _Planted:
     """Unpickling this writes a marker file: proof that nothing was unpickled."""

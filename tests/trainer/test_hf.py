@@ -9,6 +9,7 @@ import itself: tests/ckpt/test_hf_import.py and tests/e2e/test_hf_import.py).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -20,7 +21,14 @@ from ckpt.root import CheckpointStore
 from tests.e2e._jobs import TINY
 from trainer.config import ConfigError, ModelConfig, load_config
 from trainer.distributed import EXIT_CONFIG, DistEnv
-from trainer.hf import HF_SELECT, check_hf_config, hf_config, hf_names, import_hf
+from trainer.hf import (
+    HF_SELECT,
+    check_hf_config,
+    hf_attachments,
+    hf_config,
+    hf_names,
+    import_hf,
+)
 from trainer.model import Transformer
 from trainer.train import Trainer, run
 
@@ -98,12 +106,14 @@ def test_gelu_model_has_no_hf_config_and_says_so(tmp_path, capsys, caplog):
     with caplog.at_level("INFO", logger="trainer"):
         _train(root, "--model.activation=gelu")
     assert "has no Hugging Face architecture" in caplog.text
+    assert "model.activation='gelu'" in caplog.text
     assert hf_config(ModelConfig(activation="gelu")) is None
     out = tmp_path / "hf"
     code = cli_main(["export", str(root), "--format", "hf", "--select", HF_SELECT,
                      "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 2 and "no config.json attachment" in err and "--no-config" in err, err
+    assert code == 2 and "no Hugging Face architecture: model.activation='gelu'" in err, err
+    assert "--no-config" in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
     # The weights alone, under the model's own names.
     code = cli_main(["export", str(root), "--format", "hf", "--select", HF_SELECT,
@@ -115,6 +125,81 @@ def test_gelu_model_has_no_hf_config_and_says_so(tmp_path, capsys, caplog):
     assert set(weights) == set(Transformer(ModelConfig(activation="gelu", vocab_size=256,
                                                        dim=64, ffn_dim=256)).state_dict())
     assert sorted(os.listdir(out)) == ["model.safetensors"]
+
+
+# -- a mixture of experts: Mixtral ----------------------------------------------------------
+MOE_ARGS = ("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=48")
+
+
+def test_mixtral_names_split_each_stacked_expert_weight():
+    cfg = load_config(str(TINY), list(MOE_ARGS)).model
+    names = hf_names(cfg)
+    assert set(names) == set(Transformer(cfg).state_dict())
+    assert names["layers.1.moe.router.weight"] == "model.layers.1.block_sparse_moe.gate.weight"
+    assert names["layers.1.moe.experts.w2"] == [
+        f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight" for e in range(4)]
+    flat = [n for v in names.values() for n in ([v] if isinstance(v, str) else v)]
+    assert len(set(flat)) == len(flat)
+    config = hf_config(cfg)
+    assert (config["model_type"], config["num_local_experts"], config["num_experts_per_tok"],
+            config["intermediate_size"]) == ("mixtral", 4, 2, 48)
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("--model.moe_every=2", "model.moe_every=2: Mixtral (MixtralForCausalLM) has an MoE MLP "
+                            "in every block"),
+    ("--model.n_shared_experts=1", "model.n_shared_experts=1: Mixtral (MixtralForCausalLM) "
+                                   "has no shared experts; train with model.n_shared_experts=0"),
+    ("--model.activation=gelu", "model.activation='gelu': no Hugging Face architecture"),
+])
+def test_experts_mixtral_cannot_hold_are_refused_in_one_line(override, fragment):
+    cfg = load_config(str(TINY), [*MOE_ARGS, override]).model
+    assert hf_config(cfg) is None and hf_names(cfg) is None
+    doc = json.loads(hf_attachments(cfg)["hf_export.json"])
+    assert doc["select"] == HF_SELECT and fragment in doc["refused"], doc
+    assert "--no-config" in doc["refused"] and "\n" not in doc["refused"]
+    with pytest.raises(ConfigError, match="no Hugging Face architecture to import"):
+        import_hf("unused", cfg, None)
+
+
+@needs_transformers
+def test_moe_checkpoint_exports_a_mixtral_folder_with_the_same_logits_and_imports_back(
+        tmp_path, capsys):
+    root = tmp_path / "ckpt"
+    trainer = _train(root, *MOE_ARGS)
+    out = tmp_path / "hf"
+    code = cli_main(["export", str(root), "--format", "hf", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+
+    ours = _own_model(root, trainer.model_cfg)
+    exported = load_file(out / "model.safetensors")
+    for key, name in hf_names(trainer.model_cfg).items():  # Mixtral's layout, per expert
+        for e, n in enumerate([name] if isinstance(name, str) else name):
+            value = ours.state_dict()[key]
+            assert torch.equal(exported[n], value if isinstance(name, str) else value[e]), n
+    hf, info = AutoModelForCausalLM.from_pretrained(out, local_files_only=True,
+                                                    dtype=torch.float32,
+                                                    output_loading_info=True)
+    assert isinstance(hf, MixtralForCausalLM)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens = torch.randint(0, trainer.model_cfg.vocab_size, (2, 24),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(tokens).logits, ours(tokens), rtol=1e-5,
+                                   atol=1e-5)
+    # The other way: the Mixtral folder imported into a fresh MoE model, weight for weight.
+    cfg = load_config(str(TINY), [*ARGS, *MOE_ARGS, f"--checkpoint.root={tmp_path / 'b'}",
+                                  f"--checkpoint.initial_load={out}"])
+    back = Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None, 0))
+    try:
+        assert back.resume() == 0
+        for key, value in back.model.model_state_dict().items():
+            assert torch.equal(value, ours.state_dict()[key]), key
+    finally:
+        back.manager.close()
 
 
 # -- the other way: checkpoint.initial_load -------------------------------------------------
@@ -159,7 +244,8 @@ def test_config_json_of_either_transformers_generation_matches():
 def test_initial_load_needs_a_root_and_a_llama_model(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.initial_load: is set but root is empty"):
         load_config(str(TINY), ["--checkpoint.initial_load=hf"])
-    with pytest.raises(ConfigError, match="model.activation='gelu' has no Hugging Face"):
+    with pytest.raises(ConfigError, match=r"no Hugging Face architecture to import "
+                                          r"\(model.activation='gelu'\)"):
         import_hf(str(tmp_path), ModelConfig(activation="gelu"), None)
 
 

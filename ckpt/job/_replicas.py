@@ -167,9 +167,7 @@ class Replicas:
             self._pending.popleft()
             newer = bool(self._pending)
         try:
-            flag = torch.tensor([int(newer)], dtype=torch.int64)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if int(flag[0]):
+            if Agreement(self.group).any(newer):  # this thread's group: the coordinators'
                 self.events.emit("replica_skipped", step,
                                  reason="a newer local step is queued: only it is copied")
                 return
@@ -256,7 +254,7 @@ class Replicas:
                             if at_least is None or s >= at_least), reverse=True):
             lacking = [n for n in self.nodes if step not in own[n]]
             error = self._give_back(step, lacking) if self.coordinator else None
-            errors = self._gather(error)
+            errors = self.world.all_gather(error)
             if not any(errors):
                 for n in lacking:
                     own[n].add(step)
@@ -302,13 +300,6 @@ class Replicas:
                     "%.2f s)", self.node, step, self.succ_node, incoming.nbytes,
                     time.monotonic() - t0)
         return None
-
-    def _gather(self, value: str | None) -> list[str | None]:
-        if not dist.is_initialized():
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value, group=self.world.group)
-        return out
 
     def drop_newer(self, step: int) -> None:
         """Coordinator: delete the copies of steps newer than ``step`` (resumed there: the

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ckpt.format import Span
+from ckpt.ranks import Agreement
 from ckpt.storage import Storage
 
 __all__ = ["same_root", "node_groups", "node_span", "peer_root", "ring_neighbours",
@@ -58,12 +58,8 @@ def node_groups(node_rank: int, world_group) -> tuple[Any, int, list[int]]:
     one) or is not distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, 1, []
-    world = dist.get_world_size()
-    mine = torch.tensor([node_rank], dtype=torch.int64)
-    nodes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(nodes, mine, group=world_group)
+    node_of_rank = [int(n) for n in Agreement(world_group).all_gather(int(node_rank))]
     by_node: dict[int, list[int]] = {}
-    node_of_rank = [int(t) for t in nodes]
     for rank, node in enumerate(node_of_rank):
         by_node.setdefault(node, []).append(rank)
     if len(by_node) == 1:

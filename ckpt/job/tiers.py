@@ -406,8 +406,7 @@ class TieredCheckpointManager:
                     "copies": self._replicas.listing() if self._replicas else None}
         if not self.distributed:
             return [s for s, _ in mine["own"]] if mine else []
-        lists: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(lists, mine, group=self._group)  # live peers' lists, no storage
+        lists = self._world.all_gather(mine)  # live peers' lists, no storage
         nodes = [d for d in lists if d is not None]
         mixed = mixed_steps([d["own"] for d in nodes]
                             + [d["copies"] for d in nodes if d["copies"] is not None])

@@ -10,10 +10,16 @@ Contract: every rank of ``group`` calls the same methods in the same order, from
 thread that owns this ``Agreement`` (the manager's control group: the training thread; its
 background group: the persist thread). Never the training loop's own group from a
 background thread.
+
+Values that are not numbers (``broadcast``, ``all_gather``) travel as JSON text in uint8
+tensors, never pickled: what a peer sent is parsed as JSON and nothing else (a payload
+that is not JSON is refused, naming the rank that sent it). They are JSON's values: str,
+int, float, bool, None, lists and dicts with str keys; a tuple arrives as a list.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import torch
@@ -80,11 +86,72 @@ class Agreement:
         return not self.distributed or dist.get_rank(self.group) == 0
 
     def broadcast(self, value: Any) -> Any:
-        """The group's first rank's ``value``, on every rank (JSON-like values only)."""
+        """The group's first rank's ``value`` (JSON: see the module docstring), on every
+        rank; the others' ``value`` is ignored. Two broadcasts: the length, the text."""
         self._check_open()
         if not self.distributed:
-            return value
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        holder = [value]
-        dist.broadcast_object_list(holder, src=src, group=self.group)
-        return holder[0]
+            return _decode(_encode(value), 0)  # the same values as on several ranks
+        src = dist.get_global_rank(self.group, 0)
+        if self.is_first:
+            data = _encode(value)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=src, group=self.group)
+        if not self.is_first:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(data, src=src, group=self.group)
+        return _decode(data, 0)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON: see the module docstring), in the group's rank
+        order, on every rank. Two all-gathers: the lengths, the texts (padded to the
+        longest)."""
+        self._check_open()
+        if not self.distributed:
+            return [_decode(_encode(value), 0)]
+        world = dist.get_world_size(self.group)
+        data = _encode(value)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64),
+                        group=self.group)
+        longest = max(int(t[0]) for t in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        texts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(texts, padded, group=self.group)
+        return [_decode(t[:int(n[0])], rank) for rank, (t, n) in enumerate(zip(texts, sizes))]
+
+
+def _check_keys(value: Any) -> None:
+    """Refuse dict keys JSON would turn into strings (an int key would come back a str)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"Agreement values are JSON: dict key {k!r} is not a str "
+                                f"(convert the keys, e.g. {{str(k): v}})")
+            _check_keys(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_keys(v)
+
+
+def _encode(value: Any) -> torch.Tensor:
+    _check_keys(value)
+    try:
+        text = json.dumps(value, separators=(",", ":"))
+    except TypeError as exc:
+        raise TypeError(f"Agreement values are JSON (str, int, float, bool, None, lists, "
+                        f"dicts with str keys): {exc}") from None
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor, rank: int) -> Any:
+    """A peer's text parsed as JSON, nothing else (``rank``: the group rank that sent it)."""
+    try:
+        return json.loads(bytes(data.numpy()).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"rank {rank} of the agreement group sent {data.numel()} bytes that "
+                         f"are not JSON ({exc}); every rank must call the same Agreement "
+                         f"methods in the same order") from None

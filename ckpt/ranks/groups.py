@@ -1,7 +1,7 @@
 """The process groups the store's collectives run on, and how they are freed.
 
-Rule: every collective of the store (its agreements: ``all_reduce``, ``all_gather``,
-``broadcast_object_list``; DCP's gathers and broadcasts of plans and results) runs on a gloo
+Rule: every collective of the store (its agreements, ``ckpt.ranks.agreement``: numbers in
+tensors, JSON text in tensors; DCP's gathers and broadcasts of plans and results) runs on a gloo
 group the store owns, or on the group the caller passes. Never on the default group, for
 two reasons: under NCCL (the trainer's default group on GPU) it has no CPU backend, and a
 collective on CPU tensors raises "No backend type associated with device type cpu"; and the
@@ -48,9 +48,9 @@ import logging
 import weakref
 from typing import Any, Iterable, Protocol
 
-import torch
 import torch.distributed as dist
 
+from ckpt.ranks.agreement import Agreement
 from ckpt.ranks.torchrun import warn_if_not_attempt_scoped
 
 __all__ = ["world_group", "cpu_group", "has_cpu_backend", "private_groups", "GroupOwner",
@@ -189,10 +189,8 @@ def private_groups(process_group, distributed: bool) -> tuple[Any, Any]:
     if process_group is None:
         return (dist.new_group(backend="gloo", group_desc="ckpt_control"),
                 dist.new_group(backend="gloo", group_desc="ckpt_persist"))
-    world = dist.get_world_size()
-    mine = torch.tensor([min(dist.get_process_group_ranks(process_group))], dtype=torch.int64)
-    leaders = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(leaders, mine, group=world_group())
+    leaders = Agreement(world_group()).all_gather(
+        min(dist.get_process_group_ranks(process_group)))
     partition: dict[int, list[int]] = {}
     for rank, leader in enumerate(int(t) for t in leaders):
         partition.setdefault(leader, []).append(rank)

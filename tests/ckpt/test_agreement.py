@@ -9,6 +9,11 @@ local one; on two gloo ranks the answers are agreed.
 
 from __future__ import annotations
 
+import os
+import pickle
+
+import pytest
+import torch
 import torch.distributed as dist
 
 from ckpt.job.gate import DueAgreement
@@ -41,7 +46,62 @@ def test_one_process_answers_are_the_local_ones():
     assert due.agree(_Cadence(None), False) == [False] and due.check_every == 1
 
 
-def _body(rank: int, world: int) -> dict:
+class _Opens:
+    """Unpickled, it creates the file ``path``: proof that a peer's bytes were unpickled."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _raw_send(group, payload: bytes, *, broadcast: bool) -> None:
+    """What a rank that does not follow the protocol puts on the wire: ``payload`` in the
+    framing ``Agreement`` uses (a length, then the bytes), which is also torch's
+    ``*_object`` collectives' (a length, then the pickle)."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    if broadcast:
+        dist.broadcast(size, src=0, group=group)
+        dist.broadcast(data, src=0, group=group)
+        return
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(t[0]) for t in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    dist.all_gather([torch.empty(longest, dtype=torch.uint8) for _ in sizes], padded,
+                    group=group)
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def _peer_payloads(rank: int, ag: Agreement, marker: str) -> dict:
+    """JSON values in both directions, then a pickle from a peer: refused, never loaded."""
+    out = {"gathered": ag.all_gather({"rank": rank, "steps": [rank, 2 * rank]}),
+           "broadcast": ag.broadcast(("first", rank) if rank == 0 else None)}
+    evil = pickle.dumps(_Opens(marker))
+    if rank == 1:  # rank 1 sends a pickle where JSON belongs; rank 0 parses what it got
+        _raw_send(ag.group, evil, broadcast=False)
+    else:
+        out["gather_refused"] = _refused(lambda: ag.all_gather("fine"))
+    if rank == 0:  # the same from the first rank of a broadcast
+        _raw_send(ag.group, evil, broadcast=True)
+    else:
+        out["broadcast_refused"] = _refused(lambda: ag.broadcast(None))
+    dist.barrier(ag.group)
+    out["unpickled"] = os.path.exists(marker)
+    return out
+
+
+def _body(rank: int, world: int, marker: str) -> dict:
     ag = Agreement(dist.new_group(backend="gloo"))
     out: dict = {"min": ag.min(3 + rank, 10 - rank),
                  "any_and_min": ag.any_and_min([rank == 1, False], [40 - 20 * rank, 7])}
@@ -53,14 +113,40 @@ def _body(rank: int, world: int) -> dict:
     out["step 7"] = due.decide(timed, 7, True)  # not checked: no collective, not due
     out["step 10"] = due.decide(timed, 10, rank == 1)  # one rank's True wins
     out["deterministic"] = due.decide(_Cadence(100, deterministic=True), 10, rank == 0)
+    out["payloads"] = _peer_payloads(rank, ag, marker)
     return out
 
 
-def test_two_ranks_agree_minima_flags_and_the_check_period():
-    results = run_ranks(_body, 2, timeout=120)
-    for rank, out in enumerate(results):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    marker = str(tmp_path_factory.mktemp("agreement") / "unpickled")
+    return run_ranks(_body, 2, marker, timeout=120)
+
+
+def test_two_ranks_agree_minima_flags_and_the_check_period(two_ranks):
+    for rank, out in enumerate(two_ranks):
         assert out["min"] == [3, 9], out
         assert out["any_and_min"] == ([True, False], [20, 7]), out
         assert out["agree"] == [True] and out["check_every"] == 5, out
         assert out["step 7"] is False and out["step 10"] is True, out
         assert out["deterministic"] is (rank == 0), out  # the same on every rank by nature
+
+
+def test_a_peers_payload_is_parsed_as_json_never_unpickled(two_ranks):
+    for rank, out in enumerate(two_ranks):
+        got = out["payloads"]
+        assert got["gathered"] == [{"rank": 0, "steps": [0, 0]}, {"rank": 1, "steps": [1, 2]}]
+        assert got["broadcast"] == ["first", 0]  # JSON: a tuple arrives as a list
+        assert got["unpickled"] is False, "a peer's pickle was loaded"
+    assert "rank 1 of the agreement group sent" in two_ranks[0]["payloads"]["gather_refused"]
+    assert "not JSON" in two_ranks[0]["payloads"]["gather_refused"]
+    assert "rank 0 of the agreement group sent" in two_ranks[1]["payloads"]["broadcast_refused"]
+
+
+def test_values_that_are_not_json_are_refused_before_they_are_sent():
+    ag = Agreement()
+    with pytest.raises(TypeError, match="dict key 1 is not a str"):
+        ag.broadcast({1: "a"})  # JSON would give it back as "1"
+    with pytest.raises(TypeError, match="Agreement values are JSON"):
+        ag.all_gather({"steps": {1, 2}})
+    assert ag.broadcast((1, [None, 2.5])) == [1, [None, 2.5]]  # as on several ranks

@@ -131,7 +131,8 @@ def run_s3(state: dict, repeats: int, opts, log, server: MotoServer | None = Non
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         from ckpt.dcp import api
-        from ckpt.storage import SegmentsReader, Storage
+        from ckpt.storage import Storage
+        from ckpt.storage._s3 import SegmentsReader
 
         tensors = tensors_of(state)
         views = [byte_view(t) for t in tensors]

@@ -1,13 +1,19 @@
-"""Exceptions raised by the checkpoint store.
+"""Exceptions raised by the checkpoint store, and how a command reports one: one line.
 
 User-facing problems subclass the built-in families (``ValueError``, ``FileNotFoundError``,
 ``RuntimeError``) so callers can catch them either way. Every message names the file, key or
-field at fault and says what to do about it.
+field at fault and says what to do about it. :func:`error_line` turns an exception into the
+one line the ``ckpt`` command and ``python -m trainer`` print; :class:`OneLineArgumentParser`
+makes argparse's usage errors read the same way (exit status 2).
 """
 
 from __future__ import annotations
 
+import argparse
+
 __all__ = [
+    "error_line",
+    "OneLineArgumentParser",
     "CheckpointError",
     "CorruptCheckpointError",
     "AllCheckpointsDamagedError",
@@ -26,6 +32,26 @@ __all__ = [
     "size_mismatch_error",
     "crc_mismatch_error",
 ]
+
+
+def error_line(exc: BaseException, explained: tuple[type, ...] = ()) -> str:
+    """``exc`` as one line. Errors that explain themselves (the project's and the types in
+    ``explained``, e.g. a command's usage error) read as their message; anything else is
+    named by its type, with a pointer to --debug."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    for ln in lines[1:]:  # a per-rank list ("... failed on 2 rank(s):" then one per rank)
+        text += (" " if text.endswith(":") else "; ") + ln
+    if isinstance(exc, (CheckpointError, *explained)):
+        return text
+    return f"{type(exc).__name__}: {text or 'no message'} (run with --debug for the traceback)"
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (exit status 2), like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class CheckpointError(Exception):

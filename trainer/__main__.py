@@ -18,7 +18,7 @@ import os
 import sys
 import traceback
 
-from ckpt.cli import OneLineArgumentParser, error_line
+from ckpt.errors import OneLineArgumentParser, error_line
 from trainer.checkpointing import check_startup
 from trainer.config import ConfigError, config_from_argv
 from trainer.determinism import apply_determinism

@@ -29,7 +29,7 @@
 
 This module builds the parser and runs one command; the command bodies live in
 :mod:`ckpt.cli._read` (reading) and :mod:`ckpt.cli._admin` (changing a root), ``plan`` in
-:mod:`ckpt.cli._plan`, the one-line error format in :mod:`ckpt.cli._errors`.
+:mod:`ckpt.cli._plan`, the one-line error format in :func:`ckpt.errors.error_line`.
 
 S3 endpoints and credentials come from the usual AWS environment variables
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or --endpoint-url. A request the storage
@@ -59,11 +59,15 @@ import traceback
 from typing import Sequence
 
 from ckpt.cli._admin import cmd_gc, cmd_pin, cmd_restore, cmd_rollback
-from ckpt.cli._common import arg_type, parse_step
-from ckpt.cli._errors import OneLineArgumentParser, error_line
+from ckpt.cli._common import UsageError, arg_type, parse_step
 from ckpt.cli._plan import add_plan_arguments, run_plan
 from ckpt.cli._read import cmd_diff, cmd_export, cmd_history, cmd_list, cmd_show, cmd_verify
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    OneLineArgumentParser,
+    error_line,
+)
 from ckpt.units import parse_duration
 
 __all__ = ["main", "build_parser"]
@@ -240,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the one place errors become exit statuses
         if args.debug:
             traceback.print_exc()
-        print(f"{prog}: {error_line(exc)}", file=sys.stderr)
+        print(f"{prog}: {error_line(exc, (UsageError,))}", file=sys.stderr)
         return 1 if isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)) else 2
     finally:
         logging.getLogger("ckpt").removeHandler(warnings)

@@ -1,6 +1,6 @@
 """The ``ckpt`` commands that read a root: list, verify, show, diff, history, export.
 
-Each takes the parsed arguments (:func:`ckpt.cli.build_parser`) and returns the exit status;
+Each takes the parsed arguments (:func:`ckpt.cli._main.build_parser`) and returns the exit status;
 errors propagate to :func:`ckpt.cli.main`, which prints them as one line.
 
 Size: the read-only commands (list, show, verify) share their output formats and their one
@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from ckpt.cadence import GOODPUT_CATEGORIES, load_goodput
-from ckpt.cli import inspection
+from ckpt.cli import _inspection
 from ckpt.cli._lineage import print_trajectories, trajectories
 from ckpt.cli._common import (
     Progress,
@@ -33,12 +33,12 @@ from ckpt.cli._common import (
     terminal_width,
     with_unit,
 )
-from ckpt.cli._errors import error_line
 from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     FencedCheckpointError,
+    error_line,
 )
 from ckpt.export import check_out_dir, check_out_file, export, parse_dtype, select_keys
 from ckpt.format import data_file_id, jsonio, step_dirname
@@ -260,12 +260,12 @@ def _select(store: CheckpointStore, text: str | None = None, *, step: int | None
             save_id = text
     if step is not None and save_id is not None:
         raise UsageError("pass --step or --id, not both")
-    return inspection.select(store, step, save_id)
+    return _inspection.select(store, step, save_id)
 
 
 def cmd_show(args) -> int:
     store = open_store(args)
-    info = inspection.show(store, _select(store, step=args.step, save_id=args.id),
+    info = _inspection.show(store, _select(store, step=args.step, save_id=args.id),
                         with_tensors=args.tensors)
     try:
         pins = read_pins(store, strict=True)
@@ -322,10 +322,10 @@ def cmd_diff(args) -> int:
     try:
         a, b = _select(store, args.a), _select(store, args.b)
         progress = Progress("diff", args.progress or sys.stderr.isatty())
-        result = inspection.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
+        result = _inspection.diff(store, a, b, max_tensor_bytes=args.max_tensor_bytes,
                               progress=progress)
     except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-        raise UsageError(error_line(exc)) from exc
+        raise UsageError(error_line(exc, (UsageError,))) from exc
     if args.json:
         print(jsonio.dumps(result, indent=1).decode())
     else:
@@ -371,7 +371,7 @@ def cmd_history(args) -> int:
                          f"(the job's checkpoint.mtbf_hours)")
     store = open_store(args)
     try:
-        info = inspection.history(store, mtbf_prior_seconds=args.mtbf_hours * 3600.0)
+        info = _inspection.history(store, mtbf_prior_seconds=args.mtbf_hours * 3600.0)
     except CheckpointError:
         raise
     except ValueError as exc:

@@ -2,7 +2,7 @@
 
 The checks run before anything is read, so a wrong ``--out`` fails in a second, not after
 a long read. Every file is written atomically, never through a planted link (the local
-backend's own way: :func:`ckpt.storage.local.replace_file`).
+backend's own way: :func:`ckpt.storage._local.replace_file`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ The swap is atomic against the record it compares on every backend, also for a h
 stalls (a GC or VM pause, SIGSTOP) inside it: on S3 the ``If-Match`` is checked when the
 ``PUT`` arrives; on local disk the new record lands by a rename out of the swapper's lock,
 which fails once that lock was broken as stale
-(:meth:`ckpt.storage.local.LocalBackend.replace_if_unchanged`). So for a holder A and a job
+(:meth:`ckpt.storage._local.LocalBackend.replace_if_unchanged`). So for a holder A and a job
 B that finds A's record stale and takes it over, whatever the interleaving:
 
 * A's renewal lands before B's compare: B's swap fails, B reads again (A's renewal carries

@@ -6,7 +6,7 @@ retries transient errors (``_retry``: which errors, and the one backoff) and tur
 others into errors that name the URL and the fix. It hands the primitives to a backend, one
 class per filesystem family:
 
-* ``LocalBackend`` (``local``): local paths and ``file://``; fsync'd writes renamed into
+* ``LocalBackend`` (``_local``): local paths and ``file://``; fsync'd writes renamed into
   place, commit by hard link, no symbolic link followed. Its file helpers
   (``replace_file``, ``write_new_file``, ``fsync_dir``) serve local exports too.
 * ``S3Backend`` (``_s3``): ``s3://`` and ``s3a://`` through s3fs; conditional PUTs,
@@ -14,25 +14,15 @@ class per filesystem family:
 * ``FsspecBackend`` (``_base``): ``memory://`` and any other fsspec filesystem;
   exclusive creates and conditional replaces are atomic within one process only.
 
-The interface is :class:`Backend`; a new filesystem family is a new subclass and a line in
-:func:`open_backend`. Nothing outside this package asks which backend a root is on: it asks
+The interface is ``_base.Backend``; a new filesystem family is a new subclass and a line in
+``_storage.open_backend``. Nothing outside this package asks which backend a root is on: it asks
 the :class:`Storage` what the root can do (``local_path``, ``has_folders``,
 ``default_threads``, ``preferred_file_bytes``) or where it is (``Storage.location``).
 """
 
-from ckpt.storage._base import Backend, FsspecBackend
-from ckpt.storage._retry import (
-    RetryPolicy,
-    backoff_seconds,
-    is_throttling_error,
-    is_transient_error,
-)
-from ckpt.storage._s3 import S3Backend, SegmentsReader
-from ckpt.storage._storage import Storage, open_backend
-from ckpt.storage.local import LocalBackend, fsync_dir, replace_file, write_new_file
+from ckpt.storage._local import fsync_dir, replace_file, write_new_file
+from ckpt.storage._retry import RetryPolicy, backoff_seconds
+from ckpt.storage._storage import Storage
 
-__all__ = [
-    "Storage", "RetryPolicy", "backoff_seconds", "is_transient_error", "is_throttling_error",
-    "Backend", "FsspecBackend", "LocalBackend", "S3Backend", "open_backend", "SegmentsReader",
-    "replace_file", "write_new_file", "fsync_dir",
-]
+__all__ = ["Storage", "RetryPolicy", "backoff_seconds", "replace_file", "write_new_file",
+           "fsync_dir"]

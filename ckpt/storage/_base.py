@@ -1,7 +1,7 @@
 """The backend interface (:class:`Backend`) and its generic fsspec implementation.
 
 :class:`FsspecBackend` serves any fsspec filesystem (``memory://`` and the rest) with plain
-fsspec calls; :class:`~ckpt.storage.local.LocalBackend` and
+fsspec calls; :class:`~ckpt.storage._local.LocalBackend` and
 :class:`~ckpt.storage._s3.S3Backend` subclass it and override only the primitives whose
 behaviour they make stronger (durable writes, no links, atomic conditional writes).
 """

@@ -19,7 +19,7 @@ credentials, a missing bucket) become :class:`~ckpt.errors.StorageUnavailableErr
 message that names the URL and what to check.
 
 Links (local disk): nothing is read, written, listed or deleted through a symbolic link
-inside a root, nor inside a root's :meth:`Storage.child` (see ``ckpt/storage/local.py``).
+inside a root, nor inside a root's :meth:`Storage.child` (see ``ckpt/storage/_local.py``).
 
 Sizes: a whole-file read of a record (manifest, marker, part, control file) names the most
 it may hold (``read_bytes(..., max_bytes=)``): a larger file is refused, naming it, with
@@ -45,7 +45,7 @@ from ckpt.storage._retry import (
     is_transient_error,
 )
 from ckpt.storage._s3 import DEFAULT_PART_BYTES, PROTOCOLS as S3_PROTOCOLS, S3Backend, open_s3
-from ckpt.storage.local import LocalBackend
+from ckpt.storage._local import LocalBackend
 
 __all__ = ["Storage", "open_backend"]
 
@@ -327,7 +327,7 @@ class Storage:
         short-lived lock folder by a rename out of it, which fails once the lock was broken
         as stale, so a swapper stalled inside the swap never lands over a newer record; the
         file never disappears, so an exclusive create cannot slip in between
-        (:meth:`ckpt.storage.local.LocalBackend.replace_if_unchanged`).
+        (:meth:`ckpt.storage._local.LocalBackend.replace_if_unchanged`).
         """
         return self._wrap("replace", rel,
                           lambda: self.backend.replace_if_unchanged(rel, data, expected))

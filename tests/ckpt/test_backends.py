@@ -9,15 +9,11 @@ import pickle
 
 import pytest
 
-from ckpt.storage import (
-    Backend,
-    FsspecBackend,
-    LocalBackend,
-    RetryPolicy,
-    S3Backend,
-    Storage,
-    open_backend,
-)
+from ckpt.storage import RetryPolicy, Storage
+from ckpt.storage._base import Backend, FsspecBackend
+from ckpt.storage._local import LocalBackend
+from ckpt.storage._s3 import S3Backend
+from ckpt.storage._storage import open_backend
 
 
 @pytest.mark.parametrize("url, cls", [

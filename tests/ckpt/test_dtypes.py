@@ -72,7 +72,7 @@ def test_manager_stages_and_exports(tmp_path, dtype):
     diff`` of two steps that differ in a packed or float8 tensor."""
     from safetensors.torch import load_file
 
-    from ckpt.cli.inspection import diff, select
+    from ckpt.cli._inspection import diff, select
     from ckpt.export import consolidate, export
 
     root = str(tmp_path / "root")

@@ -68,7 +68,7 @@ def test_ckpt_diff_never_assembles_a_tensor_a_share_holds_in_part(tmp_path):
     ``ckpt diff`` does not compare what it would have to assemble from a part."""
     import torch
 
-    from ckpt.cli import inspection
+    from ckpt.cli import _inspection
     from ckpt.format import Span
     from ckpt.root import CheckpointStore
     from tests.ckpt._parts import save_chunked
@@ -77,7 +77,7 @@ def test_ckpt_diff_never_assembles_a_tensor_a_share_holds_in_part(tmp_path):
     save_chunked(root, 1, {"w": torch.arange(6.0)}, {"w": [([2], [4])]}, span=span)
     save_chunked(root, 2, {"w": torch.arange(6.0)}, {"w": [([2], [2]), ([4], [2])]}, span=span)
     store = CheckpointStore(root)
-    out = inspection.diff(store, inspection.select(store, 1, None),
-                          inspection.select(store, 2, None))
+    out = _inspection.diff(store, _inspection.select(store, 1, None),
+                           _inspection.select(store, 2, None))
     (row,) = out["tensors"]
     assert row["status"] == "not_compared" and "only in part" in row["reason"], row

@@ -68,7 +68,7 @@ def _faulty_write_buffers(self, rel, buffers, **kwargs):
 Storage.write_buffers = _faulty_write_buffers
 
 if _TRANSIENT > 0:
-    from ckpt.storage import LocalBackend
+    from ckpt.storage._local import LocalBackend
 
     _write_and_rename = LocalBackend._write_and_rename
 

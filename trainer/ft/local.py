@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt.cli import OneLineArgumentParser
+from ckpt.errors import OneLineArgumentParser
 from trainer.ft.lighthouse import probe
 
 __all__ = ["LocalReplicaGroups", "main", "DEFAULT_PORT", "free_port", "worker_pids"]

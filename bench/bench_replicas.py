@@ -91,7 +91,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from _throttled import register
 
     from ckpt.job import TieredCheckpointManager
-    from ckpt.ranks import world_group
+    from ckpt.ranks.groups import world_group
 
     register(args.durable_gbps * 1e9)
     group = world_group()

@@ -78,10 +78,8 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
 )
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
-from ckpt.cadence import (
-    make_tier_plans,  # noqa: E402
-    optimal_interval,  # noqa: E402
-)
+from ckpt.cadence import make_tier_plans
+from ckpt.cadence.young_daly import optimal_interval
 from ckpt.dcp import (
     CkptWriter,  # noqa: E402
     PlanCache,  # noqa: E402

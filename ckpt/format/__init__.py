@@ -13,17 +13,13 @@ of non-tensor values, ``checksums`` CRC32C.
 """
 
 from ckpt.format import codec, jsonio
-from ckpt.format._check import DIGEST_KEY, MAX_MANIFEST_BYTES, manifest_bytes, sealed_bytes
+from ckpt.format._check import MAX_MANIFEST_BYTES
 from ckpt.format._schema import (
     DTYPE_NAMES,
-    FORMAT_DTYPE_NAMES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     LEGACY_MARKER_NAME,
     LEGACY_ROLLED_NAME,
     MANIFEST_NAME,
     MAX_ATTACHMENT_BYTES,
-    PART_FORMAT_NAME,
     Attachment,
     FileRecord,
     ItemLocation,
@@ -49,35 +45,21 @@ from ckpt.format._schema import (
     step_file,
 )
 from ckpt.format.checksums import crc32c_combine, crc32c_of
-from ckpt.format.codec import UnsupportedValueError, decode_object, encode_object
-from ckpt.format.coverage import MAX_GRID_CELLS, coverage_problem
-from ckpt.format.lineage import Lineage, new_run_id, parent_of, parse_lineage, same_run
+from ckpt.format.codec import decode_object, encode_object
+from ckpt.format.coverage import coverage_problem
+from ckpt.format.lineage import Lineage, new_run_id, parent_of, parse_lineage
 from ckpt.format.manifest import Manifest
-from ckpt.format.part import (
-    MAX_PART_BYTES,
-    PART_DIGEST_KEY,
-    Part,
-    complete_manifest,
-    merge_chunks,
-    part_sha256,
-)
-from ckpt.format.span import Span, parse_span
+from ckpt.format.part import MAX_PART_BYTES, Part, complete_manifest, merge_chunks, part_sha256
+from ckpt.format.span import Span
 
 __all__ = [
-    "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord",
-    "Part", "part_name", "part_sha256", "merge_chunks", "complete_manifest",
-    "FORMAT_NAME", "FORMAT_VERSION", "PART_FORMAT_NAME", "MANIFEST_NAME", "DIGEST_KEY",
-    "PART_DIGEST_KEY", "MAX_PART_BYTES", "MAX_MANIFEST_BYTES", "MAX_GRID_CELLS",
-    "coverage_problem",
-    "MAX_ATTACHMENT_BYTES", "DTYPE_NAMES", "FORMAT_DTYPE_NAMES",
-    "manifest_bytes", "sealed_bytes", "step_dirname", "parse_step_dirname", "step_file",
-    "data_file_name", "attachment_file", "marker_name", "rolled_back_name", "fenced_name",
-    "damaged_manifest_name", "data_file_id", "marker_id", "rolled_back_id", "fenced_id",
-    "is_damaged_manifest", "LEGACY_MARKER_NAME", "LEGACY_ROLLED_NAME",
-    "check_attachment_name",
-    "dtype_name", "dtype_from_name", "is_packed",
-    "crc32c_of", "crc32c_combine",
-    "encode_object", "decode_object", "UnsupportedValueError",
-    "jsonio", "codec", "Lineage", "new_run_id", "parent_of", "parse_lineage", "same_run",
-    "Span", "parse_span",
+    "Manifest", "FileRecord", "ItemLocation", "Attachment", "PartRecord", "Part", "part_name",
+    "part_sha256", "merge_chunks", "complete_manifest", "MANIFEST_NAME", "MAX_PART_BYTES",
+    "MAX_MANIFEST_BYTES", "coverage_problem", "MAX_ATTACHMENT_BYTES", "DTYPE_NAMES",
+    "step_dirname", "parse_step_dirname", "step_file", "data_file_name", "attachment_file",
+    "marker_name", "rolled_back_name", "fenced_name", "damaged_manifest_name", "data_file_id",
+    "marker_id", "rolled_back_id", "fenced_id", "is_damaged_manifest", "LEGACY_MARKER_NAME",
+    "LEGACY_ROLLED_NAME", "check_attachment_name", "dtype_name", "dtype_from_name", "is_packed",
+    "crc32c_of", "crc32c_combine", "encode_object", "decode_object", "jsonio", "codec", "Lineage",
+    "new_run_id", "parent_of", "parse_lineage", "Span",
 ]

@@ -9,23 +9,11 @@ never run on the default group, the gloo groups it owns instead (:func:`world_gr
 """
 
 from ckpt.ranks.agreement import Agreement
-from ckpt.ranks.groups import (
-    GroupOwner,
-    cpu_group,
-    destroy_groups,
-    free_all_at_exit,
-    free_at_exit,
-    freed,
-    has_cpu_backend,
-    private_groups,
-    world_group,
-)
+from ckpt.ranks.groups import cpu_group, destroy_groups, free_at_exit, freed, private_groups
 from ckpt.ranks.peer import CHUNK_BYTES, swap_bytes
-from ckpt.ranks.torchrun import init_distributed, is_attempt_scoped
+from ckpt.ranks.torchrun import init_distributed
 
 __all__ = [
-    "init_distributed", "is_attempt_scoped", "Agreement",
-    "world_group", "cpu_group", "has_cpu_backend", "private_groups",
-    "GroupOwner", "free_at_exit", "freed", "free_all_at_exit", "destroy_groups",
-    "swap_bytes", "CHUNK_BYTES",
+    "init_distributed", "Agreement", "cpu_group", "private_groups", "free_at_exit", "freed",
+    "destroy_groups", "swap_bytes", "CHUNK_BYTES",
 ]

@@ -12,39 +12,25 @@ resume uses. ``parts``: reading a version's parts (a loading rank's few, or all 
 """
 
 from ckpt.root.fence import Fence
-from ckpt.root.lease import LEASE_NAME, Lease, read_lease
+from ckpt.root.lease import Lease, read_lease
 from ckpt.root.lifecycle import (
     COMMITTED,
     CORRUPT,
     FENCED,
     INCOMPLETE,
-    MOVED_ASIDE,
     ROLLED_BACK,
-    Entry,
     Lifecycle,
     acquire_for_ranks,
     acquire_lease,
-    parse_marker,
     release_lease,
 )
-from ckpt.root.lineage import LINEAGE_NAME, Trajectory, read_runs, record_restore, record_run
-from ckpt.root.parts import (
-    complete_parts,
-    parts_for_rank,
-    read_part,
-    read_parts,
-)
-from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, Walked, walk_newest
-from ckpt.root.verify import verify_attachments, verify_checkpoint
+from ckpt.root.lineage import LINEAGE_NAME, Trajectory, read_runs, record_run
+from ckpt.root.parts import complete_parts, parts_for_rank
+from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, walk_newest
 
 __all__ = [
-    "Lease", "LEASE_NAME", "read_lease", "Fence",
-    "Lifecycle", "Entry", "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED",
-    "MOVED_ASIDE",
-    "acquire_lease", "acquire_for_ranks", "release_lease",
-    "parse_marker",
-    "CheckpointStore", "CheckpointInfo", "Candidate", "Walked", "walk_newest",
-    "read_part", "read_parts", "parts_for_rank", "complete_parts",
-    "verify_checkpoint", "verify_attachments",
-    "LINEAGE_NAME", "Trajectory", "read_runs", "record_run", "record_restore",
+    "Lease", "read_lease", "Fence", "Lifecycle", "COMMITTED",
+    "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED", "acquire_lease", "acquire_for_ranks",
+    "release_lease", "CheckpointStore", "CheckpointInfo", "Candidate", "walk_newest",
+    "parts_for_rank", "complete_parts", "LINEAGE_NAME", "Trajectory", "read_runs", "record_run",
 ]

@@ -164,7 +164,7 @@ class CheckpointStore:
     # -- verification ----------------------------------------------------------------------
     def verify_manifest(self, manifest: Manifest, *, full: bool = True,
                         progress: Callable[[int, int], None] | None = None) -> None:
-        """Check the version ``manifest`` describes as :func:`ckpt.root.verify_checkpoint`
+        """Check the version ``manifest`` describes as :func:`ckpt.root.verify.verify_checkpoint`
         does (the one definition of a good checkpoint): every file's size (parts included:
         the root lists them) before anything is read; when ``full``, every part, then every
         file's CRC32C and every item's. Raise on the first problem."""
@@ -259,7 +259,7 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
     Order: newest step first; candidates of one step in the order given (a faster tier
     first). A candidate is usable when its manifest reads as committed and its files pass
     ``check`` (``"none"``, ``"size"``: every file there at full size, ``"full"``: and every
-    part and checksum: :func:`ckpt.root.verify_checkpoint`); then, when ``load`` is given
+    part and checksum: :func:`ckpt.root.verify.verify_checkpoint`); then, when ``load`` is given
     (``check`` not ``"none"``), its attachments' checksums (no load reads them), and
     ``load(candidate, manifest)`` runs; the candidate counts only if it succeeded. Damage
     passes the candidate over (reading: a corrupt, missing or fenced manifest or file, a

@@ -38,7 +38,7 @@ def api_body(rank: int, world: int, root: str, store_path: str) -> dict:
     """ckpt.save / load / load_latest without a process group, with the default group, with
     groups of either kind, and after the default group was made again."""
     import ckpt
-    from ckpt.ranks import world_group
+    from ckpt.ranks.groups import world_group
 
     out: dict = {}
     ckpt.save(state_at(rank, 1), root, 1)
@@ -157,7 +157,7 @@ def world_group_freed_body(rank: int, world: int, root: str) -> dict:
     import gc
 
     import ckpt
-    from ckpt.ranks import free_all_at_exit
+    from ckpt.ranks.groups import free_all_at_exit
     from tests.ckpt._mgr_workers import native_threads
 
     gc.collect()

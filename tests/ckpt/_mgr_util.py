@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Iterable
 
-from ckpt.cadence import CadenceBase
+from ckpt.cadence.policies import CadenceBase
 from ckpt.storage import Storage
 
 __all__ = ["FaultyStorage", "EveryN", "OnlyRankWants", "wait_for"]

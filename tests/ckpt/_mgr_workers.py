@@ -117,7 +117,7 @@ def failure_body(rank: int, world: int, root: str) -> dict:
 
     from ckpt.errors import RankFailuresError
     from ckpt.job import CheckpointManager
-    from ckpt.root import LEASE_NAME
+    from ckpt.root.lease import LEASE_NAME
 
     storage = FaultyStorage(root, fail_attempts=-1 if rank == 1 else 0)
     mgr = CheckpointManager(storage, retention=[], max_attempts=2, retry_backoff_seconds=0.05)
@@ -266,7 +266,7 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     import gc
 
     from ckpt.job import CheckpointManager, TieredCheckpointManager
-    from ckpt.ranks import free_all_at_exit
+    from ckpt.ranks.groups import free_all_at_exit
 
     gc.collect()
     before = native_threads()

@@ -13,13 +13,8 @@ import torch
 import ckpt
 from ckpt.cli import main as ckpt_main
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import (
-    MAX_ATTACHMENT_BYTES,
-    Manifest,
-    data_file_id,
-    manifest_bytes,
-    step_dirname,
-)
+from ckpt.format import MAX_ATTACHMENT_BYTES, Manifest, data_file_id, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.job import CheckpointManager
 from ckpt.root import ROLLED_BACK, CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage

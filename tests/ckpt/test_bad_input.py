@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.format import MANIFEST_NAME, crc32c_of, manifest_bytes, step_dirname
+from ckpt.format import MANIFEST_NAME, crc32c_of, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.storage import Storage
 from ckpt.root import LINEAGE_NAME
 from tests.conftest import make_s3_options

@@ -7,19 +7,10 @@ import math
 
 import pytest
 
-from ckpt.cadence import (
-    INTERVAL_FORMS,
-    Auto,
-    CadenceBase,
-    CadencePolicy,
-    EverySeconds,
-    EverySteps,
-    FailureHistory,
-    Interval,
-    optimal_interval,
-    parse_interval,
-    young_daly_interval,
-)
+from ckpt.cadence import CadencePolicy, FailureHistory, Interval, parse_interval
+from ckpt.cadence.interval import INTERVAL_FORMS
+from ckpt.cadence.policies import Auto, CadenceBase, EverySeconds, EverySteps
+from ckpt.cadence.young_daly import optimal_interval, young_daly_interval
 from ckpt.units import parse_duration
 
 # Hand-computed: delta = 2 s, M = 10000 s -> sqrt(2 * 2 * 10000) = 200, sqrt(delta/2M) = 0.01,

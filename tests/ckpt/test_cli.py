@@ -19,7 +19,7 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.root import LEASE_NAME
+from ckpt.root.lease import LEASE_NAME
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 
 pytestmark = pytest.mark.timeout(180)

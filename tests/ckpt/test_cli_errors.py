@@ -59,7 +59,7 @@ def _set_created(root: str, step: int, raw_number: str) -> None:
     """Write ``raw_number`` (JSON text, e.g. NaN) as the manifest's created_unix."""
     import hashlib
 
-    from ckpt.format import manifest_bytes
+    from ckpt.format._check import manifest_bytes
 
     path = os.path.join(_step_dir(root, step), "manifest.json")
     with open(path, "rb") as f:

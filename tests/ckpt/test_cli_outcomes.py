@@ -18,7 +18,8 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.root import LEASE_NAME, acquire_lease, release_lease
+from ckpt.root import acquire_lease, release_lease
+from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 from tests.ckpt._helpers import flip_byte
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.format import UnsupportedValueError, decode_object, encode_object
+from ckpt.format import decode_object, encode_object
+from ckpt.format.codec import UnsupportedValueError
 from tests.dist import run_ranks
 
 

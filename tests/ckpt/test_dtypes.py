@@ -73,7 +73,8 @@ def test_manager_stages_and_exports(tmp_path, dtype):
     from safetensors.torch import load_file
 
     from ckpt.cli._inspection import diff, select
-    from ckpt.export import consolidate, export
+    from ckpt.export import export
+    from ckpt.export._consolidate import consolidate
 
     root = str(tmp_path / "root")
     # No scalar: safetensors has no shape for a 0-dimensional float4 (test below).

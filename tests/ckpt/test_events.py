@@ -7,7 +7,8 @@ import ast
 from pathlib import Path
 
 import ckpt
-from ckpt.cadence import EverySeconds, EverySteps, parse_interval
+from ckpt.cadence import parse_interval
+from ckpt.cadence.policies import EverySeconds, EverySteps
 from ckpt.dcp import SaveCost
 from ckpt.events import KINDS, LOCAL_PREFIX, EventBus, tier_of
 

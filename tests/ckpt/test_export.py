@@ -18,7 +18,8 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.export import consolidate, export
+from ckpt.export import export
+from ckpt.export._consolidate import consolidate
 from tests.ckpt import _mgr_workers as workers
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 from tests.dist import run_ranks
@@ -189,7 +190,7 @@ def _step_all(pairs, seed: int) -> None:
 @pytest.mark.parametrize("flat", [False, True], ids=["unflattened", "flattened"])
 def test_an_exported_optimizer_state_loads_into_a_plain_torch_optimizer(flat, tmp_path):
     from ckpt.dcp import ModelState
-    from ckpt.export import to_torch_optimizer_state
+    from ckpt.export._optim import to_torch_optimizer_state
 
     root, out = str(tmp_path / "root"), str(tmp_path / "full.pt")
     model, optim, sched = _two_groups(0)
@@ -229,7 +230,7 @@ def test_an_exported_optimizer_state_loads_into_a_plain_torch_optimizer(flat, tm
 
 
 def test_a_sharded_optimizer_state_in_torchs_form(fsdp_checkpoint):
-    from ckpt.export import to_torch_optimizer_state
+    from ckpt.export._optim import to_torch_optimizer_state
 
     root, full, _ = fsdp_checkpoint
     state, _ = consolidate(root, 11)

@@ -21,7 +21,8 @@ import ckpt
 from ckpt.cli import main as ckpt_main
 from ckpt.dcp import ModelState, RNGState
 from ckpt.errors import CorruptCheckpointError
-from ckpt.export import consolidate, export, parse_dtype, select_keys
+from ckpt.export import export, parse_dtype, select_keys
+from ckpt.export._consolidate import consolidate
 from ckpt.format import step_dirname
 from tests.ckpt._helpers import flip_byte
 from trainer.config import ModelConfig

@@ -170,7 +170,8 @@ def test_every_member_of_the_roots_records_is_in_the_spec(tmp_path):
 
 
 def test_the_spec_lists_exactly_the_dtypes_the_code_accepts():
-    from ckpt.format import DTYPE_NAMES, FORMAT_DTYPE_NAMES
+    from ckpt.format import DTYPE_NAMES
+    from ckpt.format._schema import FORMAT_DTYPE_NAMES
 
     m = re.search(r"^`dtype` is one of `([^`]*)`", SPEC, re.M)
     assert m, "docs/format.md no longer says which dtypes a manifest may hold"

@@ -25,11 +25,13 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cadence import HISTORY_NAME, read_history
+from ckpt.cadence import HISTORY_NAME
+from ckpt.cadence.history import read_history
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ckpt.events import EventBus
-from ckpt.export import consolidate
-from ckpt.format import MANIFEST_NAME, jsonio, manifest_bytes, step_dirname
+from ckpt.export._consolidate import consolidate
+from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.job import PINS_NAME, read_pins
 from ckpt.storage import Storage
 from tests.ckpt._helpers import assert_same

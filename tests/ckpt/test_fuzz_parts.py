@@ -22,16 +22,9 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckpt.export import consolidate
-from ckpt.format import (
-    MANIFEST_NAME,
-    crc32c_of,
-    jsonio,
-    manifest_bytes,
-    part_sha256,
-    sealed_bytes,
-    step_dirname,
-)
+from ckpt.export._consolidate import consolidate
+from ckpt.format import MANIFEST_NAME, crc32c_of, jsonio, part_sha256, step_dirname
+from ckpt.format._check import manifest_bytes, sealed_bytes
 from tests.ckpt._helpers import assert_same
 from tests.ckpt._parts import even_chunks, save_chunked
 

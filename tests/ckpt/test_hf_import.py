@@ -26,7 +26,8 @@ from torch.distributed.tensor import DTensor
 
 import ckpt
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
-from ckpt.hf import MAX_HEADER_BYTES, load_hf, read_header
+from ckpt.hf import load_hf
+from ckpt.hf._safetensors import MAX_HEADER_BYTES, read_header
 from tests.ckpt._hf_llama import MODEL, MODEL_ARGS, TOKENIZER, save_tiny_llama
 from tests.dist import run_ranks
 from trainer.config import ModelConfig

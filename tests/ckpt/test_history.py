@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from ckpt.cadence import HISTORY_NAME, Auto
+from ckpt.cadence import HISTORY_NAME
+from ckpt.cadence.policies import Auto
 from ckpt.job import CheckpointManager
 
 

@@ -24,7 +24,8 @@ import torch
 
 from ckpt.errors import LeaseHeldError
 from ckpt.job import CheckpointManager
-from ckpt.root import LEASE_NAME, CheckpointStore, Lease, Lifecycle
+from ckpt.root import CheckpointStore, Lease, Lifecycle
+from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 from tests.ckpt._mgr_util import FaultyStorage, wait_for
 

@@ -25,14 +25,8 @@ import torch
 
 from ckpt.cli import main as ckpt_main
 from ckpt.job import CheckpointManager
-from ckpt.root import (
-    FENCED,
-    LEASE_NAME,
-    CheckpointStore,
-    Lease,
-    acquire_lease,
-    release_lease,
-)
+from ckpt.root import CheckpointStore, FENCED, Lease, acquire_lease, release_lease
+from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 from tests.ckpt._mgr_util import wait_for
 

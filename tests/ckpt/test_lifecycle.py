@@ -27,14 +27,14 @@ from ckpt.cli import main as ckpt_main
 from ckpt.errors import CheckpointError, FencedCheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.root import (
     COMMITTED,
-    FENCED,
-    LEASE_NAME,
-    ROLLED_BACK,
     CheckpointStore,
+    FENCED,
     Lifecycle,
+    ROLLED_BACK,
     acquire_lease,
     release_lease,
 )
+from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 
 pytestmark = pytest.mark.timeout(180)

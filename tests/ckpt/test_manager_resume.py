@@ -19,7 +19,7 @@ import torch
 from ckpt import CheckpointManager, CheckpointStore, EventBus, ModelState, RNGState
 from ckpt.cli import main as cli_main
 from ckpt.errors import LeaseLostError
-from ckpt.root import LEASE_NAME
+from ckpt.root.lease import LEASE_NAME
 from tests.ckpt._helpers import flip_byte
 from tests.ckpt._mgr_util import wait_for
 

@@ -13,16 +13,10 @@ import torch
 
 import ckpt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import (
-    DIGEST_KEY,
-    MANIFEST_NAME,
-    MAX_GRID_CELLS,
-    Manifest,
-    coverage_problem,
-    manifest_bytes,
-    step_dirname,
-)
-from ckpt.root import parse_marker
+from ckpt.format import MANIFEST_NAME, Manifest, coverage_problem, step_dirname
+from ckpt.format._check import DIGEST_KEY, manifest_bytes
+from ckpt.format.coverage import MAX_GRID_CELLS
+from ckpt.root.lifecycle import parse_marker
 
 SRC = "root/step_000000001/manifest.json"
 

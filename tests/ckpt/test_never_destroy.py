@@ -19,16 +19,11 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.format import MANIFEST_NAME, jsonio, manifest_bytes, step_dirname
+from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.job import CheckpointManager, KeepLast
-from ckpt.root import (
-    CORRUPT,
-    MOVED_ASIDE,
-    CheckpointStore,
-    Lifecycle,
-    acquire_lease,
-    release_lease,
-)
+from ckpt.root import CORRUPT, CheckpointStore, Lifecycle, acquire_lease, release_lease
+from ckpt.root.lifecycle import MOVED_ASIDE
 from ckpt.storage import Storage
 from tests.ckpt._parts import even_chunks, save_chunked
 

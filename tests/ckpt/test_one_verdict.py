@@ -24,15 +24,8 @@ import torch
 import ckpt
 from ckpt.cli import main as cli_main
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import (
-    MANIFEST_NAME,
-    crc32c_of,
-    jsonio,
-    manifest_bytes,
-    part_sha256,
-    sealed_bytes,
-    step_dirname,
-)
+from ckpt.format import MANIFEST_NAME, crc32c_of, jsonio, part_sha256, step_dirname
+from ckpt.format._check import manifest_bytes, sealed_bytes
 from ckpt.root import ROLLED_BACK, CheckpointStore
 from tests.ckpt._parts import even_chunks, save_chunked
 

@@ -44,7 +44,7 @@ from ckpt.dcp import (
     unpack_optimizer_state,
 )
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
-from ckpt.export import consolidate
+from ckpt.export._consolidate import consolidate
 from ckpt.root import CheckpointStore
 from tests.ckpt._helpers import assert_same, pack, unpack
 from tests.dist import run_ranks

@@ -27,8 +27,9 @@ import ckpt
 from ckpt.cli import main as cli_main
 from ckpt.dcp import CkptReader, SafeLoadPlanner
 from ckpt.errors import CorruptCheckpointError
-from ckpt.export import consolidate
-from ckpt.format import MANIFEST_NAME, jsonio, manifest_bytes, step_dirname
+from ckpt.export._consolidate import consolidate
+from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.root import Lifecycle, acquire_lease, release_lease
 from ckpt.storage import Storage
 from tests.ckpt._parts import craft_chunked, even_chunks, save_chunked
@@ -170,7 +171,8 @@ def test_a_crafted_300k_chunk_part_with_a_duplicate_is_refused_naming_it(tmp_pat
 def _reseal_part(folder: Path, name: str, doc: dict) -> None:
     """Write part ``name`` holding ``doc`` and make the root agree with it (a forger's
     consistent edit: digests, sizes and checksums all match)."""
-    from ckpt.format import crc32c_of, part_sha256, sealed_bytes
+    from ckpt.format import crc32c_of, part_sha256
+    from ckpt.format._check import sealed_bytes
 
     data = sealed_bytes(doc, "part_sha256", compact=True)
     (folder / name).write_bytes(data)

@@ -92,7 +92,7 @@ def _body(rank: int, world: int, root: str, cached: bool) -> dict:
 @pytest.mark.parametrize("cached", [False, True], ids=["planned", "cached-plan"])
 def test_a_loading_rank_reads_only_its_part_and_the_parts_its_refs_name(tmp_path, cached):
     import ckpt
-    from ckpt.export import consolidate
+    from ckpt.export._consolidate import consolidate
 
     root = str(tmp_path / "root")
     results = run_ranks(_body, 4, root, cached, timeout=240)

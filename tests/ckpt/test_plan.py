@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from ckpt.cadence import make_plan, measure_bandwidth, young_daly_interval
+from ckpt.cadence import make_plan, measure_bandwidth
+from ckpt.cadence.young_daly import young_daly_interval
 from ckpt.cadence.plan import HOST_COPY_BYTES_PER_SECOND
 from ckpt.cli._plan import add_plan_arguments, main, run_plan
 from ckpt.units import parse_bandwidth, parse_size

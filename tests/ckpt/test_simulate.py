@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from ckpt.cadence import Auto, young_daly_interval
+from ckpt.cadence.policies import Auto
+from ckpt.cadence.young_daly import young_daly_interval
 from ckpt.cadence.simulate import empirical_optimum, expected_wall_time, simulate, simulate_many
 
 

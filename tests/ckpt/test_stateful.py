@@ -82,7 +82,7 @@ def test_a_gpu_checkpoint_on_a_cpu_host_refuses_strict_and_loads_without_cuda(
         monkeypatch, tmp_path):
     import ckpt
     from ckpt.errors import StateMismatchError
-    from ckpt.export import consolidate
+    from ckpt.export._consolidate import consolidate
 
     fake = _FakeCuda(monkeypatch, fill=7)
     ckpt.save({"rng": RNGState(rank=0)}, str(tmp_path), 1)

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cadence import HISTORY_NAME, read_history, write_history
+from ckpt.cadence import HISTORY_NAME, write_history
+from ckpt.cadence.history import read_history
 from ckpt.errors import CorruptCheckpointError
 from ckpt.events import EventBus
-from ckpt.export import consolidate, export
-from ckpt.format import MANIFEST_NAME, manifest_bytes, step_dirname
+from ckpt.export import export
+from ckpt.export._consolidate import consolidate
+from ckpt.format import MANIFEST_NAME, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.job import PINS_NAME, KeepLast, KeepPinned, apply_retention, read_pins, set_pinned
 from ckpt.storage import Storage
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.format import MANIFEST_NAME, jsonio, manifest_bytes, step_dirname
+from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
+from ckpt.format._check import manifest_bytes
 from ckpt.job._copy import Incoming
 from ckpt.root import CheckpointStore, Lifecycle
 from ckpt.storage import Storage

@@ -32,7 +32,7 @@ import sys
 import time
 
 from ckpt.format import data_file_id, marker_name, parse_step_dirname
-from ckpt.root import LEASE_NAME
+from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 
 _FAIL_FROM = int(os.environ.get("E2E_FAIL_FROM_STEP", "-1"))

@@ -241,7 +241,7 @@ def all_losses(events: list[dict[str, Any]]) -> dict[int, list[float]]:
 
 def flat_checkpoint(root: Path | str, step: int) -> dict[str, Any]:
     """Checkpoint ``step`` under ``root`` consolidated to full values, keyed by dotted path."""
-    from ckpt.export import consolidate
+    from ckpt.export._consolidate import consolidate
 
     sd, manifest = consolidate(str(root), step)
     assert manifest.step == step

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ckpt.export import consolidate
+from ckpt.export._consolidate import consolidate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"

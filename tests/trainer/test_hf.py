@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckpt.cli import main as cli_main
-from ckpt.export import consolidate
+from ckpt.export._consolidate import consolidate
 from ckpt.root import CheckpointStore
 from tests.e2e._jobs import TINY
 from trainer.config import ConfigError, ModelConfig, load_config

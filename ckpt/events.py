@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["Event", "EventBus", "JsonlEventLog", "KINDS", "LOCAL_PREFIX", "COMM_KINDS",
-           "tier_of"]
+           "SAVE_COST_PHASES", "tier_of"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,11 @@ durable tier's (or not a tier's at all)."""
 COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
 """The kinds of collectives ``train_step`` events count (``comm_bytes``, ``comm_seconds``):
 what each is and where the trainer measures it is ``trainer.comms``."""
+
+SAVE_COST_PHASES = ("plan", "collective", "crc", "write", "fsync", "commit", "bookkeep",
+                    "retention")
+"""The phases of a ``save_cost`` event's ``wall_seconds`` and ``cpu_seconds``: what each
+covers is ``ckpt.dcp.savecost``."""
 
 # Every kind ckpt and the trainer emit, with the names of its fields (``step`` and ``time``,
 # ``rank`` are on every event). A field listed may be absent from some events of its kind
@@ -50,7 +55,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "save_committed": ("outcome", "stall_seconds", "copy_seconds", "persist_seconds",
                        "total_seconds", "bytes", "bytes_per_second", "retries", "attempts",
                        "total_bytes"),
-    # What a committed save cost in the background, per phase (``ckpt.dcp.savecost.PHASES``):
+    # What a committed save cost in the background, per phase (``SAVE_COST_PHASES``):
     # ``wall_seconds`` and ``cpu_seconds`` are {phase: seconds}; emitted after its retention.
     "save_cost": ("wall_seconds", "cpu_seconds", "total_wall_seconds",
                   "persist_thread_cpu_seconds", "helper_cpu_seconds", "background_cpu_seconds",

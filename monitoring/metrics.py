@@ -69,8 +69,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 
 from ckpt.cadence import GOODPUT_CATEGORIES, GoodputLedger
-from ckpt.dcp import PHASES
-from ckpt.events import COMM_KINDS, Event, EventBus, tier_of
+from ckpt.events import COMM_KINDS, SAVE_COST_PHASES, Event, EventBus, tier_of
 from monitoring.hardware import GpuSource, HardwareCollector
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS",
@@ -153,7 +152,7 @@ class Metrics:
                                   "its writer threads), per committed save")
         self.save_phase_cpu = counter("ckpt_save_cpu_seconds_total",
                                       "Background CPU seconds of saves, by phase", ["phase"],
-                                      [(p,) for p in PHASES])
+                                      [(p,) for p in SAVE_COST_PHASES])
         self.throughput = gauge("ckpt_save_bytes_per_second", "Persist throughput of last save")
         self.retries = counter("ckpt_storage_retries_total",
                                "Storage retries and save re-attempts, failed saves included")
@@ -375,7 +374,7 @@ class Metrics:
         elif k == "save_cost":
             self.save_cpu.labels(rk).observe(f.get("background_cpu_seconds", 0.0))
             for phase, seconds in (f.get("cpu_seconds") or {}).items():
-                if phase in PHASES and isinstance(seconds, (int, float)) and seconds > 0:
+                if phase in SAVE_COST_PHASES and isinstance(seconds, (int, float)) and seconds > 0:
                     self.save_phase_cpu.labels(rk, phase).inc(seconds)
         elif k.startswith("replica_"):
             self._on_replica(k[len("replica_"):], ev)

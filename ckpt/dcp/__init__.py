@@ -33,7 +33,7 @@ from ckpt.dcp.optim_state import pack_optimizer_state, saved_groups, unpack_opti
 from ckpt.dcp.plancache import PlanCache
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import VERIFY_MODES, CkptReader
-from ckpt.dcp.savecost import PHASES, SaveCost
+from ckpt.dcp.savecost import SaveCost
 from ckpt.dcp.staging import CopyReady, StagingBuffers
 from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
 from ckpt.dcp.writer import CkptWriter
@@ -47,5 +47,5 @@ __all__ = [
     "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
     "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
     "check_attachments", "read_attachment", "list_attachments", "read_from",
-    "SaveCost", "PHASES",
+    "SaveCost",
 ]

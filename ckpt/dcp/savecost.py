@@ -9,7 +9,7 @@ plus the process's CPU seconds (``time.process_time``, every thread, training in
 over the whole save, every attempt included. The manager emits it as one ``save_cost``
 event per committed save.
 
-Phases (``PHASES``):
+Phases (``ckpt.events.SAVE_COST_PHASES``, the ``save_cost`` event's vocabulary):
 
 ========== ==============================================================================
 plan       local plan (its replica checksums count under ``crc``), global plan on the
@@ -34,9 +34,9 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-__all__ = ["SaveCost", "PHASES"]
+from ckpt.events import SAVE_COST_PHASES
 
-PHASES = ("plan", "collective", "crc", "write", "fsync", "commit", "bookkeep", "retention")
+__all__ = ["SaveCost"]
 
 
 class SaveCost:
@@ -49,8 +49,8 @@ class SaveCost:
     """
 
     def __init__(self) -> None:
-        self.wall: dict[str, float] = {p: 0.0 for p in PHASES}
-        self.cpu: dict[str, float] = {p: 0.0 for p in PHASES}
+        self.wall: dict[str, float] = {p: 0.0 for p in SAVE_COST_PHASES}
+        self.cpu: dict[str, float] = {p: 0.0 for p in SAVE_COST_PHASES}
         self.helper_cpu = 0.0
         self._lock = threading.Lock()
         self._owner = threading.get_ident()

@@ -344,12 +344,12 @@ def test_local_tier_events_feed_only_the_local_series():
 
 
 def test_background_cpu_of_each_save_by_phase(tmp_path):
-    from ckpt.dcp import PHASES
+    from ckpt.events import SAVE_COST_PHASES
     from ckpt.job import CheckpointManager
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
-    for phase in PHASES:
+    for phase in SAVE_COST_PHASES:
         assert _value(m, "ckpt_save_cpu_seconds_total", phase=phase) == 0
     state = {"w": torch.randn(256, 256), "step": 0}
     with CheckpointManager(str(tmp_path / "root"), cadence="2", events=bus, busy="wait") as mgr:

@@ -23,18 +23,28 @@ context of the process all the same.
 
 Memory is returned when the last view of the block is gone: ``release()`` drops the arena's
 own references (and the page lock, first), views handed out earlier keep their bytes alive.
+
+Shared (``shared=True``): the block is a file in ``/dev/shm`` (the temporary directory where
+there is none), mapped into this process, so that another process (the manager's writer
+process, :mod:`ckpt.job._writer_process`) maps the same pages by its name (``path``) and
+reads what was staged without a copy. Its pages are reserved when it is made
+(``posix_fallocate``: a full ``/dev/shm`` is an error here, never a SIGBUS at a later
+touch); ``release()`` removes the name, and the pages go with the last mapping.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
+import tempfile
+import warnings
 import weakref
 from typing import Sequence
 
 import torch
 
-__all__ = ["HostArena", "ALIGN_BYTES", "aligned_bytes", "release_host_cache"]
+__all__ = ["HostArena", "ALIGN_BYTES", "aligned_bytes", "release_host_cache", "map_shared"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,52 @@ def release_host_cache(device: torch.device) -> None:
                 empty()
         except RuntimeError as exc:  # no accelerator initialised after all
             log.debug("emptying the host cache failed: %s", exc)
+
+
+def _shared_block(nbytes: int) -> tuple[torch.Tensor, str]:
+    """``nbytes`` of shared memory (a file in ``/dev/shm``, mapped): the block as bytes, and
+    the file's path (another process maps it with :func:`map_shared`)."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    fd, path = tempfile.mkstemp(prefix="ckpt-staging-", dir=directory)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            os.unlink(path)
+            raise OSError(exc.errno, f"could not reserve {nbytes} bytes of shared staging memory "
+                          f"in {directory} ({exc.strerror}): make it larger (a container's "
+                          f"--shm-size) or save with writer='thread'") from None
+        block = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(block, dtype=torch.uint8), path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def map_shared(path: str, nbytes: int) -> torch.Tensor:
+    """The shared block at ``path`` (made by a ``HostArena(shared=True)``), mapped read-only
+    into this process: its first ``nbytes`` as a uint8 tensor. Raises ``FileNotFoundError``
+    once its owner released it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"shared staging block {path} holds {size} bytes, not the {nbytes} "
+                             f"described: it was replaced; hand the save off again")
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        block = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only on purpose: the writer never writes here
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        return torch.frombuffer(block, dtype=torch.uint8)
 
 
 def _register(ptr: int, nbytes: int, device: torch.device) -> bool:
@@ -94,11 +150,13 @@ class HostArena:
     sliced into one slot per size (``slot(i)``, ``view(i, shape, dtype)``).
 
     ``pin_on``: page-lock it for this CUDA device (only where CUDA is available; see the
-    module docstring); None: not pinned. Not thread-safe: its owner
+    module docstring); None: not pinned. ``shared``: in shared memory that another process
+    maps by ``path`` (module docstring; None when not shared). Not thread-safe: its owner
     (``ckpt.dcp.staging.StagingBuffers``) serialises every use.
     """
 
-    def __init__(self, sizes: Sequence[int], pin_on: torch.device | None = None):
+    def __init__(self, sizes: Sequence[int], pin_on: torch.device | None = None,
+                 shared: bool = False):
         self.offsets: list[int] = []
         self.sizes = [int(n) for n in sizes]
         offset = 0
@@ -110,6 +168,9 @@ class HostArena:
         self.from_pinned_cache = False  # came from torch's pinned caching allocator
         self._unpin: weakref.finalize | None = None
         self._base: torch.Tensor | None = None  # the allocation ``data`` lies in
+        self.shared = shared
+        self.path: str | None = None  # the shared block's file (``shared``)
+        self._unlink: weakref.finalize | None = None
         if pin_on is not None and pin_on.type != "cuda":
             raise ValueError(f"HostArena(pin_on={pin_on}): pinning is for a CUDA device; "
                              f"pass a cuda device, or None for an unpinned arena")
@@ -122,7 +183,13 @@ class HostArena:
         if self.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         locked = aligned_bytes(self.nbytes, _PAGE_BYTES)  # whole pages: no neighbour's
-        base = self._base = torch.empty(locked + _PAGE_BYTES, dtype=torch.uint8)
+        if self.shared:  # a mapping starts on a page
+            base, self.path = _shared_block(locked)
+            self._base = base
+            # Removed by release(), or at exit when never released (a SIGKILL leaves it).
+            self._unlink = weakref.finalize(self, _remove, self.path)
+        else:
+            base = self._base = torch.empty(locked + _PAGE_BYTES, dtype=torch.uint8)
         start = -base.data_ptr() % _PAGE_BYTES
         data = base[start:start + self.nbytes]
         if self.device is not None:
@@ -134,7 +201,7 @@ class HostArena:
                 # any case, since the arena holds ``base`` until then.
                 self._unpin = weakref.finalize(self, _unregister, ptr, self.device)
                 self._unpin.atexit = False  # the CUDA context may be gone by then
-            else:
+            elif not self.shared:  # shared memory stays unpinned: copies are synchronous
                 self._base = None
                 with torch.cuda.device(self.device):
                     data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -161,6 +228,10 @@ class HostArena:
             self._unpin = None
         self._base = None
         self.data = torch.empty(0, dtype=torch.uint8)
+        if self._unlink is not None:  # the name goes now, the pages with the last mapping
+            self._unlink()
+            self._unlink = None
+        self.path = None
         if self.from_pinned_cache:
             release_host_cache(self.device)  # its block went back to torch's cache
         self.offsets, self.sizes, self.nbytes, self.pinned = [], [], 0, False

@@ -51,11 +51,10 @@ _MAX_KEYS_NAMED = 10
 
 
 def _is_plain_tensor(obj) -> bool:
-    """A tensor each rank holds whole: not a DTensor or ShardedTensor (those are sharded, and
-    DCP tells their shards apart by offset)."""
-    from torch.distributed.tensor import DTensor
-
-    return (isinstance(obj, torch.Tensor) and not isinstance(obj, DTensor)
+    """A tensor each rank holds whole: not a DTensor, ShardedTensor or other tensor that
+    names its own chunks (DCP's ``__create_write_items__``, as ``ckpt.dcp._shm.ShardView``
+    does): those are sharded, and DCP tells their shards apart by offset."""
+    return (isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_write_items__")
             and not hasattr(obj, "local_shards"))
 
 

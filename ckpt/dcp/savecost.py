@@ -52,6 +52,9 @@ class SaveCost:
         self.wall: dict[str, float] = {p: 0.0 for p in SAVE_COST_PHASES}
         self.cpu: dict[str, float] = {p: 0.0 for p in SAVE_COST_PHASES}
         self.helper_cpu = 0.0
+        # CPU seconds the save took in a writer process (``ckpt.job._writer_process``), if
+        # it ran in one: the phases above are then that process's, the totals this one's.
+        self.writer_process_cpu: float | None = None
         self._lock = threading.Lock()
         self._owner = threading.get_ident()
         self._accounted = 0.0  # owner wall seconds inside phases or spans
@@ -131,13 +134,16 @@ class SaveCost:
         thread alone), ``helper_cpu_seconds`` (writer and checksum threads),
         ``background_cpu_seconds`` (the two together: what the save took from the CPUs),
         ``process_cpu_seconds`` (every thread of the process over the save, training
-        included)."""
+        included); in process mode also ``writer_process_cpu_seconds`` (the writer
+        process's CPU over the save)."""
         if self._total is None:
             self.finish()
         total_wall, thread_cpu, process_cpu = self._total
         with self._lock:
             wall, cpu, helper = dict(self.wall), dict(self.cpu), self.helper_cpu
-        return {"wall_seconds": {k: round(v, 6) for k, v in wall.items()},
+        writer = {} if self.writer_process_cpu is None else {
+            "writer_process_cpu_seconds": round(self.writer_process_cpu, 6)}
+        return {**writer, "wall_seconds": {k: round(v, 6) for k, v in wall.items()},
                 "cpu_seconds": {k: round(v, 6) for k, v in cpu.items()},
                 "total_wall_seconds": round(total_wall, 6),
                 "persist_thread_cpu_seconds": round(thread_cpu, 6),

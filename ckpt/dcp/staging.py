@@ -42,6 +42,13 @@ Loads borrow the same memory (``borrow``) as scratch to read into before the che
 verified: one copy of the shard that exists anyway, already touched, instead of fresh
 memory whose first touch costs about as much as the read.
 
+Shared (``shared=True``): the arena is in shared memory (``/dev/shm``) and a staged copy can
+be handed to another process, the manager's writer process, as a JSON description of where
+each tensor lies (:meth:`StagingBuffers.handoff`, :mod:`ckpt.dcp._shm`): the other process
+maps the same pages, nothing is copied or pickled. The arena is reused by every save as
+above and its file is removed by ``close()``. Shared memory is not pinned by CUDA's
+allocator fallback: where page-locking it in place fails, device copies are synchronous.
+
 Budget (``budget_bytes``): the host memory a save may take for the state's copy. When the
 state's tensors fit, nothing changes. When they do not, the arena holds the tensors that
 fit, in state order, into ``budget_bytes - window_bytes``, and the others are not copied:
@@ -62,6 +69,7 @@ from typing import Any
 import torch
 
 from ckpt.dcp._host_arena import HostArena, aligned_bytes
+from ckpt.dcp._shm import describe_staged
 
 __all__ = ["StagingBuffers", "CopyReady"]
 
@@ -114,16 +122,19 @@ class StagingBuffers:
     previous stage's copies; ``prepare`` may run on another thread (it takes the lock).
     ``pin_memory`` (default: whether CUDA is available): pin the buffers when the state has
     CUDA tensors. ``budget_bytes``: the most host memory a save of the state may take (the
-    module docstring; None: no bound, the arena holds the whole shard).
+    module docstring; None: no bound, the arena holds the whole shard). ``shared``: keep the
+    buffers in shared memory, for :meth:`handoff` to another process (module docstring).
     """
 
-    def __init__(self, pin_memory: bool | None = None, budget_bytes: int | None = None):
+    def __init__(self, pin_memory: bool | None = None, budget_bytes: int | None = None,
+                 shared: bool = False):
         if budget_bytes is not None and (isinstance(budget_bytes, bool)
                                          or not isinstance(budget_bytes, int)
                                          or budget_bytes <= 0):
             raise ValueError(f"staging_budget_bytes={budget_bytes!r}: expected a positive "
                              f"number of bytes (e.g. 8 << 30), or None for no bound")
         self.budget_bytes = budget_bytes
+        self.shared = shared
         # Tensor bytes of the state the arena does not hold (0: the whole state is staged).
         self.unstaged_bytes = 0
         self.pin_memory = (torch.cuda.is_available() if pin_memory is None else pin_memory)
@@ -216,7 +227,8 @@ class StagingBuffers:
                     kept.append(i)
                     room -= aligned_bytes(n)
         cuda = next((t.device for _, t in tensors if t.device.type == "cuda"), None)
-        arena = HostArena([sizes[i] for i in kept], pin_on=cuda if self.pin_memory else None)
+        arena = HostArena([sizes[i] for i in kept], pin_on=cuda if self.pin_memory else None,
+                          shared=self.shared)
         self.num_allocations += arena.nbytes > 0
         self._arena, self._layout = arena, layout
         self._buffers = {tensors[i][0]: arena.view(slot, tensors[i][1].shape, tensors[i][1].dtype)
@@ -238,6 +250,21 @@ class StagingBuffers:
             self.ready = None
             self._release()
             self._streams.clear()
+
+    def handoff(self, staged: Any) -> dict[str, Any]:
+        """The JSON description of ``staged`` (the copy the last ``stage`` returned, its
+        copies done: ``wait_ready()``) for another process that maps these shared buffers
+        (:func:`ckpt.dcp._shm.describe_staged`; ``shared`` buffers only)."""
+        with self._lock:
+            if self._arena is None or not self.shared:
+                raise ValueError("StagingBuffers.handoff: the buffers are not shared (make "
+                                 "them with shared=True) or hold nothing (stage first)")
+            return describe_staged(staged, self._arena)
+
+    @property
+    def shared_path(self) -> str | None:
+        """The file of the shared buffers (None when not shared, or nothing allocated)."""
+        return self._arena.path if self._arena is not None else None
 
     def borrow(self, sizes: list[int]) -> list[torch.Tensor | None]:
         """Flat uint8 views of the buffers' memory, one per requested byte size, disjoint,

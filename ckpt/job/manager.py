@@ -54,6 +54,7 @@ from ckpt.format import Lineage, Manifest, Span, new_run_id, parent_of, step_dir
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
+from ckpt.job._writer_process import WriterProcess, check_writer_mode
 from ckpt.job.gate import (
     SaveChecks,
     SaveGate,
@@ -103,6 +104,9 @@ class CheckpointManager:
             take (None: one whole copy). A state larger than it is saved in pieces, the
             save blocking until committed (``ckpt.dcp.staging``; docs/store.md,
             "Host memory under a budget").
+        writer: where the save's background work runs: ``"thread"`` (default), or
+            ``"process"``: a writer process beside this one (``ckpt.job._writer_process``;
+            docs/store.md, "The writer process").
 
     Failures are never silent: a save that fails after ``max_attempts`` emits a final
     ``save_failed`` event and an error log line; its folder is never committed.
@@ -118,7 +122,7 @@ class CheckpointManager:
                  layout: dict[str, Any] | None = None, job_name: str | None = None,
                  job_fingerprint: str | None = None, process_group=None,
                  span: Span | None = None, events: EventBus | None = None,
-                 staging_budget_bytes: int | None = None):
+                 staging_budget_bytes: int | None = None, writer: str = "thread"):
         if busy not in ("skip", "wait"):
             raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
         if max_attempts < 1:
@@ -168,6 +172,9 @@ class CheckpointManager:
             max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
             num_threads=num_threads, layout=self.layout, abandon=self._abandon,
             plan_cache=self.plan_cache)
+        if check_writer_mode(writer) == "process":  # the same saves, in a writer process
+            self._persister = WriterProcess(self._persister, world_size=self.world_size,
+                                            agreement=self._ctl, staging=self.staging)
         if self.distributed:
             free_at_exit(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
@@ -649,6 +656,7 @@ class CheckpointManager:
             # The persist thread is done with the staged copy (and so is another tier
             # that persisted ``last_staged``): free the host memory it took.
             self.last_staged = None
+            self._persister.close()  # a writer process exits before its memory is freed
             self.staging.close()
         if flush:
             self._raise_pending_failure()

@@ -144,6 +144,10 @@ class Persister:
                                            MAX_BACKOFF_SECONDS))
         raise AssertionError("unreachable: the last attempt returns")
 
+    def close(self) -> None:
+        """Nothing to stop: the persist thread is the manager's (a writer process's
+        counterpart, :class:`ckpt.job._writer_process.WriterProcess`, stops its process)."""
+
     def _counts(self, step: int) -> bool:
         """Does a committed version count at ``step`` (or one of a newer format, never
         touched), as readers read it? A save refused by such a step is "already committed";

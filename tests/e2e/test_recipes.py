@@ -8,6 +8,10 @@ when WHAT is missing: ``transformers``, ``export-select`` for ``ckpt export --se
 ``schedule-override`` for the trainer's ``training.override_schedule_on_resume``). The
 folder is empty but for a link to ``configs/``; ``python`` and ``ckpt`` on the PATH are this
 interpreter and this checkout's CLI.
+
+Each recipe runs once per module: a recipe that others follow (``after=NAME``) is run in its
+own folder by whichever test needs it first, and every recipe that follows it starts from a
+copy of that folder (what the recipe left behind, as docs/recipes.md says).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,9 +74,9 @@ def _env(bin_dir: Path) -> dict[str, str]:
 
 
 def _run(name: str, folder: Path, env: dict[str, str]) -> str:
+    """Run recipe ``name`` in ``folder`` (which holds what its ``after=`` recipe left behind,
+    if it has one) as many times as it says; returns its output."""
     recipe = ALL[name]
-    if "after" in recipe:
-        _run(recipe["after"], folder, env)
     path = folder / f"{name}.{'sh' if recipe['lang'] == 'bash' else 'py'}"
     path.write_text(recipe["body"])
     if recipe["lang"] == "bash":
@@ -92,6 +97,33 @@ def _run(name: str, folder: Path, env: dict[str, str]) -> str:
     return text
 
 
+class _Ran:
+    """The recipes run so far in this module: ``{name: (folder, output)}``. A recipe runs
+    once, in a folder of its own; one that follows another (``after=``) runs in a copy of
+    that recipe's folder, so the folder it copies stays as the recipe left it."""
+
+    def __init__(self, base: Path):
+        self.base, self.done = base, {}
+
+    def get(self, name: str) -> tuple[Path, str]:
+        if name not in self.done:
+            work = self.base / name
+            folder = work / "work"
+            after = ALL[name].get("after")
+            if after is None:
+                folder.mkdir(parents=True)
+                (folder / "configs").symlink_to(ROOT / "configs")
+            else:
+                shutil.copytree(self.get(after)[0], folder, symlinks=True)
+            self.done[name] = (folder, _run(name, folder, _env(work / "bin")))
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> _Ran:
+    return _Ran(tmp_path_factory.mktemp("recipes"))
+
+
 def test_recipes_are_found():
     assert {"own-loop", "ddp", "fsdp2", "hf", "per-rank", "scheduler-and-data", "partial-load",
             "events", "rollback", "export", "new-lr", "trainer-new-lr", "fine-tune"} <= set(ALL)
@@ -100,16 +132,13 @@ def test_recipes_are_found():
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
-def test_recipe_runs_as_written(tmp_path, name):
+def test_recipe_runs_as_written(ran, name):
     for need in filter(None, [ALL[name].get("needs")] + ([ALL[ALL[name]["after"]].get("needs")]
                                                          if "after" in ALL[name] else [])):
         reason = _missing(need)
         if reason:
             pytest.skip(reason)
-    folder = tmp_path / "work"
-    folder.mkdir()
-    (folder / "configs").symlink_to(ROOT / "configs")
-    text = _run(name, folder, _env(tmp_path / "bin"))
+    folder, text = ran.get(name)
     if name == "own-loop":
         assert "starting at step 0" in text and "starting at step 20" in text, text
     if name == "rollback":

@@ -21,6 +21,7 @@ import http.client
 import http.server
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -28,6 +29,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -171,6 +173,13 @@ _SLOWEST_FIRST = ("tests/e2e/test_slurm.py", "tests/e2e/test_recipes.py",
                   "tests/e2e/test_damaged_resume.py", "tests/e2e/test_own_loop.py")
 
 
+def pytest_configure(config):
+    # The workers' temp folders share a parent, the run's own: uninterrupted reference runs
+    # (tests/e2e/_jobs.py, straight_run) are made there once for every worker.
+    if hasattr(config, "workerinput") and config.option.basetemp:
+        os.environ["E2E_SHARED_TMP"] = str(Path(config.option.basetemp).parent)
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(_SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
@@ -180,8 +189,6 @@ def pytest_collection_modifyitems(config, items):
 def _process_determinism_restored():
     """A Trainer built in this process turns deterministic kernels on for the whole process
     (``training.deterministic``); each test leaves the flags as it found them."""
-    import os
-
     import torch
 
     before = (torch.are_deterministic_algorithms_enabled(),

@@ -5,13 +5,15 @@ process) or of ``torchrun ... -m trainer`` (an elastic agent plus one worker per
 stdout/stderr go to files, and its rank-0 event log (``--metrics.jsonl_path``) can be
 watched while it runs, so a test can act at a chosen step: SIGKILL the whole job, SIGKILL
 or SIGSTOP one worker. :func:`straight_run` caches uninterrupted reference runs for the
-whole pytest session (test files share them). :func:`assert_same_checkpoint` compares two
-final checkpoints, consolidated, bit for bit.
+whole pytest session (test files share them, and so do pytest-xdist's workers).
+:func:`assert_same_checkpoint` compares two final checkpoints, consolidated, bit for bit.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -289,6 +291,9 @@ def assert_same_checkpoint(root_a: Path | str, root_b: Path | str, step: int, *,
 # -- uninterrupted reference runs, shared by the whole session ---------------------------------
 _STRAIGHT: dict[tuple, tuple[Path, list[dict[str, Any]]]] = {}
 _TMP: list[str] = []
+# A folder every pytest-xdist worker of this run sees (tests/conftest.py sets it to the run's
+# temp folder, which pytest cleans up with its other temp folders); unset in a plain run.
+SHARED_TMP_ENV = "E2E_SHARED_TMP"
 
 
 @atexit.register
@@ -299,19 +304,43 @@ def _cleanup() -> None:
 
 def straight_run(overrides: tuple[str, ...], nproc: int | None = 2,
                  timeout: float = 180.0) -> tuple[Path, list[dict[str, Any]]]:
-    """``(checkpoint root, events)`` of an uninterrupted run (run once per session)."""
+    """``(checkpoint root, events)`` of an uninterrupted run (run once per session: under
+    pytest-xdist, once for all workers, in the folder ``$E2E_SHARED_TMP`` names). The root
+    is read-only to its users."""
     key = (tuple(overrides), nproc)
     if key not in _STRAIGHT:
-        d = Path(tempfile.mkdtemp(prefix="e2e-straight-"))
-        _TMP.append(str(d))
-        root, jsonl = d / "ckpt", d / "events.jsonl"
-        job = Job(trainer_argv(*overrides, f"--checkpoint.root={root}",
-                               f"--metrics.jsonl_path={jsonl}", nproc=nproc),
-                  d, "straight", jsonl)
-        job.wait_ok(timeout)
-        assert ABORT_MARK not in job.stderr, job.tails()
-        _STRAIGHT[key] = (root, job.events())
+        shared = os.environ.get(SHARED_TMP_ENV)
+        if not shared:
+            d = Path(tempfile.mkdtemp(prefix="e2e-straight-"))
+            _TMP.append(str(d))
+            _STRAIGHT[key] = _run_straight(d, overrides, nproc, timeout)
+        else:
+            name = hashlib.sha256(json.dumps([list(overrides), nproc]).encode()).hexdigest()
+            d = Path(shared) / f"e2e-straight-{name[:16]}"
+            # One worker runs it; the others wait for it on the lock, then read its result.
+            with open(f"{d}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                done = d / "done"
+                if not done.exists():
+                    shutil.rmtree(d, ignore_errors=True)  # a run that failed part-way
+                    d.mkdir()
+                    _run_straight(d, overrides, nproc, timeout)
+                    done.write_text("")
+            events = [json.loads(line) for line in
+                      (d / "events.jsonl").read_text().splitlines() if line.strip()]
+            _STRAIGHT[key] = (d / "ckpt", events)
     return _STRAIGHT[key]
+
+
+def _run_straight(d: Path, overrides: tuple[str, ...], nproc: int | None,
+                  timeout: float) -> tuple[Path, list[dict[str, Any]]]:
+    root, jsonl = d / "ckpt", d / "events.jsonl"
+    job = Job(trainer_argv(*overrides, f"--checkpoint.root={root}",
+                           f"--metrics.jsonl_path={jsonl}", nproc=nproc),
+              d, "straight", jsonl)
+    job.wait_ok(timeout)
+    assert ABORT_MARK not in job.stderr, job.tails()
+    return root, job.events()
 
 
 # -- several nodes on loopback ------------------------------------------------------------------

@@ -12,7 +12,7 @@ resume uses. ``parts``: reading a version's parts (a loading rank's few, or all 
 """
 
 from ckpt.root.fence import Fence
-from ckpt.root.lease import Lease, read_lease
+from ckpt.root.lease import Lease, acquire_for_ranks, acquire_lease, read_lease, release_lease
 from ckpt.root.lifecycle import (
     COMMITTED,
     CORRUPT,
@@ -20,9 +20,6 @@ from ckpt.root.lifecycle import (
     INCOMPLETE,
     ROLLED_BACK,
     Lifecycle,
-    acquire_for_ranks,
-    acquire_lease,
-    release_lease,
 )
 from ckpt.root.lineage import LINEAGE_NAME, Trajectory, read_runs, record_run
 from ckpt.root.parts import complete_parts, parts_for_rank

@@ -8,6 +8,12 @@ the record there is released, stale or its holder is known dead, by a compare-an
 (a counter kept in the record, which is never deleted: release marks it released), so the
 writers of a root form a sequence that fencing (:mod:`ckpt.root.fence`) relies on.
 
+Becoming a root's writer is :func:`acquire_lease` (the lease, then every earlier open
+generation closed by the fence, so their late manifests never count); a job of several
+ranks takes it on its coordinator with :func:`acquire_for_ranks`; :func:`release_lease`
+closes the writer's generation and lets the lease go. Every writing path (a manager,
+``ckpt.save``, the CLI) goes through these three.
+
 The swap is atomic against the record it compares on every backend, also for a holder that
 stalls (a GC or VM pause, SIGSTOP) inside it: on S3 the ``If-Match`` is checked when the
 ``PUT`` arrives; on local disk the new record lands by a rename out of the swapper's lock,
@@ -45,9 +51,11 @@ from typing import Any, Callable
 
 from ckpt.errors import CorruptCheckpointError, LeaseHeldError
 from ckpt.format import jsonio
+from ckpt.root.lifecycle import Lifecycle
 from ckpt.storage import Storage
 
-__all__ = ["Lease", "LEASE_NAME", "read_lease"]
+__all__ = ["Lease", "LEASE_NAME", "read_lease", "acquire_lease", "acquire_for_ranks",
+           "release_lease"]
 
 log = logging.getLogger(__name__)
 LEASE_NAME = "_lease.json"
@@ -355,3 +363,71 @@ def _boot_id() -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
+                  fingerprint: str | None = None, force: bool = False,
+                  on_lost: Callable[[str], None] | None = None,
+                  heartbeat: bool = True, lifecycle: Lifecycle | None = None) -> Lifecycle:
+    """Take the write lease on ``storage`` and fence off every earlier writer.
+
+    The one way any writing path (the manager, ``ckpt.save``, the CLI) becomes the writer
+    of a root. Returns the ``Lifecycle`` to write through (``lifecycle`` if given, now
+    holding the lease); release with ``release_lease``. Raises ``LeaseHeldError`` when a live
+    job holds the lease (unless ``force``, which fences that job off).
+    """
+    life = lifecycle or Lifecycle(storage)
+    life.forget_known()  # a new holding: list again (cleanup does, or the first use)
+    opened, closed = life.fence.generations()
+    lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
+                  fingerprint=fingerprint)
+    lease.acquire(force=force, min_generation=max(opened | closed, default=0) + 1,
+                  heartbeat=heartbeat)
+    life.lease = lease
+    try:
+        # Mark the generation used before any manifest carries it, so that it is never
+        # handed out again (not even after a damaged or deleted lease file).
+        life.fence.mark(lease.generation, "open", lease.holder_id)
+        for g in sorted(opened - closed):
+            if g < lease.generation:
+                life.fence.close(g, life.manifests(), closed_by=lease.holder_id)
+    except BaseException:
+        lease.release()
+        raise
+    return life
+
+
+def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
+                      lifecycle: Lifecycle | None = None, **lease_options: Any) -> Lifecycle:
+    """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
+    ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
+    the same ``LeaseHeldError``. Collective."""
+    life = lifecycle or Lifecycle(storage)
+    error = ""
+    if coordinator:
+        try:
+            acquire_lease(storage, lifecycle=life, **lease_options)
+        except LeaseHeldError as exc:
+            error = str(exc)
+    error = agreement.broadcast(error)
+    if error:
+        if coordinator and life.lease is not None and life.lease.held:
+            release_lease(life)
+        raise LeaseHeldError(error)
+    return life
+
+
+def release_lease(life: Lifecycle) -> None:
+    """Close this writer's generation (listing what it committed), then release the lease."""
+    lease = life.lease
+    if lease is None:
+        return
+    if lease.held:
+        try:
+            lease.stop_heartbeat()
+            life.fence.write_close(lease.generation, lease.committed_ids, lease.holder_id,
+                                   closed_by=lease.holder_id)
+        except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
+            log.warning("could not close lease generation %d on %s: %s", lease.generation,
+                        life.storage.url, exc)
+    lease.release()

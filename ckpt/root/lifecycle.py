@@ -42,9 +42,9 @@ writer, ``ckpt.dcp.writer``, writes under the names it asks for there)::
 
 The fence files under ``_fence/`` (which manifests count once the lease changed hands)
 are :mod:`ckpt.root.fence`'s; the life-cycle asks it (``is_fenced``) and a new writer closes
-earlier generations through it (``acquire_lease``). A writer learns that its commit counts
-by renewing the lease *after* the manifest exists: a renewal that succeeds proves that no
-takeover (and so no closing of its generation) came before it.
+earlier generations through it (:func:`ckpt.root.lease.acquire_lease`). A writer learns
+that its commit counts by renewing the lease *after* the manifest exists: a renewal that
+succeeds proves that no takeover (and so no closing of its generation) came before it.
 
 The writer's requests per save are few on purpose (docs/performance.md, "Storage requests
 and collectives per save"): it knows which steps hold a manifest (``known_committed``:
@@ -64,7 +64,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from ckpt.errors import (
     CheckpointError,
@@ -97,15 +97,13 @@ from ckpt.format import (
     step_file,
 )
 from ckpt.root.fence import Fence
-from ckpt.root.lease import Lease
 from ckpt.root.lineage import record_restore
 from ckpt.root.verify import verify_checkpoint
 from ckpt.storage import Storage
 
 __all__ = [
     "COMMITTED", "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED", "MOVED_ASIDE",
-    "Entry", "Lifecycle", "acquire_lease", "release_lease",
-    "parse_marker", "acquire_for_ranks",
+    "Entry", "Lifecycle", "WriterLease", "parse_marker",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,6 +116,25 @@ _TMP_RE = re.compile(r"\.(tmp|swap-lock)-?[0-9a-f]*$")  # a storage write in pro
 
 MAX_MARKER_BYTES = 1 << 20
 """The most an attempt marker may hold (it holds a few fields)."""
+
+
+class WriterLease(Protocol):
+    """The write lease as the life-cycle uses it: :class:`ckpt.root.lease.Lease` (taken by
+    :func:`ckpt.root.lease.acquire_lease`), or a stand-in that answers for the process
+    holding it (a writer process's)."""
+
+    holder_id: str
+    generation: int
+    job_name: str | None
+    ttl_seconds: float
+    committed_ids: set[str]
+
+    @property
+    def held(self) -> bool: ...
+
+    def confirm(self, *, within: float = 0.0) -> bool: ...
+
+    def check(self) -> bool: ...
 
 
 @dataclass
@@ -217,7 +234,7 @@ class Lifecycle:
     process only, the lease holder (rank 0 of a job, or a CLI command).
     """
 
-    def __init__(self, storage: Storage, lease: Lease | None = None, *,
+    def __init__(self, storage: Storage, lease: WriterLease | None = None, *,
                  defer_marker_removal: bool = False):
         self.storage = storage
         self.lease = lease
@@ -966,72 +983,3 @@ class Lifecycle:
                 yield self._read_doc(self._rel(step))
             except (FileNotFoundError, CorruptCheckpointError):
                 continue
-
-
-def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
-                  fingerprint: str | None = None, force: bool = False,
-                  on_lost: Callable[[str], None] | None = None,
-                  heartbeat: bool = True, lifecycle: Lifecycle | None = None) -> Lifecycle:
-    """Take the write lease on ``storage`` and fence off every earlier writer.
-
-    The one way any writing path (the manager, ``ckpt.save``, the CLI) becomes the writer
-    of a root. Returns the ``Lifecycle`` to write through (``lifecycle`` if given, now
-    holding the lease); release with ``release_lease``. Raises ``LeaseHeldError`` when a live
-    job holds the lease (unless ``force``, which fences that job off).
-    """
-    life = lifecycle or Lifecycle(storage)
-    life.forget_known()  # a new holding: list again (cleanup does, or the first use)
-    opened, closed = life.fence.generations()
-    lease = Lease(storage, ttl_seconds=ttl_seconds, job_name=job_name, on_lost=on_lost,
-                  fingerprint=fingerprint)
-    lease.acquire(force=force, min_generation=max(opened | closed, default=0) + 1,
-                  heartbeat=heartbeat)
-    life.lease = lease
-    try:
-        # Mark the generation used before any manifest carries it, so that it is never
-        # handed out again (not even after a damaged or deleted lease file).
-        life.fence.mark(lease.generation, "open", lease.holder_id)
-        for g in sorted(opened - closed):
-            if g < lease.generation:
-                life.fence.close(g, life.manifests(), closed_by=lease.holder_id)
-    except BaseException:
-        lease.release()
-        raise
-    return life
-
-
-def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
-                      lifecycle: Lifecycle | None = None, **lease_options: Any) -> Lifecycle:
-    """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
-    ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
-    the same ``LeaseHeldError``. Collective."""
-    life = lifecycle or Lifecycle(storage)
-    error = ""
-    if coordinator:
-        try:
-            acquire_lease(storage, lifecycle=life, **lease_options)
-        except LeaseHeldError as exc:
-            error = str(exc)
-    error = agreement.broadcast(error)
-    if error:
-        if coordinator and life.lease is not None and life.lease.held:
-            release_lease(life)
-        raise LeaseHeldError(error)
-    return life
-
-
-def release_lease(life: Lifecycle) -> None:
-    """Close this writer's generation (listing what it committed), then release the lease."""
-    lease = life.lease
-    if lease is None:
-        return
-    if lease.held:
-        try:
-            lease.stop_heartbeat()
-            life.fence.write_close(lease.generation, lease.committed_ids, lease.holder_id,
-                                   closed_by=lease.holder_id)
-        except Exception as exc:  # noqa: BLE001 - the next holder closes it by listing
-            log.warning("could not close lease generation %d on %s: %s", lease.generation,
-                        life.storage.url, exc)
-    lease.release()
-

@@ -84,12 +84,12 @@ if _TRANSIENT > 0:
     LocalBackend._write_and_rename = _flaky_write_and_rename
 
 if _DELETE_FAILS:
-    from ckpt.root import CheckpointStore
+    from ckpt.root import Lifecycle
 
     def _faulty_delete(self, step):
         raise PermissionError(errno.EACCES, f"injected: checkpoint {step} cannot be deleted")
 
-    CheckpointStore.delete = _faulty_delete
+    Lifecycle.delete = _faulty_delete  # retention deletes through the root's life-cycle
 
 if _STAGE_DELAY > 0:
     from ckpt.dcp import StagingBuffers

@@ -12,7 +12,8 @@ recover every time:
   times (a soak test);
 * one job with a rank that stops making progress (SIGSTOP): the other rank's hang watchdog
   dumps its stacks and exits 124, torchrun restarts the group (it SIGKILLs the stopped
-  process after its 30 s grace), and the job resumes and finishes, again bit for bit.
+  process after its shutdown grace: 5 s here, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by
+  default), and the job resumes and finishes, again bit for bit.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.e2e._jobs import (
     Job,
     all_losses,
     assert_same_checkpoint,
+    base_env,
     loss_history,
     straight_run,
     trainer_argv,
@@ -98,7 +100,7 @@ def test_hung_rank_is_detected_and_the_job_resumes(tmp_path):
     root, jsonl = tmp_path / "ckpt", tmp_path / "events.jsonl"
     job = Job(trainer_argv(*COMMON, f"--checkpoint.root={root}", f"--metrics.jsonl_path={jsonl}",
                            "--fault.hang_timeout_seconds=15", nproc=2, max_restarts=2),
-              tmp_path, "hang", jsonl)
+              tmp_path, "hang", jsonl, env=base_env(TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"))
     stopped = None
     try:
         committed = job.wait_event(lambda e: e["kind"] == "save_committed" and e["step"] == 14,

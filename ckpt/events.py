@@ -107,8 +107,10 @@ KINDS: dict[str, tuple[str, ...]] = {
     # -- the trainer (trainer/)
     # ``comm_bytes`` and ``comm_seconds``: {kind: value} of this rank's collectives measured
     # since the previous step (``trainer.comms``; kinds with nothing measured left out).
+    # ``router``: {layer: {"imbalance", "aux_loss"}} of the mixture-of-experts blocks this
+    # rank holds, over the step (``trainer.model.RouterStats``); None for a dense model.
     "train_step": ("loss", "grad_norm", "step_seconds", "tokens_per_second", "lr",
-                   "comm_bytes", "comm_seconds"),
+                   "comm_bytes", "comm_seconds", "router"),
     # ``failure``: "nan", "spike", "hang", "straggler" or "preempted"; ``loss`` with nan and
     # spike, ``slow_rank`` with straggler.
     "failure": ("failure", "loss", "slow_rank"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpt.cadence import parse_interval
 from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 from ckpt.events import EventBus
 from ckpt.format import step_dirname
 from ckpt.job import (
@@ -43,6 +43,7 @@ __all__ = [
     "reconcile_config",
     "replica_group_fingerprint",
     "same_layout",
+    "state_mismatch_error",
 ]
 
 log = logging.getLogger("trainer")
@@ -174,7 +175,7 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
             retention.append(KeepEvery(c.keep_every))
     layout = {"pp": par.pp, "dp": par.dp, "tp": par.tp,
               "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
-              "dp_mode": par.dp_mode, "world_size": world_size}
+              "dp_mode": par.dp_mode, "ep": par.ep, "world_size": world_size}
     slurm = SlurmJob.from_env()
     options = dict(storage_options=c.storage_options or None, cadence=cadence,
                    retention=retention, async_save=c.async_save, verify=c.verify,
@@ -210,12 +211,30 @@ def same_layout(manifest, par: ParallelConfig, world_size: int) -> bool:
     ranks)? Then RNG streams resume too; otherwise the state is resharded."""
     # The job's world size is in the layout: a node's local-tier checkpoint is written
     # by that node's ranks only (its manifest's world_size is theirs). Checkpoints
-    # written before HSDP carry no dp_replicate: they were not hybrid.
+    # written before HSDP carry no dp_replicate: they were not hybrid; nor ep before
+    # expert parallelism.
     world = manifest.layout.get("world_size", manifest.world_size)
     return world == world_size and all(
         manifest.layout.get(k, default) == v for k, v, default in
         (("pp", par.pp, None), ("dp", par.dp, None), ("tp", par.tp, None),
-         ("dp_replicate", par.dp_replicate, 1)))
+         ("dp_replicate", par.dp_replicate, 1), ("ep", par.ep, 1)))
+
+
+def state_mismatch_error(exc: StateMismatchError, root: str) -> ValueError:
+    """A resume's refusal of a checkpoint saved from another model (a dense one into a
+    mixture of experts, other sizes, ...) as one line naming the first key that differs
+    (the store lists them all; a dense MLP is ``feed_forward``, an MoE block's ``moe``)."""
+    if exc.missing:
+        first, where = exc.missing[0], "this model has it, the checkpoint does not"
+    elif exc.unexpected:
+        first, where = exc.unexpected[0], "the checkpoint has it, this model does not"
+    else:
+        first, where = exc.mismatched[0].split(": ", 1)
+    count = len(exc.missing) + len(exc.unexpected) + len(exc.mismatched)
+    return ValueError(f"checkpoint under {root} was saved from another model: {first}: "
+                      f"{where} ({count} key(s) differ); resume with the [model] keys it was "
+                      "saved with (`ckpt show` prints its config) or use another "
+                      "checkpoint.root")
 
 
 def reconcile_config(manifest, training: TrainingConfig, record: dict[str, Any], optimizers,

@@ -33,8 +33,9 @@ Not measured: the pipeline's sends and receives are counted in bytes but not tim
 schedule issues and waits for them inside torch's pipelining code, and their waits are
 mostly pipeline bubbles, not transfers: a bandwidth from them would measure the bubble);
 tensor-parallel collectives inside DTensor ops; HSDP's all-reduce across replicas inside
-FSDP2; the replica groups' average (``trainer.ft``); the trainer has no all-to-all (no
-mixture of experts).
+FSDP2; the replica groups' average (``trainer.ft``); the all-to-alls of expert parallelism
+(``trainer.expert_parallel``: their sizes change every step; docs/trainer.md gives the
+bytes per step).
 """
 
 from __future__ import annotations

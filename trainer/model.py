@@ -256,8 +256,10 @@ class MoE(nn.Module):
 
     def take_stats(self) -> RouterStats | None:
         """The router statistics since the last call (None if no forward ran), and reset
-        them. Local: no communication. A recomputed forward (activation checkpointing)
-        counts twice, which changes neither the imbalance nor the mean loss."""
+        them. Local: no communication. A forward recomputed by activation checkpointing
+        may count twice (torch usually stops a recomputation as soon as backward has what
+        it needs, before the statistics), which changes neither the imbalance nor the mean
+        loss."""
         if not self._calls:
             return None
         stats = RouterStats(self._tokens.tolist(), float(self._aux_sum) / self._calls)

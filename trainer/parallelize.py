@@ -1,11 +1,13 @@
 """Apply TP, FSDP2/DDP and pipeline parallelism to the reference transformer.
 
 Order, per pipeline stage module (all built on the meta device, so no rank ever holds
-the full model): tensor parallel on ``mesh["tp"]`` -> activation checkpointing of the
+the full model): tensor parallel on ``mesh["tp"]`` -> expert parallel on ``mesh["ep"]``
+(the routed experts split over ep, ``trainer.expert_parallel``) -> activation checkpointing of the
 chosen blocks (``apply_activation_checkpointing``, torchtitan's place: after TP, before
 FSDP, so FSDP's all-gather hooks stay outside the recomputed region) -> FSDP2 on
 ``mesh["dp"]`` (HSDP: on the 2-D ``mesh["dp_replicate", "dp_shard"]``, sharded over dp_shard, replicated over
-dp_replicate; FSDP2 reduce-scatters within a replica and all-reduces across them) ->
+dp_replicate; FSDP2 reduce-scatters within a replica and all-reduces across them; the
+experts of an ep layout on ``dp_shard_mod_ep``, ``trainer.mesh``) ->
 ``to_empty`` + ``init_weights(seed)`` (layout-independent values, see ``trainer.model``)
 -> DDP wrapper when ``dp_mode == "ddp"`` (pp == 1; with pp > 1 the gradients are
 all-reduced once per step instead, see ``build_parallel_model``) -> ``PipelineStage`` +
@@ -44,7 +46,8 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.comms import CommMeter
 from trainer.config import ModelConfig, ParallelConfig
-from trainer.mesh import dp_mesh
+from trainer.expert_parallel import shard_experts
+from trainer.mesh import dp_mesh, expert_fsdp_mesh, fsdp_mesh
 from trainer.model import Transformer, cross_entropy_loss
 from trainer.parallel_plans import apply_fsdp, apply_tp
 from trainer.pipeline import (
@@ -366,10 +369,14 @@ def build_parallel_model(
     for _, module in modules:
         if par.tp > 1:
             apply_tp(module, mesh["tp"], par.sequence_parallel)
+        if par.ep > 1:
+            for moe in module.moe_blocks().values():
+                shard_experts(moe.experts, mesh["ep"])
         apply_activation_checkpointing(module, recomputed_layers)
         if par.dp > 1 and par.dp_mode == "fsdp":
-            fsdp_mesh = mesh["dp_replicate", "dp_shard"] if par.hsdp else mesh["dp"]
-            apply_fsdp(module, fsdp_mesh, param_dtype, reshard_after_forward=par.pp == 1)
+            apply_fsdp(module, fsdp_mesh(mesh, par), param_dtype,
+                       reshard_after_forward=par.pp == 1,
+                       expert_mesh=expert_fsdp_mesh(mesh, par) if par.ep > 1 else None)
         module.to_empty(device=device)
         module.init_weights(seed)
         parts.append(module)

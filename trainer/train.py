@@ -34,7 +34,12 @@ import torch
 import torch.distributed as dist
 
 from ckpt.dcp import RNGState, init_optimizer_state, load_latest, load_with_extra
-from ckpt.errors import AllCheckpointsDamagedError, LeaseHeldError, LeaseLostError
+from ckpt.errors import (
+    AllCheckpointsDamagedError,
+    LeaseHeldError,
+    LeaseLostError,
+    StateMismatchError,
+)
 from ckpt.events import EventBus, JsonlEventLog
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore
@@ -50,6 +55,7 @@ from trainer.checkpointing import (
     reconcile_config,
     replica_group_fingerprint,
     same_layout,
+    state_mismatch_error,
 )
 from trainer.config import Config, ConfigError, config_fingerprint
 from trainer.data import build_loader, split_microbatches
@@ -244,6 +250,8 @@ class Trainer:
             manifest = load(self.checkpoint_state(with_rng=False),
                             step=c.load_step, ignore_keys=("rng.",),
                             raise_if_all_damaged=True, extra_state=self._rng_if_same_layout)
+        except StateMismatchError as exc:
+            raise state_mismatch_error(exc, c.root) from None
         except AllCheckpointsDamagedError as exc:
             fix = "--checkpoint.allow_fresh_start_over_damaged=true"
             if not c.allow_fresh_start_over_damaged:
@@ -537,10 +545,13 @@ class Trainer:
                 tokens_per_step = quorum * group_tokens
                 self.losses.append((self.step, loss))
                 comm_bytes, comm_seconds = self.model.comm.take()
+                router = {str(layer): {"imbalance": s.imbalance, "aux_loss": s.aux_loss}
+                          for layer, s in self.model.take_router_stats().items()}
                 self.events.emit("train_step", self.step, loss=loss, grad_norm=grad_norm,
                                  step_seconds=dt, tokens_per_second=tokens_per_step / dt,
                                  lr=self.schedulers[0].get_last_lr()[0],
-                                 comm_bytes=comm_bytes, comm_seconds=comm_seconds)
+                                 comm_bytes=comm_bytes, comm_seconds=comm_seconds,
+                                 router=router or None)
                 if self.env.rank == 0 and (self.step % t.log_every == 0 or self.step == 1
                                            or self.step == t.steps):
                     log.info("step %5d | loss %.4f | grad norm %.3f | %.0f tok/s | %.3fs/step%s",

@@ -13,7 +13,7 @@ from trainer.mesh import build_mesh, dp_mesh
 from trainer.parallelize import build_parallel_model
 
 __all__ = ["MODEL", "MOE", "MODELS", "GLOBAL_BATCH", "SEQ_LEN", "STEPS", "SEED", "layout", "make_batches", "train",
-           "rank_train"]
+           "rank_train", "rank_train_layouts"]
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, max_seq_len=16)
 # The tiny mixture of experts: blocks 1 and 3 route to 4 experts, top-2, plus a shared one.
@@ -153,3 +153,20 @@ def rank_train(rank: int, world_size: int, par_kwargs: dict, accum: int = 1,
     if check_keys:
         check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)
     return result
+
+
+def rank_train_layouts(rank: int, world_size: int, runs: list[tuple[str, dict, bool, int]]):
+    """Body run on each rank: for each ``(model name, par kwargs, check_keys, steps)`` build
+    its mesh on the one process group, train and report (one launch, several layouts)."""
+    _flush_result_queue_at_exit()
+    out = []
+    for model, par_kwargs, check_keys, steps in runs:
+        cfg = MODELS[model]
+        par = layout(cfg, **par_kwargs)
+        mesh = build_mesh(par, "cpu")
+        pm = build_parallel_model(cfg, par, mesh, SEED)
+        result = train(pm, dp_mesh(mesh).get_local_rank(), par.dp, 1, check_keys, steps)
+        if check_keys:
+            check_state_dict_roundtrip(pm, result.pop("_optims"), par, mesh)
+        out.append(result)
+    return out

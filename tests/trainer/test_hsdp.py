@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from tests.dist import run_ranks
 from tests.trainer import _parallel_worker as w
+from tests.trainer._trainer_jobs import assert_same_state, full_state, trainer_for
 from trainer.config import (
     ConfigError,
     ParallelConfig,
@@ -156,74 +157,34 @@ def test_hsdp_2x2_matches_ddp_on_4_ranks():
 
 # --- checkpoints through the trainer: HSDP -> FSDP (2 ranks) / one process -> HSDP --------
 
-_COMMON = ("--training.log_every=1", "--checkpoint.interval=2", "--checkpoint.async_save=false",
-           "--checkpoint.keep_last=0", "--training.warmup_steps=1", "--training.global_batch_size=8")
-
-
-def _trainer(rank: int, world: int, root: str, steps: int, layout: tuple[str, ...]):
-    from tests.e2e._jobs import TINY
-    from trainer.distributed import DistEnv
-    from trainer.train import Trainer
-
-    cfg = load_config(str(TINY), [*_COMMON, f"--checkpoint.root={root}",
-                                  f"--training.steps={steps}", *layout])
-    backend = "gloo" if world > 1 else None
-    return Trainer(cfg, DistEnv(rank, world, rank, torch.device("cpu"), backend, 0))
-
-
-def _full_state(trainer) -> dict[str, tuple[str, list[int], bytes]]:
-    """Model and optimizer state as full tensors' raw bytes, by key (collective on DTensors:
-    every rank calls it, same order)."""
-    state = {**{f"model.{k}": v for k, v in trainer.model.model_state_dict().items()},
-             **{f"optim.{k}": v for k, v in
-                trainer.model.optimizer_state_dict(trainer.optimizers).items()}}
-    out = {}
-    for key in sorted(state):
-        v = state[key]
-        if hasattr(v, "full_tensor"):
-            v = v.full_tensor()
-        if isinstance(v, torch.Tensor):
-            t = v.detach().cpu().contiguous()
-            out[key] = (str(t.dtype), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            out[key] = (type(v).__name__, [], repr(v).encode())
-    return out
-
-
-def _assert_same_state(want: dict, got: dict, where: str) -> None:
-    assert want.keys() == got.keys(), where
-    differ = [k for k in want if want[k] != got[k]]
-    assert not differ, f"{where}: {len(differ)} values differ, e.g. {differ[:3]}"
-
-
 def _hsdp_job(rank: int, world: int, root: str) -> dict:
     """HSDP 2x2: train 2 steps, checkpoint step 2 (the final save)."""
     w._flush_result_queue_at_exit()
-    t = _trainer(rank, world, root, 2, ("--parallel.dp_replicate=2",))
+    t = trainer_for(rank, world, root, 2, ("--parallel.dp_replicate=2",))
     assert (t.par.dp_replicate, t.par.dp_shard, t.loader.dp_rank) == (2, 2, rank)
     assert t.fit() == 0
-    return _full_state(t)
+    return full_state(t)
 
 
 def _fsdp_job(rank: int, world: int, root: str, saved: dict) -> dict:
     """FSDP on 2 ranks: resume the HSDP step 2 (checked bit-exact), train to step 4."""
     w._flush_result_queue_at_exit()
-    t = _trainer(rank, world, root, 4, ())
+    t = trainer_for(rank, world, root, 4, ())
     assert not t.par.hsdp and t.par.dp == 2
     assert t.resume() == 2
-    _assert_same_state(saved, _full_state(t), f"FSDP rank {rank} after loading HSDP step 2")
+    assert_same_state(saved, full_state(t), f"FSDP rank {rank} after loading HSDP step 2")
     t.manager.close(flush=False)  # releases the root's write lease for the next job
-    t = _trainer(rank, world, root, 4, ())  # a fresh job resumes and trains on
+    t = trainer_for(rank, world, root, 4, ())  # a fresh job resumes and trains on
     assert t.fit() == 0
-    return _full_state(t)
+    return full_state(t)
 
 
 def _back_to_hsdp_job(rank: int, world: int, root: str, saved: dict) -> dict:
     """HSDP 2x2 again: resume the FSDP job's step 4 (checked bit-exact)."""
     w._flush_result_queue_at_exit()
-    t = _trainer(rank, world, root, 4, ("--parallel.dp_replicate=2",))
+    t = trainer_for(rank, world, root, 4, ("--parallel.dp_replicate=2",))
     assert t.resume() == 4
-    _assert_same_state(saved, _full_state(t), f"HSDP rank {rank} after loading FSDP step 4")
+    assert_same_state(saved, full_state(t), f"HSDP rank {rank} after loading FSDP step 4")
     t.manager.close(flush=False)
     return _replica_check(t.model, t.mesh)
 
@@ -243,9 +204,9 @@ def test_checkpoint_hsdp_to_fsdp_and_one_process_and_back(tmp_path):
     assert len(chunks) == 2
 
     # One plain process (no process group) loads the HSDP checkpoint bit-exact.
-    single = _trainer(0, 1, root, 2, ())
+    single = trainer_for(0, 1, root, 2, ())
     assert single.resume() == 2
-    _assert_same_state(hsdp_state, _full_state(single), "one process after loading HSDP step 2")
+    assert_same_state(hsdp_state, full_state(single), "one process after loading HSDP step 2")
     single.manager.close(flush=False)
 
     fsdp_state = run_ranks(_fsdp_job, 2, root, hsdp_state, timeout=240)[0]

@@ -156,3 +156,20 @@ def test_one_process_trains_and_reports_router_stats():
     for s in stats.values():
         assert sum(s.tokens_per_expert) == 10 * w.GLOBAL_BATCH * w.SEQ_LEN * 2
         assert 1.0 <= s.imbalance <= 2.0 and s.aux_loss >= 1.0 - 1e-6
+
+
+def test_activation_checkpointing_leaves_moe_training_bit_identical():
+    """Recomputed MoE blocks (router, dispatch, experts, the balancing loss's gradient) give
+    the losses and gradient norms of a run without recomputation, bit for bit, and the
+    same router statistics (a recomputation torch does not stop early counts again, which
+    leaves the imbalance and the mean loss as they are)."""
+    plain = build_parallel_model(CFG, w.layout(CFG), None, w.SEED)
+    ac = build_parallel_model(CFG, w.layout(CFG), None, w.SEED,
+                              recomputed_layers=frozenset(range(CFG.n_layers)))
+    assert w.train(ac, 0, 1, steps=4) == w.train(plain, 0, 1, steps=4)
+    a, b = plain.take_router_stats(), ac.take_router_stats()
+    for layer in CFG.moe_layer_ids:
+        assert b[layer].tokens_per_expert in (a[layer].tokens_per_expert,
+                                              [2 * t for t in a[layer].tokens_per_expert])
+        assert b[layer].imbalance == pytest.approx(a[layer].imbalance, rel=1e-12)
+        assert b[layer].aux_loss == pytest.approx(a[layer].aux_loss, rel=1e-12)

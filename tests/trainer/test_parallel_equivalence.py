@@ -6,7 +6,11 @@ cover FSDP2, DDP (with and without a pipeline), TP with and without sequence par
 the three schedules (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages per rank),
 gradient accumulation, the 3D mesh (2, 2, 2) on 8 processes, and HSDP (dp_replicate x
 dp_shard) with TP + sequence parallel on 8 processes and under a pipeline. (HSDP against
-DDP on the same ranks, and HSDP checkpoints: test_hsdp.py.)
+DDP on the same ranks, and HSDP checkpoints: test_hsdp.py.) The mixture of experts
+(``w.MOE``) trains the same in one process as with FSDP2 alone, with expert parallelism
+(ep2), ep2 x dp2 (experts FSDP-sharded over the other 2 dp ranks), ep2 x tp2 with sequence
+parallelism, pp2 x ep2 and HSDP 2x2 with ep2: 10 steps each, every layout of a world size
+in one launch.
 
 Tolerance: losses and gradient norms must agree with the reference to rtol 1e-4. Layouts
 do not compute bit-identical sums (TP splits matmul reductions, FSDP/DDP sum gradients
@@ -89,6 +93,52 @@ def test_layout_matches_single_process(reference, name, par_kwargs, accum, check
         optim_keys = set().union(*(r["optim_keys"] for r in results))
         assert model_keys == set(reference["model_keys"])
         assert optim_keys == set(reference["optim_keys"])
+
+
+# (id, ParallelConfig kwargs, check state-dict keys and a load round trip)
+MOE_STEPS = 10
+MOE_LAYOUTS = {
+    2: [("moe-dp2-fsdp", dict(dp=2), False),
+        ("moe-ep2-microbatches2", dict(dp=2, ep=2, n_microbatches=2), True)],
+    4: [("moe-ep2xdp2", dict(dp=4, ep=2), True),
+        ("moe-ep2xtp2-seqpar", dict(dp=2, ep=2, tp=2, sequence_parallel=True), False),
+        ("moe-pp2xep2-1f1b", dict(pp=2, dp=2, ep=2, n_microbatches=2), True),
+        ("moe-hsdp2x2-ep2", dict(dp_replicate=2, dp_shard=2, ep=2), False)],
+}
+MOE_IDS = [name for layouts in MOE_LAYOUTS.values() for name, _, _ in layouts]
+
+
+@pytest.fixture(scope="module")
+def moe_reference() -> dict:
+    pm = build_parallel_model(w.MOE, w.layout(w.MOE), None, w.SEED)
+    return w.train(pm, dp_rank=0, dp=1, check_state_keys=True, steps=MOE_STEPS)
+
+
+@pytest.fixture(scope="module")
+def moe_runs() -> dict:
+    """``{layout id: [result of each rank]}``, one launch per world size."""
+    out = {}
+    for world, layouts in MOE_LAYOUTS.items():
+        runs = [("moe", kwargs, keys, MOE_STEPS) for _, kwargs, keys in layouts]
+        per_rank = run_ranks(w.rank_train_layouts, world, runs, timeout=240)
+        for i, (name, _, _) in enumerate(layouts):
+            out[name] = [results[i] for results in per_rank]
+    return out
+
+
+@pytest.mark.parametrize("name", MOE_IDS)
+def test_moe_layout_matches_single_process(moe_reference, moe_runs, name):
+    results = moe_runs[name]
+    for rank, res in enumerate(results):
+        assert res["losses"] == results[0]["losses"], f"rank {rank} loss differs"
+        assert res["norms"] == results[0]["norms"], f"rank {rank} grad norm differs"
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(results[0][key]),
+                                   torch.tensor(moe_reference[key]), rtol=RTOL, atol=0)
+    if "model_keys" in results[0]:
+        # Expert weights keep their global names and shapes under ep: checkpoints reshard.
+        assert set().union(*(r["model_keys"] for r in results)) == set(moe_reference["model_keys"])
+        assert set().union(*(r["optim_keys"] for r in results)) == set(moe_reference["optim_keys"])
 
 
 def test_bf16_autocast_tracks_fp32(reference):

@@ -36,6 +36,13 @@ class ParallelConfig(Section):
     starts with the dotted key at fault. ``dp = -1``, ``dp_shard = -1`` and
     ``n_microbatches = 0`` mean "not decided yet"; :meth:`resolved` makes them concrete
     (``dp_shard`` as soon as ``dp`` is known, ``dp`` as soon as both its factors are).
+
+    Expert parallelism (``ep > 1``, a mixture-of-experts model) takes its ranks from the dp
+    axis, as torchtitan does: ``ep`` divides ``dp_shard``, which splits into
+    ``dp_shard_mod_ep x ep``; the routed experts are split over the ``ep`` ranks and
+    FSDP-sharded over the ``dp_shard_mod_ep`` ones, everything else is sharded over all of
+    ``dp_shard`` as without it (:mod:`trainer.expert_parallel`). The world size stays
+    ``pp * dp * tp``.
     """
 
     _section: ClassVar[str] = "parallel"
@@ -49,6 +56,8 @@ class ParallelConfig(Section):
     n_microbatches: int = _f(0, "Pipeline micro-batches per step; 0 = 2 * pp.")
     sequence_parallel: bool = _f(False, "Shard norms/dropout activations over tp (needs tp > 1).")
     stages_per_rank: int = _f(1, "Pipeline stages per pp rank; > 1 only for interleaved1f1b.")
+    ep: int = _f(1, "Expert-parallel degree: experts split over ep of the dp_shard ranks; "
+                    "divides model.n_experts and dp_shard.")
 
     def _validate(self) -> None:
         self._at_least("pp", 1)
@@ -59,6 +68,7 @@ class ParallelConfig(Section):
         self.pp_schedule = self.pp_schedule.lower()
         self._choice("dp_mode", DP_MODES)
         self._settle_dp_split()
+        self._settle_ep()
         self._choice("pp_schedule", PP_SCHEDULES)
         self._at_least("n_microbatches", 0, "use 0 for 2 * pp")
         self._at_least("stages_per_rank", 1)
@@ -109,6 +119,25 @@ class ParallelConfig(Section):
                        f"{r} * {s} = {r * s}", f"set parallel.dp={r * s}, or leave "
                        "parallel.dp_shard unset (-1) to derive it from dp")
 
+    def _settle_ep(self) -> None:
+        """``ep`` against the dp keys known so far (``dp_shard`` again in :meth:`resolved`)."""
+        self._at_least("ep", 1, "use 1 for no expert parallelism")
+        if self.ep == 1:
+            return
+        if self.dp_mode != "fsdp":
+            self._fail("ep", f"is {self.ep} but expert parallelism composes with FSDP2 only "
+                       f"(parallel.dp_mode={self.dp_mode!r})", "set parallel.dp_mode='fsdp' "
+                       "or parallel.ep=1")
+        if self.dp_shard != -1 and self.dp_shard % self.ep:
+            self._fail("ep", f"{self.ep} does not divide parallel.dp_shard={self.dp_shard} (the "
+                       "ep ranks are dp ranks of one shard group)",
+                       "pick an ep that divides dp_shard (dp without HSDP)")
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The dp ranks each expert's weights are FSDP-sharded over: ``dp_shard / ep``."""
+        return self.dp_shard // self.ep
+
     @property
     def hsdp(self) -> bool:
         """FSDP with replicas: the dp axis is a 2-D (dp_replicate, dp_shard) mesh."""
@@ -153,6 +182,13 @@ class ParallelConfig(Section):
             self._fail("sequence_parallel", f"shards the sequence over parallel.tp={self.tp}, "
                        f"which does not divide training.seq_len={seq_len}",
                        "change tp or the sequence length")
+        n_experts = getattr(model, "n_experts", 0)
+        if self.ep > 1 and not n_experts:
+            self._fail("ep", f"is {self.ep} but the model has no experts (model.n_experts=0)",
+                       "set parallel.ep=1, or model.n_experts to a multiple of ep")
+        if n_experts % self.ep:
+            self._fail("ep", f"{self.ep} does not divide model.n_experts={n_experts}",
+                       "choose an ep that divides the number of experts")
         if self.dp_mode == "ddp" and self.tp > 1:
             self._fail("dp_mode", f"'ddp' does not compose with tensor parallelism "
                        f"(parallel.tp={self.tp})", "use parallel.dp_mode='fsdp' or parallel.tp=1")
@@ -189,5 +225,9 @@ class ParallelConfig(Section):
             self._fail("dp_replicate", f"{self.dp_replicate} does not divide the dp degree "
                        f"{dp} (world size {world_size} / (pp * tp))",
                        "pick a dp_replicate that divides it")
+        if (dp // self.dp_replicate) % self.ep:
+            self._fail("ep", f"{self.ep} does not divide the dp_shard degree "
+                       f"{dp // self.dp_replicate} (world size {world_size} / (pp * tp * "
+                       "dp_replicate))", "pick an ep that divides it, or launch more ranks")
         return dataclasses.replace(self, dp=dp, dp_shard=dp // self.dp_replicate,
                                    n_microbatches=self.num_microbatches)

@@ -6,7 +6,7 @@ one): a file of ``n`` bytes takes at least ``n / rate`` seconds to read or to wr
 bytes before it. Everything else (listing, sizes, deletes) is the local file system's, at
 its speed. ``ckpt.storage`` opens it with its generic fsspec backend, like any filesystem
 that is not local disk or S3 (``memory://`` in the tests): the same code path a network
-store takes. Used by ``bench_replicas.py`` as the durable tier.
+store takes. Used by ``bench_copies.py`` as the durable tier.
 
 ``register(rate, shared=PATH)``: the reads of every process that registers the same
 ``PATH`` share one bucket (a file holding when it is next free, under an exclusive

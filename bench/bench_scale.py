@@ -542,8 +542,8 @@ def run_sizing(args) -> None:
           f"node, saved at the "
           f"MTBF of node losses, {args.node_loss_share:g} of all failures (the rest keep "
           f"their node's local tier); restart 60 s. Goodput: both tiers / the durable tier "
-          f"alone. With copies on the next node (checkpoint.local_replicas = 2, `ckpt plan "
-          f"--local-replicas 2 --nodes N`): the goodput of both tiers when a node loss is "
+          f"alone. With copies on the next node (checkpoint.local_copies = 2, `ckpt plan "
+          f"--local-copies 2 --nodes N`): the goodput of both tiers when a node loss is "
           f"survived unless a neighbour is lost too (one node: no next node), and the local "
           f"disk (or /dev/shm memory) per node for the last {LOCAL_KEEP} local steps: its own, "
           f"and with copies its predecessor's too.\n")

@@ -92,18 +92,18 @@ KINDS: dict[str, tuple[str, ...]] = {
     # ``CheckpointManager.uncommit_newer``), so the run saves that step again.
     "checkpoint_uncommitted": ("resumed_step",),
     # -- copies of a node's local checkpoints on the next node (``ckpt.job.tiers`` with
-    #    ``local_replicas=2``; each node's first rank). ``node``: whose checkpoint;
+    #    ``local_copies=2``; each node's first rank). ``node``: whose checkpoint;
     #    ``peer_node``: the other node of the copy (holding it, or sending it back).
     # The copy of this node's local ``step`` committed and verified on ``peer_node``: the
     # step is held on two nodes. ``seconds``: the copy's own time; ``lag_seconds``: from the
     # local commit to now; ``bytes``: the files copied.
-    "replica_committed": ("peer_node", "bytes", "seconds", "lag_seconds"),
+    "copy_committed": ("peer_node", "bytes", "seconds", "lag_seconds"),
     # A copy that does not count (refused by its receiver, or not sent back at a resume).
-    "replica_failed": ("node", "peer_node", "error"),
+    "copy_failed": ("node", "peer_node", "error"),
     # A local step not copied: copies run behind the saves and only the newest is copied.
-    "replica_skipped": ("reason",),
+    "copy_skipped": ("reason",),
     # At a resume, this node's local ``step`` fetched back from ``peer_node``'s copy.
-    "replica_restored": ("peer_node", "bytes", "seconds"),
+    "copy_restored": ("peer_node", "bytes", "seconds"),
     # -- the trainer (trainer/)
     # ``comm_bytes`` and ``comm_seconds``: {kind: value} of this rank's collectives measured
     # since the previous step (``trainer.comms``; kinds with nothing measured left out).

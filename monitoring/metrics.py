@@ -14,8 +14,8 @@ only the ``tier="local"`` series, and the alert rules read ``tier="durable"``: l
 never hide a durable tier that stopped committing. Every other ``ckpt_`` series is the
 durable tier's.
 
-Copies of the local tier on the next node (``local_replicas=2``): each node's first rank
-copies its node's local checkpoints and counts them (``replica_<what>`` events): the copies by
+Copies of the local tier on the next node (``local_copies=2``): each node's first rank
+copies its node's local checkpoints and counts them (``copy_<what>`` events): the copies by
 outcome, their bytes, the lag of the newest (local commit to verified copy) and the newest
 local step held on two nodes. The other ranks keep these at their start values.
 
@@ -73,14 +73,14 @@ from ckpt.events import COMM_KINDS, SAVE_COST_PHASES, Event, EventBus, tier_of
 from monitoring.hardware import GpuSource, HardwareCollector
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS",
-           "REPLICA_OUTCOMES"]
+           "COPY_OUTCOMES"]
 
 log = logging.getLogger(__name__)
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 DEFAULT_HOST = "0.0.0.0"  # the same default as trainer.config.MetricsConfig.host
 SAVE_OUTCOMES = ("committed", "failed", "skipped")
-REPLICA_OUTCOMES = ("committed", "failed", "skipped", "restored")  # replica_<outcome> events
+COPY_OUTCOMES = ("committed", "failed", "skipped", "restored")  # copy_<outcome> events
 FAILURE_KINDS = ("nan", "spike", "hang", "straggler", "preempted")
 TIERS = ("durable", "local")  # values of the ``tier`` label
 AGE_INTERVALS = 3  # checkpoint age limit: this many intervals (+ slack)
@@ -163,16 +163,16 @@ class Metrics:
         self.last_time = gauge("ckpt_last_commit_timestamp_seconds",
                                "Unix time of the newest commit, by tier (process start when "
                                "none)", self.start_time, tiered=True)
-        self.replicas = counter("ckpt_replicas_total",
+        self.peer_copies = counter("ckpt_peer_copies_total",
                                 "Copies of this node's local checkpoints on the next node, by "
                                 "outcome (restored: fetched back at a resume); node's first "
-                                "rank", ["outcome"], [(o,) for o in REPLICA_OUTCOMES])
-        self.replicated_bytes = counter("ckpt_replicated_bytes_total",
+                                "rank", ["outcome"], [(o,) for o in COPY_OUTCOMES])
+        self.peer_copied_bytes = counter("ckpt_peer_copied_bytes_total",
                                         "Bytes of local checkpoints copied to the next node")
-        self.replication_lag = gauge("ckpt_replication_lag_seconds",
+        self.peer_copy_lag = gauge("ckpt_peer_copy_lag_seconds",
                                      "Newest copy on the next node: seconds from the local "
                                      "commit to the verified copy (0: none yet)")
-        self.replicated_step = gauge("ckpt_replicated_step",
+        self.peer_copied_step = gauge("ckpt_peer_copied_step",
                                      "Newest local step held on two nodes (this node's and "
                                      "its copy on the next); -1 = none", -1)
         self.loads = counter("ckpt_loads_total", "Checkpoint loads")
@@ -376,8 +376,8 @@ class Metrics:
             for phase, seconds in (f.get("cpu_seconds") or {}).items():
                 if phase in SAVE_COST_PHASES and isinstance(seconds, (int, float)) and seconds > 0:
                     self.save_phase_cpu.labels(rk, phase).inc(seconds)
-        elif k.startswith("replica_"):
-            self._on_replica(k[len("replica_"):], ev)
+        elif k.startswith("copy_"):
+            self._on_copy(k[len("copy_"):], ev)
         elif k == "load_done":
             self.loads.labels(rk).inc()
         elif k == "load_fallback":
@@ -451,16 +451,16 @@ class Metrics:
         elif k == "ft_writer":
             self.ft_writer.labels(rk).set(1 if f.get("role") == "writer" else 0)
 
-    def _on_replica(self, outcome: str, ev: Event) -> None:
-        """A copy of a local checkpoint on the next node (``replica_<outcome>``)."""
-        if outcome not in REPLICA_OUTCOMES:
+    def _on_copy(self, outcome: str, ev: Event) -> None:
+        """A copy of a local checkpoint on the next node (``copy_<outcome>``)."""
+        if outcome not in COPY_OUTCOMES:
             return
         f, rk = ev.fields, self.rank
-        self.replicas.labels(rk, outcome).inc()
+        self.peer_copies.labels(rk, outcome).inc()
         if outcome == "committed":
-            self.replicated_bytes.labels(rk).inc(f.get("bytes") or 0)
-            self.replication_lag.labels(rk).set(f.get("lag_seconds") or 0.0)
-            self.replicated_step.labels(rk).set(ev.step if ev.step is not None else -1)
+            self.peer_copied_bytes.labels(rk).inc(f.get("bytes") or 0)
+            self.peer_copy_lag.labels(rk).set(f.get("lag_seconds") or 0.0)
+            self.peer_copied_step.labels(rk).set(ev.step if ev.step is not None else -1)
 
     def _on_local_event(self, k: str, ev: Event) -> None:
         """An event of the local tier (its kind without the prefix): only its saves count,

@@ -191,7 +191,7 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
         mgr = TieredCheckpointManager(
             c.root, c.local_root, local_cadence=parse_interval(
                 c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0, **auto),
-            local_retention=[KeepLast(c.local_keep_last)], local_replicas=c.local_replicas,
+            local_retention=[KeepLast(c.local_keep_last)], local_copies=c.local_copies,
             **options)
     else:
         mgr = CheckpointManager(c.root, **options)

@@ -136,7 +136,7 @@ class TierPlans:
     """The local tier: its own bandwidth, every failure's MTBF."""
     durable: Plan
     """The durable tier: its bandwidth, the MTBF of the failures the local tier does not
-    survive (node losses; with ``replicas=2``, losses of a node's neighbour soon after the
+    survive (node losses; with ``copies=2``, losses of a node's neighbour soon after the
     node: see ``second_loss_probability``); its interval a whole multiple of the local one
     (``active_bound`` ``"given"``), so that every durable save falls on a local save's step
     and shares its stall."""
@@ -150,17 +150,17 @@ class TierPlans:
     """The goodput of the durable tier alone, at every failure's MTBF, load included, to
     compare: a local tier pays off when the durable persist or load is long and most
     failures keep their nodes; when the stall dominates, it does not."""
-    replicas: int = 1
+    copies: int = 1
     """Copies of each node's local checkpoints: 1, or 2 (also on the next node)."""
     num_nodes: int | None = None
-    """Nodes of the job (with ``replicas=2``)."""
+    """Nodes of the job (with ``copies=2``)."""
     vulnerable_seconds: float | None = None
-    """With ``replicas=2``: how long after a node loss a second loss next to it still
+    """With ``copies=2``: how long after a node loss a second loss next to it still
     takes the local tier down, ``W = restart + local load + local interval + local
     persist`` (the lost node's part is back once the job resumed; its predecessor's is
     on two nodes again once its next local save was copied)."""
     second_loss_probability: float | None = None
-    """With ``replicas=2``: the chance that a node loss is followed, within ``W``, by the
+    """With ``copies=2``: the chance that a node loss is followed, within ``W``, by the
     loss of one of its ``min(2, N - 1)`` neighbours, ``1 - exp(-k W / (N M_node))``: the
     share of node losses the local tier does not survive."""
 
@@ -168,14 +168,14 @@ class TierPlans:
 def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                     local_bandwidth_bytes_per_second: float, *,
                     node_mtbf_seconds: float | None = None, mtbf_seconds: float = 86400.0,
-                    replicas: int = 1, num_nodes: int | None = None,
+                    copies: int = 1, num_nodes: int | None = None,
                     **options: Any) -> TierPlans:
     """Both tiers' intervals, as their ``Auto`` would settle (docs/cadence.md#two-tiers).
 
     ``node_mtbf_seconds``: mean time between failures that lose a node's local tier (None:
     every failure does, ``mtbf_seconds``); it cannot be below ``mtbf_seconds``.
-    ``replicas``: copies of each node's local checkpoints (1, or 2: also on the next node,
-    ``checkpoint.local_replicas``); with 2 the local tier survives a node loss unless a
+    ``copies``: copies of each node's local checkpoints (1, or 2: also on the next node,
+    ``checkpoint.local_copies``); with 2 the local tier survives a node loss unless a
     neighbour of the node is lost too before its part is on two nodes again, which needs
     ``num_nodes`` (>= 2; ``TierPlans.second_loss_probability`` says how). Other
     ``options`` as for :func:`make_plan`, for both tiers."""
@@ -184,11 +184,11 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
         raise ValueError(f"node MTBF {node_mtbf!r} s is below the job's MTBF {mtbf_seconds!r} s, "
                          f"but node losses are a subset of all failures: pass a node MTBF >= "
                          f"the MTBF")
-    if replicas not in (1, 2):
-        raise ValueError(f"replicas={replicas!r} is invalid: pass 1 (each node keeps its own "
+    if copies not in (1, 2):
+        raise ValueError(f"copies={copies!r} is invalid: pass 1 (each node keeps its own "
                          f"local checkpoints) or 2 (and a copy on the next node)")
-    if replicas == 2 and (num_nodes is None or num_nodes < 2):
-        raise ValueError(f"replicas=2 needs the number of nodes (>= 2), got {num_nodes!r}: "
+    if copies == 2 and (num_nodes is None or num_nodes < 2):
+        raise ValueError(f"copies=2 needs the number of nodes (>= 2), got {num_nodes!r}: "
                          f"a lost node's copy is on its neighbour, and how likely that one is "
                          f"lost too depends on how many nodes share the losses")
     measurement = options.pop("measurement", None)
@@ -198,7 +198,7 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
     # The failures the local tier does not survive: every node loss, or with a copy on the
     # next node a node loss followed, within the window, by the loss of a neighbour.
     lost_mtbf, window, second = node_mtbf, None, None
-    if replicas == 2:
+    if copies == 2:
         window = (local.restart_seconds + local.load_seconds + local.interval_seconds
                   + local.persist_seconds)
         neighbours = min(2, num_nodes - 1)
@@ -219,6 +219,6 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                - durable.lost_seconds_per_failure / lost_mtbf)
     alone = make_plan(size_bytes, durable_bw, mtbf_seconds=mtbf_seconds,
                       load_seconds=size_bytes / durable_bw, **options)
-    return TierPlans(local, durable, max(0.0, goodput), alone.goodput, replicas=replicas,
-                     num_nodes=num_nodes if replicas == 2 else None,
+    return TierPlans(local, durable, max(0.0, goodput), alone.goodput, copies=copies,
+                     num_nodes=num_nodes if copies == 2 else None,
                      vulnerable_seconds=window, second_loss_probability=second)

@@ -50,12 +50,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-mtbf", type=arg_type(parse_duration), default=None,
                         help="with --local-bandwidth: mean time between node losses, the "
                              "failures the local tier does not survive (default: --mtbf)")
-    parser.add_argument("--local-replicas", type=int, choices=(1, 2), default=1,
+    parser.add_argument("--local-copies", type=int, choices=(1, 2), default=1,
                         help="with --local-bandwidth: copies of each node's local checkpoints "
-                             "(checkpoint.local_replicas); 2: also on the next node, so the "
+                             "(checkpoint.local_copies); 2: also on the next node, so the "
                              "local tier survives a lost node (needs --nodes)")
     parser.add_argument("--nodes", type=arg_type(_count), default=None,
-                        help="with --local-replicas 2: the job's nodes (a second loss must hit "
+                        help="with --local-copies 2: the job's nodes (a second loss must hit "
                              "a neighbour of the first to take the local tier down)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -77,18 +77,18 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.node_mtbf is not None and args.local_bandwidth is None:
             raise ValueError("--node-mtbf needs --local-bandwidth (it sets the durable tier's "
                              "MTBF when a local tier is used)")
-        if (args.local_replicas != 1 or args.nodes is not None) and args.local_bandwidth is None:
-            raise ValueError("--local-replicas and --nodes need --local-bandwidth (they are "
+        if (args.local_copies != 1 or args.nodes is not None) and args.local_bandwidth is None:
+            raise ValueError("--local-copies and --nodes need --local-bandwidth (they are "
                              "about the local tier)")
-        if args.local_replicas == 2 and args.nodes is None:
-            raise ValueError("--local-replicas 2 needs --nodes N: the local tier is lost when "
+        if args.local_copies == 2 and args.nodes is None:
+            raise ValueError("--local-copies 2 needs --nodes N: the local tier is lost when "
                              "a neighbour of a lost node is lost too, and how likely that is "
                              "depends on the number of nodes")
         if args.local_bandwidth is not None:
             tiers = make_tier_plans(args.size, bandwidth, args.local_bandwidth,
                                     node_mtbf_seconds=args.node_mtbf,
-                                    replicas=args.local_replicas,
-                                    num_nodes=args.nodes if args.local_replicas == 2 else None,
+                                    copies=args.local_copies,
+                                    num_nodes=args.nodes if args.local_copies == 2 else None,
                                     **options)
             print(json.dumps(asdict(tiers), indent=2) if args.json else format_tiers(tiers))
             return 0
@@ -151,13 +151,13 @@ def format_tiers(tiers: TierPlans) -> str:
             return f'"{plan.interval_steps}"'
         return f'"{max(1, math.ceil(plan.interval_seconds))}s"'
 
-    if tiers.replicas == 2:
+    if tiers.copies == 2:
         durable = "durable tier (a node lost with a neighbour: the local tier's copies gone)"
         copies = [f"local copies: 2 (each node's also on the next of {tiers.num_nodes} "
                   f"nodes): a node loss takes the local tier down only if a neighbour is "
                   f"lost within {_secs(tiers.vulnerable_seconds)}, "
                   f"p = {tiers.second_loss_probability:.3g} per node loss",
-                  "checkpoint.local_replicas = 2"]
+                  "checkpoint.local_copies = 2"]
     else:
         durable, copies = "durable tier (node losses)", []
     out = ["local tier (all failures)", format_plan(tiers.local), "",

@@ -9,7 +9,7 @@ to keep. ``tiers`` (:class:`TieredCheckpointManager`): a fast local tier per nod
 durable one. Internals: ``_claim`` (a manager's claim on its root: lease, cleanup, failure
 history), ``_commits`` (what a manager knows of its commits, the bookkeeping after each),
 ``_inflight`` (the staged copy a save persists, the one background slot), ``_tier_layout``
-(where local checkpoints live), ``_replicas`` (each node's local checkpoints copied to the
+(where local checkpoints live), ``_copies`` (each node's local checkpoints copied to the
 next node, and fetched back at a resume), ``_copy`` (one committed version sent to a
 neighbouring node and committed there).
 """

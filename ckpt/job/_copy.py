@@ -1,6 +1,6 @@
 """One committed version sent to a neighbouring node and committed there: the bytes of a
 node-local checkpoint copied to the next node, or fetched back from it
-(:mod:`ckpt.job._replicas` decides who sends what, and when).
+(:mod:`ckpt.job._copies` decides who sends what, and when).
 
 A version goes as messages (``ckpt.ranks.swap_bytes``), in three phases every pair of nodes
 runs in step (:func:`swap_versions`):

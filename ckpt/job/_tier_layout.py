@@ -5,7 +5,7 @@ never the default group: ``ckpt.ranks.groups``) and joins its node's group. On a
 several nodes each node's local versions hold its ranks' share of the job's checkpoint (a
 tensor sharded across nodes only in part), and say so in their ``span``
 (:func:`node_span`, :mod:`ckpt.format.span`): such a version loads only on that layout. With
-``local_replicas=2`` each node also keeps the copies of its predecessor's local checkpoints
+``local_copies=2`` each node also keeps the copies of its predecessor's local checkpoints
 (nodes in a ring by index) in ``peer-{node}`` under its own local root (:func:`peer_root`),
 a root of its own. The versions a resume may combine across nodes and copies come from one
 run (:func:`runs_of_steps`, :func:`mixed_steps`; ``ckpt.root.lineage``). Used by

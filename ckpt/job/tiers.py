@@ -35,7 +35,7 @@ collectives of a resume run on the job-wide tier group (``_world``, main thread 
 which local steps every node has (an all-gather of each node's listing), the durable steps
 (rank 0's listing) and each verdict of the walk.
 
-Copies on the next node (``local_replicas=2``, :mod:`ckpt.job._replicas`): after a node's
+Copies on the next node (``local_copies=2``, :mod:`ckpt.job._copies`): after a node's
 local save commits, its coordinator copies it, in the background, to the next node's
 ``local_root/peer-{node}/`` (a root of its own, under that node's lease); at a resume a local
 step counts when every node holds it itself or through its successor's copy, and a node that
@@ -51,7 +51,7 @@ durable tier's the rate of the failures the local tier does not survive; a resta
 resumed from the local tier is not counted in the durable tier's failure history.
 
 Size: one object composing the two tiers: every decision both tiers must agree on (due,
-busy, layout, resume tier, copies) goes through it; the copies themselves are in _replicas
+busy, layout, resume tier, copies) goes through it; the copies themselves are in _copies
 and _copy.
 """
 
@@ -67,7 +67,7 @@ import torch.distributed as dist
 from ckpt.cadence import CadencePolicy
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
 from ckpt.format import Manifest
-from ckpt.job._replicas import MAX_REPLICAS, Replicas
+from ckpt.job._copies import MAX_COPIES, PeerCopies
 from ckpt.job._tier_layout import (
     mixed_steps,
     node_groups,
@@ -106,7 +106,7 @@ class TieredCheckpointManager:
         retention / local_retention: each tier's retention (local default: keep the last 2).
         node_rank: this process's node (default: torchrun's ``GROUP_RANK``, else 0). Ranks
             with the same ``node_rank`` share a local root.
-        local_replicas: 1 (default): each node keeps its own local checkpoints; 2: each
+        local_copies: 1 (default): each node keeps its own local checkpoints; 2: each
             node's are also copied to the next node (``peer-{node}/`` under its local root),
             in the background, so that the local tier survives the loss of one node
             (docs/store.md, "Copies on the next node"). A job of one node has no next node:
@@ -128,12 +128,12 @@ class TieredCheckpointManager:
                  retention: Sequence[RetentionPolicy] | None = None,
                  local_retention: Sequence[RetentionPolicy] | None = None,
                  node_rank: int | None = None, events: EventBus | None = None,
-                 local_replicas: int = 1,
+                 local_copies: int = 1,
                  storage_options: dict[str, Any] | None = None, **manager_options: Any):
-        if isinstance(local_replicas, bool) or not isinstance(local_replicas, int) \
-                or not 1 <= local_replicas <= MAX_REPLICAS:
-            raise ValueError(f"local_replicas={local_replicas!r}: expected 1 (each node keeps "
-                             f"its own local checkpoints) or {MAX_REPLICAS} (and a copy on "
+        if isinstance(local_copies, bool) or not isinstance(local_copies, int) \
+                or not 1 <= local_copies <= MAX_COPIES:
+            raise ValueError(f"local_copies={local_copies!r}: expected 1 (each node keeps "
+                             f"its own local checkpoints) or {MAX_COPIES} (and a copy on "
                              f"the next node)")
         root_url = root.url if isinstance(root, Storage) else str(root)
         if node_rank is None:
@@ -152,7 +152,7 @@ class TieredCheckpointManager:
             if self.distributed else None
         self._world = Agreement(self._group)
         self._node_group = None  # the local tier's ranks: this node's (several nodes only)
-        self._replicas: Replicas | None = None  # copies on the next node (local_replicas=2)
+        self._copies: PeerCopies | None = None  # copies on the next node (local_copies=2)
         if self._group is not None:
             free_at_exit(self)
         try:
@@ -180,13 +180,13 @@ class TieredCheckpointManager:
             self.durable.close(flush=False)  # its lease is not left behind
             self.free_groups()
             raise
-        self.local_replicas = local_replicas if self.num_nodes > 1 else 1
-        if local_replicas > 1 and self.num_nodes == 1:
-            log.warning("local_replicas=%d on a job of one node: there is no next node to "
-                        "hold a copy; the local tier keeps one", local_replicas)
-        if self.local_replicas > 1:
+        self.local_copies = local_copies if self.num_nodes > 1 else 1
+        if local_copies > 1 and self.num_nodes == 1:
+            log.warning("local_copies=%d on a job of one node: there is no next node to "
+                        "hold a copy; the local tier keeps one", local_copies)
+        if self.local_copies > 1:
             try:
-                self._replicas = Replicas(
+                self._copies = PeerCopies(
                     self.local, node=self.node_rank,
                     node_of_rank=self._node_of_rank, world=self._world, events=self.events,
                     use_lease=manager_options.get("use_lease", True),
@@ -311,8 +311,8 @@ class TieredCheckpointManager:
             lost, started_anywhere = self._world.max(int(self.local.lease_lost),
                                                      int(started_local))
             self._local_lease_lost = bool(lost)
-            if started_anywhere and self._replicas is not None:
-                self._replicas.queue(step, self.local.save_outcome() if started_local
+            if started_anywhere and self._copies is not None:
+                self._copies.queue(step, self.local.save_outcome() if started_local
                                      else None)
         if block:
             for mgr, started in ((self.local, started_local), (self.durable, started_durable)):
@@ -331,8 +331,8 @@ class TieredCheckpointManager:
         """Wait for both tiers' in-flight saves (and the copies of local saves to the next
         node); returns the durable tier's ``wait()``."""
         self.local.wait(raise_errors=False)
-        if self._replicas is not None:
-            self._replicas.wait()
+        if self._copies is not None:
+            self._copies.wait()
         return self.durable.wait(raise_errors=raise_errors)
 
     # -- loading -----------------------------------------------------------------------------
@@ -393,7 +393,7 @@ class TieredCheckpointManager:
         steps could not be deleted after a resume went back past them still holds the
         abandoned trajectory's, and must never be combined with the current one's. With
         copies, a node lacking a step that every node holds, itself or through its
-        successor, gets it back first (``Replicas.restore``: the newest such step not older
+        successor, gets it back first (``PeerCopies.restore``: the newest such step not older
         than ``newest_durable``)."""
         mine: dict[str, Any] | None = None  # None: not a node's coordinator, no listing
         if self.local.rank == 0:
@@ -403,7 +403,7 @@ class TieredCheckpointManager:
                 log.warning("local tier %s unreadable, not used: %s", self.local_root, exc)
                 own = []
             mine = {"node": self.node_rank, "own": own,
-                    "copies": self._replicas.listing() if self._replicas else None}
+                    "copies": self._copies.listing() if self._copies else None}
         if not self.distributed:
             return [s for s, _ in mine["own"]] if mine else []
         lists = self._world.all_gather(mine)  # live peers' lists, no storage
@@ -417,8 +417,8 @@ class TieredCheckpointManager:
             log.warning("%s", message)
             self.events.emit("load_fallback", step, reason=message, tier="local")
         own_steps = {d["node"]: {s for s, _ in d["own"]} - set(mixed) for d in nodes}
-        if self._replicas is not None:
-            own_steps = self._replicas.restore(
+        if self._copies is not None:
+            own_steps = self._copies.restore(
                 own_steps, {d["node"]: None if d["copies"] is None
                             else [s for s, _ in d["copies"] if s not in mixed]
                             for d in nodes},
@@ -460,8 +460,8 @@ class TieredCheckpointManager:
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
         self._drop_newer_local(step)
-        if self._replicas is not None:
-            self._replicas.drop_newer(step)
+        if self._copies is not None:
+            self._copies.drop_newer(step)
 
     def uncommit_newer(self, step: int) -> list[int]:
         """The durable tier's :meth:`CheckpointManager.uncommit_newer` (``load_latest``
@@ -500,8 +500,8 @@ class TieredCheckpointManager:
             try:
                 self.local.close(flush=flush)
             finally:
-                if self._replicas is not None:  # its rounds wait for the local saves
-                    self._replicas.close()
+                if self._copies is not None:  # its rounds wait for the local saves
+                    self._copies.close()
         finally:
             self.durable.close(flush=flush)
             self.free_groups()
@@ -510,8 +510,8 @@ class TieredCheckpointManager:
         """Free the job-wide group of the tier logic and the node group (each tier frees
         its own)."""
         groups, self._group, self._node_group = (self._group, self._node_group), None, None
-        if self._replicas is not None:
-            self._replicas.free_group()
+        if self._copies is not None:
+            self._copies.free_group()
         self._world.close()
         freed(self)
         destroy_groups(groups)

@@ -1,7 +1,7 @@
 """Bytes between two ranks: one message out to a rank while one comes in from another.
 
 ``swap_bytes`` is the one point-to-point primitive of the store (the copies of a node's
-local checkpoints on its neighbour, ``ckpt.job._replicas``). Each message is its length
+local checkpoints on its neighbour, ``ckpt.job._copies``). Each message is its length
 (one int64) and then its bytes, sent with ``isend`` and received with ``irecv`` on a gloo
 group the caller owns and uses from one thread (never the training group): sending to one
 rank and receiving from another at once, a ring of ranks swaps without deadlock, and a pair

@@ -168,7 +168,7 @@ def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node:
         return {"m": ModelState(model, opt), "probe": probe, "progress": {"step": step}}
 
     def mgr():
-        return _mgr(root, local_root, node, local_replicas=replicas)
+        return _mgr(root, local_root, node, local_copies=replicas)
 
     out: dict = {}
     saved: dict[int, dict] = {}
@@ -208,7 +208,7 @@ def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node:
         loaded = m.load_latest(target)
         assert_same(saved[loaded.step], snapshot(resolve_state(target)), f"rank {rank}")
         events = {k: [e.step for e in m.events.of_kind(k)]
-                  for k in ("replica_restored", "load_fallback")}
+                  for k in ("copy_restored", "load_fallback")}
         m.close()
         return loaded.step, m.resumed_tier, events
 

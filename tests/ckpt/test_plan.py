@@ -237,7 +237,7 @@ def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighb
     args = (10**12, 2e9, 100e9)
     kw = dict(node_mtbf_seconds=m_node, mtbf_seconds=m, stall_seconds=10.0, step_seconds=5.0)
     one = make_tier_plans(*args, **kw)
-    two = make_tier_plans(*args, replicas=2, num_nodes=16, **kw)
+    two = make_tier_plans(*args, copies=2, num_nodes=16, **kw)
     local = two.local
     assert local == one.local  # the local tier's own plan does not change
     # A node loss takes the local tier down only if one of its 2 neighbours is lost within
@@ -254,15 +254,15 @@ def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighb
                                         - two.durable.lost_seconds_per_failure * p / m_node)
     assert two.goodput > one.goodput and two.durable_only_goodput == one.durable_only_goodput
     # Two nodes: each has one neighbour.
-    pair = make_tier_plans(*args, replicas=2, num_nodes=2, **kw)
+    pair = make_tier_plans(*args, copies=2, num_nodes=2, **kw)
     assert pair.second_loss_probability == pytest.approx(1 - math.exp(-window / (2 * m_node)))
-    assert one.replicas == 1 and one.second_loss_probability is None
+    assert one.copies == 1 and one.second_loss_probability is None
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(replicas=3, num_nodes=4), "replicas=3 is invalid: pass 1 .* or 2"),
-    (dict(replicas=2), "replicas=2 needs the number of nodes"),
-    (dict(replicas=2, num_nodes=1), "replicas=2 needs the number of nodes .* got 1"),
+    (dict(copies=3, num_nodes=4), "copies=3 is invalid: pass 1 .* or 2"),
+    (dict(copies=2), "copies=2 needs the number of nodes"),
+    (dict(copies=2, num_nodes=1), "copies=2 needs the number of nodes .* got 1"),
 ])
 def test_tier_plans_refuse_bad_replicas(kw, message):
     from ckpt.cadence import make_tier_plans

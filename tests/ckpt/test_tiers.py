@@ -69,7 +69,7 @@ def test_a_tensor_sharded_across_nodes_is_saved_as_each_nodes_share(tmp_path):
         assert r["intact"][:2] == (6, "local")
         step, tier, events = r["wiped"]
         assert (step, tier) == (4, "durable"), r
-        assert events["replica_restored"] == []
+        assert events["copy_restored"] == []
 
 
 def test_hsdp_within_nodes_resumes_from_each_nodes_local_tier(tmp_path):

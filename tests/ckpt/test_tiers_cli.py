@@ -82,32 +82,32 @@ def test_plan_shows_what_copies_on_the_next_node_change(capsys):
     argv = ["plan", "--size", "1TB", "--bandwidth", "2GB/s", "--local-bandwidth", "100GB/s",
             "--stall", "10s", "--mtbf", "4h", "--node-mtbf", "48h", "--step-time", "5s"]
     rc, one, _ = cli(capsys, *argv)
-    rc2, two, _ = cli(capsys, *argv, "--local-replicas", "2", "--nodes", "16")
+    rc2, two, _ = cli(capsys, *argv, "--local-copies", "2", "--nodes", "16")
     assert rc == rc2 == 0
     assert "durable tier (node losses)" in one and "local copies" not in one
     assert "durable tier (a node lost with a neighbour" in two
     assert "local copies: 2 (each node's also on the next of 16 nodes)" in two
-    assert "checkpoint.local_replicas = 2" in two
+    assert "checkpoint.local_copies = 2" in two
 
     def interval(out):
         return int(out.split('checkpoint.interval = "')[1].split('"')[0])
 
     assert interval(two) > interval(one)  # the durable tier guards against rarer losses
-    rc, out, _ = cli(capsys, *argv, "--local-replicas", "2", "--nodes", "16", "--json")
+    rc, out, _ = cli(capsys, *argv, "--local-copies", "2", "--nodes", "16", "--json")
     plans = json.loads(out)
-    assert plans["replicas"] == 2 and plans["num_nodes"] == 16
+    assert plans["copies"] == 2 and plans["num_nodes"] == 16
     assert plans["durable"]["mtbf_seconds"] == pytest.approx(
         48 * 3600 / plans["second_loss_probability"])
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--node-mtbf", "48h"], "--node-mtbf needs --local-bandwidth"),
-    (["--local-replicas", "2", "--nodes", "4"], "--local-replicas and --nodes need "
+    (["--local-copies", "2", "--nodes", "4"], "--local-copies and --nodes need "
                                                 "--local-bandwidth"),
-    (["--local-bandwidth", "40GB/s", "--local-replicas", "2"],
-     "--local-replicas 2 needs --nodes N"),
-    (["--local-bandwidth", "40GB/s", "--local-replicas", "2", "--nodes", "1"],
-     "replicas=2 needs the number of nodes (>= 2), got 1"),
+    (["--local-bandwidth", "40GB/s", "--local-copies", "2"],
+     "--local-copies 2 needs --nodes N"),
+    (["--local-bandwidth", "40GB/s", "--local-copies", "2", "--nodes", "1"],
+     "copies=2 needs the number of nodes (>= 2), got 1"),
     (["--local-bandwidth", "40GB/s", "--mtbf", "6h", "--node-mtbf", "1h"],
      "node losses are a subset of all failures"),
 ])

@@ -27,7 +27,7 @@ def test_fsdp_across_nodes_resumes_from_the_local_tier_through_a_copy(tmp_path, 
         step, tier, events = r["wiped"]
         assert (step, tier) == (6, "local"), r
         # Node 1's coordinator fetched its share back from node 0's copy.
-        assert events["replica_restored"] == ([6] if rank == 2 else []), (rank, events)
+        assert events["copy_restored"] == ([6] if rank == 2 else []), (rank, events)
     _partial_root_refused_by_tools(tmp_path, capsys)
 
 

@@ -3,7 +3,7 @@ its peer's copies is refused naming it (the job never writes into the root it le
 and a copy whose manifest lists sizes its files do not hold is refused in bounded time and
 memory, the resume going on with the next candidate instead of waiting out a timeout.
 
-Two real gloo processes act as two nodes (``tests/ckpt/_replica_workers.py``), each with its
+Two real gloo processes act as two nodes (``tests/ckpt/_copy_workers.py``), each with its
 local root ``local-{node}`` and the copies of the other's in ``local-{node}/peer-{other}``.
 """
 
@@ -25,7 +25,7 @@ from ckpt.format._check import manifest_bytes
 from ckpt.job._copy import Incoming
 from ckpt.root import CheckpointStore, Lifecycle
 from ckpt.storage import Storage
-from tests.ckpt import _replica_workers as w
+from tests.ckpt import _copy_workers as w
 from tests.dist import run_ranks
 
 pytestmark = pytest.mark.timeout(400)
@@ -67,7 +67,7 @@ def copied(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("copied")
     out = run_ranks(w.train_body, NODES, *_roots(base), LAST, NO_DURABLE, timeout=240)
     for events in out:
-        assert [s for s, _ in events["replica_committed"]] == [2, 4], events
+        assert [s for s, _ in events["copy_committed"]] == [2, 4], events
     return base
 
 
@@ -90,7 +90,7 @@ def test_a_crafted_copy_is_refused_in_bounded_time_and_the_resume_goes_on(copied
     # Step 4 cannot come back (node 0 does not send a copy whose files do not match it);
     # step 2 does, and every node resumes from it.
     assert [(r["step"], r["tier"]) for r in out] == [(2, "local")] * NODES, out
-    assert [s for s, _ in out[1]["replica_restored"]] == [2]
+    assert [s for s, _ in out[1]["copy_restored"]] == [2]
 
 
 def _message(data: bytes) -> torch.Tensor:

@@ -9,7 +9,7 @@ node's worker is restarted by its agent and waits for the killed node to come ba
 * ``node``: the node comes back with an empty local root (a replaced machine): the newer
   local steps of the first node alone are not usable, every rank falls back to the durable
   tier together, and the first node deletes its newer local steps.
-* ``node-with-copy``: the same, with ``checkpoint.local_replicas = 2``: the first node holds
+* ``node-with-copy``: the same, with ``checkpoint.local_copies = 2``: the first node holds
   a copy of the second's local steps, the replaced node gets its part back from it, and the
   job resumes from the local tier.
 
@@ -55,7 +55,7 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
     keep = 4 if lost == "node-with-copy" else 2
     # Copies run behind the steps; paced steps let one land well before the next durable
     # commit (the kill must come while the copied local step is the newest).
-    copies = ["--checkpoint.local_replicas=2", "--fault.inject_step_delay_seconds=0.25"]
+    copies = ["--checkpoint.local_copies=2", "--fault.inject_step_delay_seconds=0.25"]
     overrides = (*COMMON, *DDP, "--checkpoint.interval=10", f"--checkpoint.root={root}",
                  f"--checkpoint.local_root={local}", "--checkpoint.local_interval=3",
                  f"--metrics.jsonl_path={jsonl}",
@@ -79,7 +79,7 @@ def test_a_node_killed_resumes_from_the_right_tier_bit_for_bit(tmp_path, lost):
         # newest. With copies: a copy round that node 0 saw acknowledged (in the same round
         # node 1's copy of that step came to node 0); under load a round can be skipped for
         # a newer one, so not every local step gets its copy.
-        kind = "replica_committed" if lost == "node-with-copy" else "local_save_committed"
+        kind = "copy_committed" if lost == "node-with-copy" else "local_save_committed"
         newest_durable = [10]
 
         def ahead(e: dict) -> bool:

@@ -16,7 +16,7 @@ from ckpt.dcp import api
 from ckpt.events import EventBus
 from ckpt.root import CheckpointStore
 from monitoring import Metrics, local_port
-from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, REPLICA_OUTCOMES, SAVE_OUTCOMES, TIERS
+from monitoring.metrics import DEFAULT_HOST, FAILURE_KINDS, COPY_OUTCOMES, SAVE_OUTCOMES, TIERS
 from tests.dist import free_port, run_ranks
 from trainer.config import MetricsConfig
 
@@ -76,11 +76,11 @@ def test_every_series_exists_before_the_first_event():
         ("train_process_start_timestamp_seconds", r)]
     assert s[("ckpt_age_limit_seconds", r)] == math.inf  # interval unknown: never pages
     assert s[("train_stall_threshold_seconds", r)] == 900.0  # startup allowance
-    for outcome in REPLICA_OUTCOMES:
-        assert s[("ckpt_replicas_total", (("outcome", outcome), *r))] == 0
-    assert s[("ckpt_replicated_bytes_total", r)] == 0
-    assert s[("ckpt_replication_lag_seconds", r)] == 0
-    assert s[("ckpt_replicated_step", r)] == -1
+    for outcome in COPY_OUTCOMES:
+        assert s[("ckpt_peer_copies_total", (("outcome", outcome), *r))] == 0
+    assert s[("ckpt_peer_copied_bytes_total", r)] == 0
+    assert s[("ckpt_peer_copy_lag_seconds", r)] == 0
+    assert s[("ckpt_peer_copied_step", r)] == -1
 
 
 def test_stall_threshold_follows_the_typical_step_and_stays_below_the_watchdog():
@@ -404,22 +404,22 @@ def test_shutdown_lingers_serving_the_last_state():
 
 
 def test_copies_on_the_next_node_feed_their_own_series():
-    """``replica_<outcome>`` events (a node's first rank, ``local_replicas=2``): the copies
+    """``copy_<outcome>`` events (a node's first rank, ``local_copies=2``): the copies
     by outcome, their bytes, the newest copy's lag and step; nothing a tier's series reads."""
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
     before = _samples(m, live=False)
-    bus.emit("replica_committed", 4, peer_node=1, bytes=1000, seconds=0.2, lag_seconds=0.5)
-    bus.emit("replica_committed", 6, peer_node=1, bytes=3000, seconds=0.4, lag_seconds=0.75)
-    bus.emit("replica_failed", 8, node=0, peer_node=1, error="checksum mismatch")
-    bus.emit("replica_skipped", 10, reason="a newer local step is queued")
-    bus.emit("replica_restored", 6, peer_node=1, bytes=3000, seconds=0.3)
+    bus.emit("copy_committed", 4, peer_node=1, bytes=1000, seconds=0.2, lag_seconds=0.5)
+    bus.emit("copy_committed", 6, peer_node=1, bytes=3000, seconds=0.4, lag_seconds=0.75)
+    bus.emit("copy_failed", 8, node=0, peer_node=1, error="checksum mismatch")
+    bus.emit("copy_skipped", 10, reason="a newer local step is queued")
+    bus.emit("copy_restored", 6, peer_node=1, bytes=3000, seconds=0.3)
     after = _samples(m, live=False)
     moved = {name for name, labels in after if after[(name, labels)] != before.get((name, labels))}
-    assert moved == {"ckpt_replicas_total", "ckpt_replicated_bytes_total",
-                     "ckpt_replication_lag_seconds", "ckpt_replicated_step"}, moved
+    assert moved == {"ckpt_peer_copies_total", "ckpt_peer_copied_bytes_total",
+                     "ckpt_peer_copy_lag_seconds", "ckpt_peer_copied_step"}, moved
     for outcome, n in (("committed", 2), ("failed", 1), ("skipped", 1), ("restored", 1)):
-        assert _value(m, "ckpt_replicas_total", outcome=outcome) == n
-    assert _value(m, "ckpt_replicated_bytes_total") == 4000
-    assert _value(m, "ckpt_replication_lag_seconds") == 0.75
-    assert _value(m, "ckpt_replicated_step") == 6
+        assert _value(m, "ckpt_peer_copies_total", outcome=outcome) == n
+    assert _value(m, "ckpt_peer_copied_bytes_total") == 4000
+    assert _value(m, "ckpt_peer_copy_lag_seconds") == 0.75
+    assert _value(m, "ckpt_peer_copied_step") == 6

@@ -15,12 +15,12 @@ def _load(*overrides: str):
 def test_local_tier_is_off_by_default_and_takes_the_interval_grammar(tmp_path):
     c = _load(f"--checkpoint.root={tmp_path}/ckpt").checkpoint
     assert c.local_root == "" and c.local_interval == "auto" and c.local_keep_last == 2
-    assert c.local_replicas == 1
+    assert c.local_copies == 1
     c = _load(f"--checkpoint.root={tmp_path}/ckpt", "--checkpoint.local_root=/dev/shm/x-{node}",
               "--checkpoint.local_interval=5", "--checkpoint.interval=20",
-              "--checkpoint.local_replicas=2").checkpoint
+              "--checkpoint.local_copies=2").checkpoint
     assert (c.local_root, c.local_interval, c.interval) == ("/dev/shm/x-{node}", "5", "20")
-    assert c.local_replicas == 2
+    assert c.local_copies == 2
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -31,13 +31,13 @@ def test_local_tier_is_off_by_default_and_takes_the_interval_grammar(tmp_path):
     (["--checkpoint.local_keep_last=0"], r"checkpoint\.local_keep_last: must be >= 1"),
     (["--checkpoint.node_loss_mtbf_hours=2", "--checkpoint.mtbf_hours=24"],
      r"checkpoint\.node_loss_mtbf_hours: .* below mtbf_hours.*set it >= mtbf_hours"),
-    (["--checkpoint.local_root=/dev/shm/x", "--checkpoint.local_replicas=3"],
-     r"checkpoint\.local_replicas: must be 1 or 2, got 3; .*2 also copies them to the next "
+    (["--checkpoint.local_root=/dev/shm/x", "--checkpoint.local_copies=3"],
+     r"checkpoint\.local_copies: must be 1 or 2, got 3; .*2 also copies them to the next "
      r"node"),
-    (["--checkpoint.local_root=/dev/shm/x", "--checkpoint.local_replicas=0"],
-     r"checkpoint\.local_replicas: must be 1 or 2, got 0"),
-    (["--checkpoint.local_replicas=2"],
-     r"checkpoint\.local_replicas: is 2 but local_root is empty; .*set "
+    (["--checkpoint.local_root=/dev/shm/x", "--checkpoint.local_copies=0"],
+     r"checkpoint\.local_copies: must be 1 or 2, got 0"),
+    (["--checkpoint.local_copies=2"],
+     r"checkpoint\.local_copies: is 2 but local_root is empty; .*set "
      r"checkpoint\.local_root too"),
 ])
 def test_bad_local_tier_values_are_one_line_errors(tmp_path, overrides, message):

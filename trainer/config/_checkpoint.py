@@ -40,11 +40,11 @@ class CheckpointConfig(Section):
     local_interval: str = _f("auto", "The local tier's interval, same forms as interval "
                                      "(used only with local_root).")
     local_keep_last: int = _f(2, "Local checkpoints kept on each node (>= 1).")
-    local_replicas: int = _f(1, "Copies of each node's local checkpoints: 1, or 2 = also on "
+    local_copies: int = _f(1, "Copies of each node's local checkpoints: 1, or 2 = also on "
                                 "the next node, so the local tier survives a lost node.")
     node_loss_mtbf_hours: float = _f(
         0.0, "With local_root: prior mean time between failures the local tier does not "
-             "survive (node losses; with local_replicas=2, of two neighbours), for root's "
+             "survive (node losses; with local_copies=2, of two neighbours), for root's "
              "'auto' (mtbf_hours is the local tier's); 0 = mtbf_hours.")
 
     def _validate(self) -> None:
@@ -57,14 +57,14 @@ class CheckpointConfig(Section):
         except ValueError as exc:
             self._fail("local_interval", str(exc))
         self._at_least("local_keep_last", 1, "a local tier keeps at least its newest step")
-        if isinstance(self.local_replicas, bool) or self.local_replicas not in (1, 2):
-            self._fail("local_replicas", f"must be 1 or 2, got {self.local_replicas!r}",
+        if isinstance(self.local_copies, bool) or self.local_copies not in (1, 2):
+            self._fail("local_copies", f"must be 1 or 2, got {self.local_copies!r}",
                        "1 keeps each node's local checkpoints on that node only, 2 also "
                        "copies them to the next node (more copies are not supported)")
-        if self.local_replicas > 1 and not self.local_root:
-            self._fail("local_replicas", f"is {self.local_replicas} but local_root is empty",
+        if self.local_copies > 1 and not self.local_root:
+            self._fail("local_copies", f"is {self.local_copies} but local_root is empty",
                        "copies on the next node are of the local tier: set "
-                       "checkpoint.local_root too, or leave local_replicas at 1")
+                       "checkpoint.local_root too, or leave local_copies at 1")
         if self.node_loss_mtbf_hours != 0 and self.node_loss_mtbf_hours < self.mtbf_hours:
             self._fail("node_loss_mtbf_hours",
                        f"{self.node_loss_mtbf_hours} is below mtbf_hours={self.mtbf_hours}, "

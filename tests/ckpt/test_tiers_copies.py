@@ -1,4 +1,4 @@
-"""Local copies on the next node (``TieredCheckpointManager(local_replicas=2)``): the local
+"""Local copies on the next node (``TieredCheckpointManager(local_copies=2)``): the local
 tier survives the loss of a node.
 
 Three real gloo processes act as three nodes, each with its own local root
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ckpt import _replica_workers as w
+from tests.ckpt import _copy_workers as w
 from tests.dist import run_ranks
 
 NODES = 3
@@ -51,19 +51,19 @@ def test_each_nodes_local_steps_are_copied_to_the_next_node_bit_for_bit(crashed)
 
     base, out = crashed
     for node, events in enumerate(out):
-        assert [s for s, _ in events["replica_committed"]] == [2, 4, 6], events
-        assert {f["peer_node"] for _, f in events["replica_committed"]} == {(node + 1) % NODES}
-        assert not events["replica_failed"] and not events["replica_skipped"]
+        assert [s for s, _ in events["copy_committed"]] == [2, 4, 6], events
+        assert {f["peer_node"] for _, f in events["copy_committed"]} == {(node + 1) % NODES}
+        assert not events["copy_failed"] and not events["copy_skipped"]
         # What monitoring makes of it: the newest step held on two nodes, bytes, lag.
         series = events["metrics"]
-        assert series[("ckpt_replicated_step", None)] == 6
-        assert series[("ckpt_replicas_total", "committed")] == 3
-        assert series[("ckpt_replicas_total", "failed")] == 0
-        assert 0 < series[("ckpt_replication_lag_seconds", None)] < 60
+        assert series[("ckpt_peer_copied_step", None)] == 6
+        assert series[("ckpt_peer_copies_total", "committed")] == 3
+        assert series[("ckpt_peer_copies_total", "failed")] == 0
+        assert 0 < series[("ckpt_peer_copy_lag_seconds", None)] < 60
         # Steps 2, 4 and 6 were copied; the files of 4 and 6 are still there to count.
         kept = sum(len(b) for step in (4, 6) for b in _files(
             base / f"local-{(node + 1) % NODES}" / f"peer-{node}" / f"step_{step:09d}").values())
-        assert series[("ckpt_replicated_bytes_total", None)] > kept > 0
+        assert series[("ckpt_peer_copied_bytes_total", None)] > kept > 0
     for node in range(NODES):
         holder = base / f"local-{(node + 1) % NODES}" / f"peer-{node}"
         # The copies mirror the owner's retention (keep 2) and are byte for byte its files.
@@ -88,10 +88,10 @@ def test_a_lost_node_resumes_from_the_local_tier_through_its_copy(crashed, tmp_p
     out = run_ranks(w.resume_body, NODES, *_roots(base), TOTAL, timeout=240)
     # Local 6 is newer than durable 4: node 1's part of it comes back from node 2's copy.
     assert [(r["step"], r["tier"]) for r in out] == [(6, "local")] * NODES
-    assert [s for s, f in out[1]["replica_restored"]] == [6]
-    assert out[1]["replica_restored"][0][1]["peer_node"] == 2
-    assert not out[0]["replica_restored"] and not out[2]["replica_restored"]
-    assert not any(r["load_fallback"] or r["replica_failed"] for r in out), out
+    assert [s for s, f in out[1]["copy_restored"]] == [6]
+    assert out[1]["copy_restored"][0][1]["peer_node"] == 2
+    assert not out[0]["copy_restored"] and not out[2]["copy_restored"]
+    assert not any(r["load_fallback"] or r["copy_failed"] for r in out), out
 
 
 def test_two_neighbouring_nodes_lost_fall_back_to_the_durable_tier(crashed, tmp_path):
@@ -101,7 +101,7 @@ def test_two_neighbouring_nodes_lost_fall_back_to_the_durable_tier(crashed, tmp_
     shutil.rmtree(base / "local-2")
     out = run_ranks(w.resume_body, NODES, *_roots(base), TOTAL, timeout=240)
     assert [(r["step"], r["tier"]) for r in out] == [(4, "durable")] * NODES
-    assert not any(r["replica_restored"] for r in out), out
+    assert not any(r["copy_restored"] for r in out), out
 
 
 def test_a_damaged_copy_is_detected_and_the_fall_back_goes_on(crashed, tmp_path):
@@ -118,8 +118,8 @@ def test_a_damaged_copy_is_detected_and_the_fall_back_goes_on(crashed, tmp_path)
     for r in out:
         assert [(s, f["tier"]) for s, f in r["load_fallback"]] == [(6, "local")], r
         assert "checksum mismatch" in r["load_fallback"][0][1]["reason"]
-    assert [s for s, _ in out[1]["replica_restored"]] == [4]
-    assert [s for s, _ in out[1]["replica_failed"]] == [6]
+    assert [s for s, _ in out[1]["copy_restored"]] == [4]
+    assert [s for s, _ in out[1]["copy_failed"]] == [6]
 
 
 def test_a_node_killed_while_it_receives_a_copy_leaves_no_torn_copy(tmp_path):
@@ -138,7 +138,7 @@ def test_a_node_killed_while_it_receives_a_copy_leaves_no_torn_copy(tmp_path):
     shutil.rmtree(tmp_path / "local-1")
     out = run_ranks(w.resume_body, NODES, root, local, TOTAL, "100", timeout=240)
     assert [(r["step"], r["tier"]) for r in out] == [(4, "local")] * NODES
-    assert [s for s, _ in out[1]["replica_restored"]] == [4]
+    assert [s for s, _ in out[1]["copy_restored"]] == [4]
     assert not any(r["load_fallback"] for r in out), out
     # The new holder of node 2's copies removed the torn one's files when it took them;
     # the job then copied its own saves 6, 8 and 10 there.
@@ -158,5 +158,5 @@ def test_a_node_of_several_ranks_gets_every_ranks_part_back(tmp_path):
     out = run_ranks(w.resume_body, 4, root, local, TOTAL, w.DURABLE_EVERY, 2, timeout=240)
     assert [(r["step"], r["tier"]) for r in out] == [(6, "local")] * 4
     # Node 1's first rank (rank 2) fetched it back, from node 0.
-    assert [(s, f["peer_node"]) for s, f in out[2]["replica_restored"]] == [(6, 0)]
-    assert not any(r["replica_restored"] for i, r in enumerate(out) if i != 2)
+    assert [(s, f["peer_node"]) for s, f in out[2]["copy_restored"]] == [(6, 0)]
+    assert not any(r["copy_restored"] for i, r in enumerate(out) if i != 2)

@@ -1,5 +1,5 @@
 """Copies of each node's local checkpoints on the next node: a local tier that survives the
-loss of a node (``TieredCheckpointManager(local_replicas=2)``).
+loss of a node (``TieredCheckpointManager(local_copies=2)``).
 
 Nodes form a ring by index. Node ``n``'s local checkpoints are copied to its successor, into
 ``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``; never
@@ -24,7 +24,7 @@ rounds in the same order)::
                arrives, its size and CRC32C checked, synced ─► all verified: commit_copy
                (the manifest re-issued under the peer root's lease) ─► the steps the owner
                no longer keeps are deleted     | anything wrong: abandon (files removed)
-    ack ─► the sender learns its step is held on two nodes (``replica_committed``)
+    ack ─► the sender learns its step is held on two nodes (``copy_committed``)
 
 A copy is complete or invisible: its manifest is created last, and a copy torn by a crash
 has none (the next holder of the peer root removes its files). Memory per coordinator, in
@@ -32,7 +32,7 @@ host memory: the chunk it sends, and the chunk arriving plus the one being writt
 disk a file is written chunk by chunk as it arrives; on other storage a file is held until
 its last chunk, then written while the next one arrives).
 
-Resume (:meth:`Replicas.restore`, every rank, on the training thread, before the two-tier
+Resume (:meth:`PeerCopies.restore`, every rank, on the training thread, before the two-tier
 walk): a local step counts when every node holds it, itself or through its successor's
 copy. A node lacking the newest such step (not older than the durable tier's newest) gets it
 back from its successor (the files, verified, committed into its own local root under its
@@ -64,14 +64,14 @@ from ckpt.ranks import Agreement, destroy_groups, swap_bytes
 from ckpt.root import CheckpointStore, Lifecycle, acquire_lease, release_lease
 from ckpt.storage import Storage
 
-__all__ = ["Replicas", "REPLICA_TIMEOUT_SECONDS", "MAX_REPLICAS"]
+__all__ = ["PeerCopies", "COPY_TIMEOUT_SECONDS", "MAX_COPIES"]
 
 log = logging.getLogger(__name__)
 
-MAX_REPLICAS = 2
+MAX_COPIES = 2
 """Copies of a node's local checkpoint: its own, and one on the next node."""
 
-REPLICA_TIMEOUT_SECONDS = 300.0
+COPY_TIMEOUT_SECONDS = 300.0
 """How long a coordinator waits for a neighbour's bytes before the copy fails (a neighbour
 that died: the job is torn down by then anyway)."""
 
@@ -80,7 +80,7 @@ def _ack(ok: bool) -> torch.Tensor:
     return torch.tensor([1 if ok else 0], dtype=torch.uint8)
 
 
-class Replicas:
+class PeerCopies:
     """The copies of node-local checkpoints on the next node, for one rank of a tiered job.
 
     Construction is collective over the job (every rank: the coordinators' group); each
@@ -103,14 +103,14 @@ class Replicas:
         self.nodes = nodes
         self.coordinator = local.rank == 0
         self.group = dist.new_group(ranks=[first[n] for n in nodes], backend="gloo",
-                                    timeout=timedelta(seconds=REPLICA_TIMEOUT_SECONDS),
-                                    group_desc="ckpt_replicas")
+                                    timeout=timedelta(seconds=COPY_TIMEOUT_SECONDS),
+                                    group_desc="ckpt_copies")
         self.peer_life: Lifecycle | None = None  # the coordinator's: its predecessor's copies
         self.peer_store: CheckpointStore | None = None
         self._pending: deque[int] = deque()  # rounds queued, not begun
         self._lock = threading.Lock()
         self._last: Future | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-replicate")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
         error = self._claim(local.storage, use_lease, ttl_seconds=lease_ttl_seconds,
                             job_name=job_name, fingerprint=job_fingerprint) \
             if self.coordinator else None
@@ -145,7 +145,7 @@ class Replicas:
         self.peer_life, self.peer_store = life, CheckpointStore(storage, lifecycle=life)
         return None
 
-    # -- rounds (training thread queues, the replication thread runs) --------------------------
+    # -- rounds (training thread queues, the copy thread runs) --------------------------
     def queue(self, step: int, outcome: Future | None) -> None:
         """Copy this node's local save of ``step`` (``outcome``: its future, None when it
         was not started here) once it is done. Every rank calls it when some node started
@@ -168,7 +168,7 @@ class Replicas:
             newer = bool(self._pending)
         try:
             if Agreement(self.group).any(newer):  # this thread's group: the coordinators'
-                self.events.emit("replica_skipped", step,
+                self.events.emit("copy_skipped", step,
                                  reason="a newer local step is queued: only it is copied")
                 return
             manifest = None
@@ -180,7 +180,7 @@ class Replicas:
             self._copy(step, manifest)
         except Exception as exc:  # noqa: BLE001 - a copy never stops the job
             log.error("copy of local step %d to node %d failed: %s", step, self.succ_node, exc)
-            self.events.emit("replica_failed", step, node=self.node, peer_node=self.succ_node,
+            self.events.emit("copy_failed", step, node=self.node, peer_node=self.succ_node,
                              error=f"{type(exc).__name__}: {exc}")
 
     def _copy(self, step: int, manifest: Manifest | None) -> None:
@@ -201,7 +201,7 @@ class Replicas:
             except CheckpointError as exc:
                 verdict = False
                 log.error("%s", exc)
-                self.events.emit("replica_failed", incoming.step, node=self.pred_node,
+                self.events.emit("copy_failed", incoming.step, node=self.pred_node,
                                  peer_node=self.node, error=str(exc))
         sent_step = outgoing.step is not None  # not when its files do not match it
         got = swap_bytes(self.group,
@@ -209,16 +209,16 @@ class Replicas:
                          payload=_ack(verdict),
                          recv_from=self.coordinator_of[self.succ_node] if sent_step else None)
         if manifest is not None and not sent_step:
-            self.events.emit("replica_failed", step, node=self.node, peer_node=self.succ_node,
+            self.events.emit("copy_failed", step, node=self.node, peer_node=self.succ_node,
                              error=outgoing.error)
         if not sent_step:
             return
         if got is not None and got.numel() == 1 and int(got[0]) == 1:
-            self.events.emit("replica_committed", step, peer_node=self.succ_node,
+            self.events.emit("copy_committed", step, peer_node=self.succ_node,
                              bytes=outgoing.nbytes, seconds=time.monotonic() - t0,
                              lag_seconds=max(0.0, time.time() - manifest.created_unix))
         else:
-            self.events.emit("replica_failed", step, node=self.node, peer_node=self.succ_node,
+            self.events.emit("copy_failed", step, node=self.node, peer_node=self.succ_node,
                              error=outgoing.error or f"node {self.succ_node} refused the copy "
                                                      f"(its log says why)")
 
@@ -291,10 +291,10 @@ class Replicas:
                 raise CheckpointError(f"node {self.succ_node} could not read its copy")
         except CheckpointError as exc:
             log.error("%s", exc)
-            self.events.emit("replica_failed", step, node=self.node,
+            self.events.emit("copy_failed", step, node=self.node,
                              peer_node=self.succ_node, error=str(exc))
             return f"node {self.node}: {exc}"
-        self.events.emit("replica_restored", step, peer_node=self.succ_node,
+        self.events.emit("copy_restored", step, peer_node=self.succ_node,
                          bytes=incoming.nbytes, seconds=time.monotonic() - t0)
         log.warning("node %d: local step %d fetched back from node %d's copy (%d bytes, "
                     "%.2f s)", self.node, step, self.succ_node, incoming.nbytes,

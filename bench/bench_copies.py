@@ -1,7 +1,7 @@
 """Copies of the local tier on the next node: the time to resume after a node loss, and what
 the copies cost each save.
 
-    python3 bench/bench_replicas.py --size-mib 256 --repeats 3
+    python3 bench/bench_copies.py --size-mib 256 --repeats 3
 
 ``--nodes`` processes (default 3) on loopback, joined in a gloo group, each a node of its own
 with its own local root (local disk) and ``--size-mib`` MiB of float32 state of its own. The
@@ -15,17 +15,17 @@ local root (a replaced machine comes back empty), then times a new job's resume 
 node: ``TieredCheckpointManager(...)`` and ``load_latest``; the job's time is the slowest
 node's.
 
-* ``copies``: ``local_replicas=2``: node 1's part comes back from node 2's copy (over gloo on
+* ``copies``: ``local_copies=2``: node 1's part comes back from node 2's copy (over gloo on
   loopback), then every node loads from the local tier;
-* ``durable``: ``local_replicas=1``: node 1 has no local step, so every node loads from the
+* ``durable``: ``local_copies=1``: node 1 has no local step, so every node loads from the
   durable tier at ``--durable-gbps``;
-* ``no loss`` (reference): ``local_replicas=1``, nothing wiped (a process crash): every node
+* ``no loss`` (reference): ``local_copies=1``, nothing wiped (a process crash): every node
   loads its own local step.
 
 **Cost per save.** A manager per contender saves ``--saves`` local steps (local tier only,
-each waited for, copies included), with ``local_replicas`` 1 and 2; per save: the stall (the
+each waited for, copies included), with ``local_copies`` 1 and 2; per save: the stall (the
 staging copy, the same for both), the local persist, the copy to the next node
-(``replica_committed`` seconds: after the persist, in the background), and the CPU seconds of
+(``copy_committed`` seconds: after the persist, in the background), and the CPU seconds of
 the process (every thread) per save, whose difference is the copy's CPU (sending this node's
 part and receiving its predecessor's).
 
@@ -99,10 +99,10 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     blank = {f"node{rank}": make_state(args.size_mib << 20, args.tensors, seed=100 + rank)}
     base = args.work
 
-    def mgr(tag: str, replicas: int) -> TieredCheckpointManager:
+    def mgr(tag: str, copies: int) -> TieredCheckpointManager:
         return TieredCheckpointManager(
             f"throttled://{base}/{tag}/durable", f"{args.local_dir}/{tag}/local-{{node}}",
-            local_cadence=None, cadence=None, node_rank=rank, local_replicas=replicas,
+            local_cadence=None, cadence=None, node_rank=rank, local_copies=copies,
             busy="wait", lease_ttl_seconds=30.0)
 
     def slowest(seconds: float) -> float:
@@ -119,8 +119,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     def resume(name: str) -> dict:
         tag = name.replace(" ", "_")
-        replicas = 2 if name == "copies" else 1
-        with mgr(tag, replicas) as m:
+        copies = 2 if name == "copies" else 1
+        with mgr(tag, copies) as m:
             m.save(1, state, block=True)
             m.wait()
         dist.barrier(group=group)
@@ -128,13 +128,13 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
             shutil.rmtree(f"{args.local_dir}/{tag}/local-1")  # node 1: an empty machine
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        m = mgr(tag, replicas)
+        m = mgr(tag, copies)
         loaded = m.load_latest(blank)
         seconds = time.perf_counter() - t0
         want = "durable" if name == "durable" else "local"
         assert loaded is not None and loaded.step == 1 and m.resumed_tier == want, \
             (name, loaded and loaded.step, m.resumed_tier)
-        fetched = [e.fields["seconds"] for e in m.events.of_kind("replica_restored")]
+        fetched = [e.fields["seconds"] for e in m.events.of_kind("copy_restored")]
         m.close()
         assert _equal(state, blank), f"{name}: the state loaded differs from the one saved"
         _scramble(blank)
@@ -143,8 +143,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     def cost(name: str) -> dict:
         tag = name.replace(" ", "_")
-        replicas = 2 if name == "2 copies" else 1
-        m = mgr(tag, replicas)
+        copies = 2 if name == "2 copies" else 1
+        m = mgr(tag, copies)
         m.save(1, state, durable=False, block=True)  # untimed: allocates the arena
         m.wait()
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -155,8 +155,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
         staged = [e.fields["stall_seconds"] for e in m.events.of_kind("local_save_staged")][1:]
         persist = [e.fields["persist_seconds"]
                    for e in m.events.of_kind("local_save_committed")][1:]
-        copied = [e.fields["seconds"] for e in m.events.of_kind("replica_committed")][1:]
-        nbytes = [e.fields["bytes"] for e in m.events.of_kind("replica_committed")][1:]
+        copied = [e.fields["seconds"] for e in m.events.of_kind("copy_committed")][1:]
+        nbytes = [e.fields["bytes"] for e in m.events.of_kind("copy_committed")][1:]
         m.close()
         clear(tag)
         n = args.saves
@@ -241,8 +241,8 @@ def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> str:
              "| resume from | seconds | of it, fetching node 1's part back | / durable |",
              "|---|---:|---:|---:|"]
     for name, label in (("copies", "local tier, node 1's part from node 2's copy "
-                                   "(`local_replicas = 2`)"),
-                        ("durable", "durable tier (`local_replicas = 1`)"),
+                                   "(`local_copies = 2`)"),
+                        ("durable", "durable tier (`local_copies = 1`)"),
                         ("no loss", "local tier, no node lost (reference: a process crash)")):
         rows = samples[name]
         fetch = _med(rows, "fetch_seconds")
@@ -251,7 +251,7 @@ def report(samples: dict[str, list[dict]], args: argparse.Namespace) -> str:
                      f"{_ratio(rows, samples['durable'], 'seconds'):.2f} |")
     one, two = samples["1 copy"], samples["2 copies"]
     lines += ["", f"Cost per local save ({args.saves} saves a sample, each waited for):", "",
-              "| local_replicas | stall | local persist | copy to the next node (background) "
+              "| local_copies | stall | local persist | copy to the next node (background) "
               "| bytes copied | process CPU per save | wall per save |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for n, rows in ((1, one), (2, two)):
@@ -290,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--nodes must be >= 3 (node 1's copy is on node 2, and node 0 stays)")
     made = []  # temporary folders of this run, removed at the end
     if args.work is None:
-        args.work = tempfile.mkdtemp(prefix="bench_replicas_")
+        args.work = tempfile.mkdtemp(prefix="bench_copies_")
         made.append(args.work)
     if args.local_dir is None:
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        args.local_dir = tempfile.mkdtemp(prefix="bench_replicas_", dir=shm or args.work)
+        args.local_dir = tempfile.mkdtemp(prefix="bench_copies_", dir=shm or args.work)
         made.append(args.local_dir)
     try:
         samples = _spawn(args)[0]

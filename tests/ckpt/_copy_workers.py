@@ -32,7 +32,7 @@ def _mgr(root: str, local_root: str, node: int, durable: str = DURABLE_EVERY):
 
     return TieredCheckpointManager(root, local_root, cadence=durable,
                                    local_cadence=LOCAL_EVERY, busy="wait", node_rank=node,
-                                   lease_ttl_seconds=5.0, local_replicas=2)
+                                   lease_ttl_seconds=5.0, local_copies=2)
 
 
 def _steps(mgr, rank: int, model, opt, first: int, last: int) -> None:
@@ -70,8 +70,8 @@ def train_body(rank: int, world: int, root: str, local_root: str, last: int,
     _steps(mgr, rank, model, opt, 1, last)
     series = {(s.name, s.labels.get("outcome")): s.value
               for fam in metrics.registry.collect() for s in fam.samples
-              if s.name.startswith(("ckpt_replica", "ckpt_replicated"))}
-    return {**_kinds(mgr, "replica_committed", "replica_failed", "replica_skipped"),
+              if s.name.startswith(("ckpt_peer_copies", "ckpt_peer_copied", "ckpt_peer_copy"))}
+    return {**_kinds(mgr, "copy_committed", "copy_failed", "copy_skipped"),
             "metrics": series}
 
 
@@ -116,7 +116,7 @@ def resume_body(rank: int, world: int, root: str, local_root: str, total: int,
     state = _state(rank, model, opt, 0)
     m = mgr.load_latest(state)
     out = {"step": m.step if m is not None else None, "tier": mgr.resumed_tier,
-           **_kinds(mgr, "replica_restored", "replica_failed", "load_fallback")}
+           **_kinds(mgr, "copy_restored", "copy_failed", "load_fallback")}
     _steps(mgr, rank, model, opt, (m.step if m is not None else 0) + 1, total)
     mgr.close()
     ref_model, ref_opt = _model(rank)

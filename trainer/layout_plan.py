@@ -1,4 +1,4 @@
-"""Layout planner: which (pp, dp, tp) layout fits a model on given GPUs, and its report/CLI.
+"""Layout planner: which (pp, dp, tp, ep) layout fits a model on given GPUs, and its report/CLI.
 
 :func:`plan_layout` estimates every layout of the cluster with the memory model
 (:mod:`trainer.memory_model`), ranks them by a fixed preference order and recommends the
@@ -7,7 +7,10 @@ simplest that fits:
     DDP  <  HSDP  <  FSDP  <  FSDP+TP (TP within a node, smallest TP first)  <  +PP
 
 HSDP (shard within a node, replicate across nodes) is a candidate only on several nodes; it
-comes before FSDP of the same pp and tp because its all-gathers stay inside a node. When no
+comes before FSDP of the same pp and tp because its all-gathers stay inside a node. A
+mixture of experts also gets expert-parallel layouts (``ep`` dividing the experts and
+``dp_shard``, after the same layout without), and only those whose ``ep x tp`` ranks stay
+inside a node: every MoE block's all-to-all then runs on the node's fast links. When no
 layout fits with the workload's activation checkpointing and it is not 'full', the advice
 is the simplest layout that fits with every block recomputed (warning ``recompute-needed``;
 its flags carry ``--training.activation_checkpointing=full``).
@@ -28,7 +31,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from trainer.config import ACTIVATION_CHECKPOINTING, load_config
+from trainer.config import ACTIVATION_CHECKPOINTING, ModelConfig, load_config
 from trainer.hardware import GIB, GPU_PRESETS, OPTIMIZER_STATES, PRECISIONS, get_gpu
 from trainer.memory_model import (
     SHARDINGS,
@@ -36,9 +39,10 @@ from trainer.memory_model import (
     MemoryEstimate,
     ModelShape,
     Workload,
+    all_to_all_bytes_per_step,
     estimate_memory,
     optimizer_bytes_per_param,
-    shape_from_dims,
+    shape_from_config,
     shape_from_params,
 )
 
@@ -67,12 +71,14 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
                       modes: tuple[str, ...] = ("ddp", "fsdp")) -> list[Candidate]:
     """Every layout of ``num_gpus`` with TP inside a node and dividing the (query and
-    key/value) heads, pp at most
-    n_layers, in preference order. Sharded modes need dp > 1; TP composes only with FSDP
-    (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1. With 'fsdp' and several nodes,
-    also HSDP with a node's worth of shard ranks (``dp_shard = gpus_per_node / tp``, at least
-    2) and the other dp ranks as replicas: ranks are laid out (pp, dp_replicate, dp_shard,
-    tp), so each shard group is one node."""
+    key/value) heads, pp at most n_layers, in preference order. Sharded modes need dp > 1;
+    TP composes only with FSDP (as in the trainer), so DDP/ZeRO-1/2 rows have tp = 1. With
+    'fsdp' and several nodes, also HSDP with a node's worth of shard ranks (``dp_shard =
+    gpus_per_node / tp``, at least 2) and the other dp ranks as replicas: ranks are laid out
+    (pp, dp_replicate, dp_shard, tp), so each shard group is one node.
+    A mixture of experts adds, for each FSDP and HSDP layout, the expert-parallel
+    degrees ``ep > 1`` that divide ``n_experts`` and ``dp_shard`` and keep an ep group's
+    ``ep * tp`` adjacent ranks inside a node (``gpus_per_node`` a multiple of ``ep * tp``)."""
     out = []
     for tp in _divisors(num_gpus):
         if tp > gpus_per_node or gpus_per_node % tp or shape.n_heads % tp or \
@@ -82,12 +88,17 @@ def candidate_layouts(num_gpus: int, gpus_per_node: int, shape: ModelShape,
             if pp > shape.n_layers:
                 continue
             dp = num_gpus // (tp * pp)
-            out += [Candidate.of(pp, dp, tp, mode) for mode in modes
+            base = [Candidate.of(pp, dp, tp, mode) for mode in modes
                     if (mode == "ddp" or dp > 1) and (mode == "fsdp" or tp == 1)]
             shard = gpus_per_node // tp
             if "fsdp" in modes and num_gpus > gpus_per_node and 1 < shard < dp \
                     and dp % shard == 0:
-                out.append(Candidate.of(pp, dp, tp, "fsdp", dp_replicate=dp // shard))
+                base.append(Candidate.of(pp, dp, tp, "fsdp", dp_replicate=dp // shard))
+            out += base
+            out += [Candidate.of(c.pp, c.dp, c.tp, c.sharding, c.dp_replicate, ep)
+                    for c in base if c.sharding == "fsdp" and shape.n_experts
+                    for ep in _divisors(c.layout.dp_shard)
+                    if ep > 1 and shape.n_experts % ep == 0 and gpus_per_node % (ep * tp) == 0]
     return sorted(out, key=Candidate.preference)
 
 
@@ -126,8 +137,10 @@ class LayoutAdvice:
             lay, est = pair
             return {"layout": lay.to_dict(), "name": lay.name, "fits": self.fits(est),
                     "overrides": self.overrides(lay),
-                    "memory_bytes": est.to_dict()}
+                    "memory_bytes": est.to_dict(),
+                    "all_to_all_bytes_per_step": all_to_all_bytes_per_step(self.work, lay)}
         return {"workload": asdict(self.work), "num_gpus": self.num_gpus,
+                "active_params": self.work.shape.active_params,
                 "gpus_per_node": self.gpus_per_node, "usable_bytes_per_gpu": self.usable_bytes,
                 "recommended": row(self.recommended), "requested": row(self.requested),
                 "candidates": [row(r) for r in self.rows],
@@ -143,6 +156,28 @@ def _count(n: float) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(int(n))
+
+
+def _ep_warnings(lay: Candidate, sh: ModelShape, gpus_per_node: int) -> list[tuple[str, str]]:
+    """What is wrong with ``lay``'s expert parallelism for ``sh`` on nodes of
+    ``gpus_per_node``: no experts to split, experts it does not divide, or an ep group
+    (``ep * tp`` adjacent ranks) that spans nodes."""
+    if not sh.n_experts:
+        return [("ep-dense", f"EP{lay.ep} needs a mixture of experts and the model is dense; "
+                 "use --parallel.ep=1 or give --experts")]
+    if sh.n_experts % lay.ep:
+        return [("ep-experts", f"EP{lay.ep} does not divide the {sh.n_experts} experts of a "
+                 "block; pick a divisor")]
+    span = lay.ep * lay.tp
+    if gpus_per_node % span == 0:
+        return []
+    fits = [e for e in _divisors(lay.layout.dp_shard) if sh.n_experts % e == 0
+            and gpus_per_node % (e * lay.tp) == 0]
+    return [("ep-across-nodes", f"EP{lay.ep}{f' x TP{lay.tp}' if lay.tp > 1 else ''}: an "
+             f"expert-parallel group is {span} adjacent ranks and spans nodes of "
+             f"{gpus_per_node} GPUs, so every MoE block's all-to-alls would cross the "
+             f"inter-node network (~50 GB/s per GPU instead of 600-900 GB/s NVLink); keep "
+             f"ep * tp dividing {gpus_per_node}: --parallel.ep={max(fits)}")]
 
 
 def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes: float,
@@ -172,6 +207,8 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
             if n % requested.tp:
                 warns.append(("tp-heads", f"TP{requested.tp} does not divide {what}={n}"))
                 break
+        if requested.ep > 1:
+            warns += _ep_warnings(requested, sh, gpus_per_node)
         if requested.tp > 1 and requested.sharding != "fsdp":
             warns.append(("tp-needs-fsdp", f"the trainer composes TP only with FSDP; use "
                           f"--parallel.dp_mode=fsdp instead of {requested.sharding}"))
@@ -185,6 +222,7 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
             costs = [c for c, on in (("per-layer FSDP all-gathers", requested.sharding == "fsdp"
                                       and rec[0].sharding == "ddp"),
                                      ("per-layer TP all-reduces", requested.tp > rec[0].tp),
+                                     ("MoE all-to-alls", requested.ep > rec[0].ep),
                                      ("pipeline bubbles", requested.pp > rec[0].pp)) if on]
             warns.append(("needless-parallelism", f"{what} is not needed: the simpler "
                           f"{rec[0].name} fits ({_gib(rec[1].total)} per GPU) and avoids "
@@ -240,7 +278,8 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's flags to ``parser`` (used by ``python -m trainer plan``)."""
-    g = parser.add_argument_group("model (one of --params, --dim/--layers/--heads, --config)")
+    g = parser.add_argument_group("model (one of --params, --dim/--layers/--heads, --config; "
+                                  "the flags override --config's keys)")
     g.add_argument("--config", help="trainer TOML config: model dims, seq_len, batch, layout")
     g.add_argument("--params", help="parameter count, e.g. 7B, 350M (shape is then guessed)")
     g.add_argument("--dim", type=int)
@@ -252,6 +291,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-dim", type=int, help="MLP hidden size (default 4 * dim)")
     g.add_argument("--activation", choices=("swiglu", "gelu"),
                    help="MLP kind: swiglu has 3 matrices, gelu 2 (default swiglu)")
+    e = parser.add_argument_group("mixture of experts (model.n_experts ...; needs an exact "
+                                  "shape: --dim/--layers/--heads or --config)")
+    e.add_argument("--experts", type=int, help="routed experts per MoE block (model.n_experts)")
+    e.add_argument("--experts-per-token", type=int, help="top-k (model.experts_per_token)")
+    e.add_argument("--moe-every", type=int, help="every k-th block is MoE (model.moe_every)")
+    e.add_argument("--moe-ffn-dim", type=int, help="one expert's hidden size (model.moe_ffn_dim)")
+    e.add_argument("--shared-experts", type=int, help="model.n_shared_experts")
     t = parser.add_argument_group("training")
     t.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw")
     t.add_argument("--precision", choices=sorted(PRECISIONS),
@@ -284,8 +330,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--dp-mode", choices=SHARDINGS)
     r.add_argument("--dp-replicate", type=int,
                    help="HSDP replicas of the dp axis (with --dp-mode fsdp; default 1)")
+    r.add_argument("--ep", type=int, help="expert-parallel degree, part of dp_shard (default 1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--all", action="store_true", help="list every candidate layout")
+
+
+def _check_kv_heads(kv_heads: int | None, n_heads: int) -> None:
+    if kv_heads is not None and (kv_heads < 1 or n_heads % kv_heads):
+        raise ValueError(f"--kv-heads: {kv_heads} does not divide the {n_heads} query heads; "
+                         "pick a divisor (or leave it out for as many)")
 
 
 def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Candidate | None,
@@ -293,40 +346,46 @@ def _from_args(args: argparse.Namespace) -> tuple[Workload, int, int, float, Can
     num_gpus = args.nodes * args.gpus_per_node
     cfg = load_config(args.config, []) if args.config else None
     vocab = args.vocab or (cfg.model.vocab_size if cfg else 32000)
+    moe = {key: value for key, value in (
+        ("n_experts", args.experts), ("experts_per_token", args.experts_per_token),
+        ("moe_every", args.moe_every), ("moe_ffn_dim", args.moe_ffn_dim),
+        ("n_shared_experts", args.shared_experts)) if value is not None}
     if args.params:
+        if moe:
+            raise ValueError("--experts and the other mixture-of-experts flags need the exact "
+                             "shape: give --dim/--layers/--heads or --config instead of --params")
         shape = shape_from_params(parse_count(args.params), vocab)
-    elif args.dim or args.layers or args.heads:
-        if not (args.dim and args.layers and args.heads):
+        _check_kv_heads(args.kv_heads, shape.n_heads)
+        shape = replace(shape, n_kv_heads=args.kv_heads)
+    elif args.dim or args.layers or args.heads or cfg:
+        if not cfg and not (args.dim and args.layers and args.heads):
             raise ValueError("--dim, --layers and --heads go together; give all three")
-        shape = shape_from_dims(args.dim, args.layers, args.heads, vocab, args.ffn_dim or 0,
-                                (args.activation or "swiglu") == "swiglu", args.kv_heads)
-    elif cfg:
-        m = cfg.model
-        shape = shape_from_dims(m.dim, m.n_layers, m.n_heads, vocab, m.hidden_ffn_dim,
-                                (args.activation or m.activation) == "swiglu",
-                                args.kv_heads or m.kv_heads)
+        _check_kv_heads(args.kv_heads, args.heads or cfg.model.n_heads)
+        given = {key: value for key, value in (
+            ("dim", args.dim), ("n_layers", args.layers), ("n_heads", args.heads),
+            ("vocab_size", vocab), ("ffn_dim", args.ffn_dim), ("activation", args.activation),
+            ("n_kv_heads", args.kv_heads)) if value is not None}
+        # The [model] section checks the sizes and picks the MoE blocks (one definition).
+        shape = shape_from_config(replace(cfg.model, **given, **moe) if cfg
+                                  else ModelConfig(**given, **moe))
     else:
         raise ValueError("give the model as --params 7B, as --dim/--layers/--heads, "
                          "or as --config FILE")
-    if args.kv_heads is not None and (args.kv_heads < 1 or shape.n_heads % args.kv_heads):
-        raise ValueError(f"--kv-heads: {args.kv_heads} does not divide the {shape.n_heads} "
-                         "query heads; pick a divisor (or leave it out for as many)")
-    if args.params and args.kv_heads:
-        shape = replace(shape, n_kv_heads=args.kv_heads)
     requested = None
     p = cfg.parallel if cfg else None
     pp, tp = args.pp or (p.pp if p else None), args.tp or (p.tp if p else None)
     if any(x is not None for x in (args.pp, args.tp, args.dp, args.dp_mode,
-                                   args.dp_replicate)) or cfg:
+                                   args.dp_replicate, args.ep)) or cfg:
         pp, tp = pp or 1, tp or 1
         dp = args.dp or (p.dp if p and p.dp != -1 else num_gpus // (pp * tp))
         replicate = args.dp_replicate or (p.dp_replicate if p else 1)
+        ep = args.ep or (p.ep if p else 1)
         mode = args.dp_mode or (p.dp_mode if p else ("fsdp" if tp > 1 or replicate > 1
-                                                     else "ddp"))
+                                                     or ep > 1 else "ddp"))
         if replicate < 1 or dp % replicate:
             raise ValueError(f"--dp-replicate: {replicate} does not divide dp={dp}; pick a "
                              "divisor of dp (dp = dp_replicate * dp_shard)")
-        requested = Candidate.of(pp, dp, tp, mode, dp_replicate=replicate)
+        requested = Candidate.of(pp, dp, tp, mode, dp_replicate=replicate, ep=ep)
     micro, m_count, gbatch = args.micro_batch, args.microbatches, args.global_batch
     if cfg and requested and requested.num_gpus == num_gpus and micro is None:
         m_count = m_count or (p.num_microbatches if requested.pp > 1 else None)
@@ -361,6 +420,12 @@ def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> 
     lines = [
         f"Model     {_count(sh.num_params)} params ({'assumed shape: ' if sh.inferred else ''}"
         f"{shape}{'; pass --dim/--layers/--heads for exact activations' if sh.inferred else ''})",
+        *([f"Experts   {_count(sh.active_params)} of them active per token: "
+           f"{sh.n_experts} experts, top-{sh.experts_per_token}"
+           f"{f', {sh.n_shared_experts} shared' if sh.n_shared_experts else ''}, in "
+           f"{len(sh.moe_layer_ids)} of {sh.n_layers} blocks; the routed experts hold "
+           f"{_count(sh.expert_params(sh.moe_layer_ids))} (split over the ep ranks)"]
+          if sh.n_experts else []),
         f"Hardware  {nodes} node(s) x {advice.gpus_per_node} x {gpu_name}; "
         f"{_gib(advice.usable_bytes)} usable per GPU",
         f"Training  {w.precision} ({pc.description}), {w.optimizer}, seq {w.seq_len}, "
@@ -379,15 +444,23 @@ def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> 
             lines += [f"{label + ':':13}{lay.name}  ({'fits' if advice.fits(e) else 'DOES NOT FIT'})",
                       f"             {advice.overrides(lay)}",
                       f"             {_gib(e.total)} of {_gib(advice.usable_bytes)} per GPU"]
+            if sh.n_experts:
+                sent = all_to_all_bytes_per_step(w, lay)
+                lines.append(f"             experts {_gib(e.experts)} of it (weights, grads, "
+                             f"optimizer; {sh.n_experts // lay.ep} experts a block per ep "
+                             f"rank); " + (f"all-to-all {_gib(sent)} sent per step"
+                                           if lay.ep > 1 else "no all-to-all (ep 1)"))
     if advice.recommended is None:
         lines.append("Recommended: none - nothing fits (see warnings)")
     unit, div = ("GiB", GIB) if advice.usable_bytes >= 4 * GIB else ("MiB", 1 << 20)
+    a2a = f" {'a2a/step':>8}" if sh.n_experts else ""
     head = f"\n{'layout':30} {'weights':>8} {'grads':>8} {'optim':>8} {'buffers':>8} " \
-           f"{'activ':>8} {'logits':>8} {'total':>8}  fits   ({unit} per GPU)"
+           f"{'activ':>8} {'logits':>8} {'total':>8}{a2a}  fits   ({unit} per GPU)"
     lines.append(head)
     rows = advice.rows if show_all else advice.rows[:14]
     for lay, e in rows:
         vals = (e.weights, e.grads, e.optimizer, e.fsdp_buffers, e.activations, e.logits, e.total)
+        vals += (all_to_all_bytes_per_step(w, lay),) if sh.n_experts else ()
         mark = "yes" if advice.fits(e) else "no"
         note = " (no trainer mode)" if lay.sharding in ("zero1", "zero2") else ""
         lines.append(f"{lay.name:30} " + " ".join(f"{v / div:8.1f}" for v in vals) +

@@ -2,24 +2,26 @@
 
 Pure arithmetic, no process group: weights, gradients, optimizer state, FSDP buffers,
 activations and logits of a :class:`Workload` on a :class:`Candidate` (a trainer layout,
-:class:`trainer.config.ParallelConfig`, plus how the dp axis shards state). The
-formulas and their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks
-candidates with it and prints the report.
+:class:`trainer.config.ParallelConfig`, plus how the dp axis shards state), and for a
+mixture of experts the routed experts' share of that state per expert-parallel rank and the
+bytes its all-to-alls send per step (:func:`all_to_all_bytes_per_step`). The formulas and
+their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks candidates
+with it and prints the report.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
-from trainer.config import ParallelConfig, num_transformer_params, recomputed_layers
+from trainer.config import ModelConfig, ParallelConfig, num_transformer_params, recomputed_layers
 from trainer.hardware import OPTIMIZER_STATES, PRECISIONS
 
 __all__ = [
     "SHARDINGS", "ModelShape", "Workload", "Candidate", "MemoryEstimate", "shape_from_dims",
-    "shape_from_params", "activation_bytes_per_layer", "block_input_bytes", "pipeline_bubble",
-    "estimate_memory",
+    "shape_from_config", "shape_from_params", "activation_bytes_per_layer", "block_input_bytes",
+    "pipeline_bubble", "estimate_memory", "all_to_all_bytes_per_step",
     "optimizer_bytes_per_param",
 ]
 
@@ -34,7 +36,12 @@ with ``dp_replicate > 1`` is HSDP: everything is sharded over ``dp_shard`` ranks
 class ModelShape:
     """A decoder-only transformer shaped like the trainer's (parameters counted by
     :func:`trainer.config.num_transformer_params`). ``num_params`` is authoritative; when the
-    dims were guessed from it (``inferred``) they only shape the activation estimate."""
+    dims were guessed from it (``inferred``) they only shape the activation estimate.
+
+    A mixture of experts has ``n_experts > 0``: the blocks ``moe_layer_ids`` (global
+    indices, :meth:`trainer.config.ModelConfig.is_moe_layer`'s choice) route each token to
+    ``experts_per_token`` of ``n_experts`` MLPs of hidden size ``moe_ffn_dim``, plus
+    ``n_shared_experts`` MLPs every token goes through."""
 
     num_params: int
     dim: int
@@ -45,6 +52,11 @@ class ModelShape:
     gated_mlp: bool = False
     inferred: bool = False
     n_kv_heads: int | None = None
+    n_experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn_dim: int = 0
+    n_shared_experts: int = 0
+    moe_layer_ids: tuple[int, ...] = ()
 
     @property
     def kv_dim(self) -> int:
@@ -53,22 +65,56 @@ class ModelShape:
         many) times the head size."""
         return (self.n_kv_heads or self.n_heads) * (self.dim // self.n_heads)
 
-    def stage_params(self, n_layers: int, first: bool, last: bool) -> int:
-        """Parameters of a pipeline stage of ``n_layers`` blocks; the ``first`` holds the
-        embedding, the ``last`` the final norm and the output projection."""
-        return num_transformer_params(self.dim, self.ffn_dim, self.vocab_size,
-                                      n_layers=n_layers, gated_mlp=self.gated_mlp,
-                                      has_embedding=first, has_output=last,
-                                      kv_dim=self.kv_dim)
+    def num_moe_layers(self, layer_ids: Sequence[int]) -> int:
+        """How many of the blocks ``layer_ids`` are MoE blocks."""
+        return len(set(layer_ids) & set(self.moe_layer_ids))
+
+    def stage_params(self, layer_ids: Sequence[int], first: bool, last: bool,
+                     active: bool = False) -> int:
+        """Parameters of a pipeline stage holding the blocks ``layer_ids`` (global
+        indices); the ``first`` holds the embedding, the ``last`` the final norm and the
+        output projection. ``active``: those one token uses (its ``experts_per_token``
+        routed experts of each MoE block, not all ``n_experts``)."""
+        return num_transformer_params(
+            self.dim, self.ffn_dim, self.vocab_size, n_layers=len(layer_ids),
+            gated_mlp=self.gated_mlp, has_embedding=first, has_output=last, kv_dim=self.kv_dim,
+            n_moe_layers=self.num_moe_layers(layer_ids),
+            n_experts=self.n_experts, moe_ffn_dim=self.moe_ffn_dim or None,
+            n_shared_experts=self.n_shared_experts,
+            active_experts=self.experts_per_token if active else None)
+
+    def expert_params(self, layer_ids: Sequence[int]) -> int:
+        """Parameters of the routed experts of the blocks ``layer_ids``: what expert
+        parallelism splits over its ranks (the router and the shared experts are not)."""
+        return self.num_moe_layers(layer_ids) * self.n_experts * self._per_expert
+
+    def moe_mlp_params(self, layer_ids: Sequence[int]) -> int:
+        """Parameters of the MoE MLPs of the blocks ``layer_ids`` (router, routed and shared
+        experts): what tensor parallelism leaves whole (the trainer's TP splits the dense
+        parts only)."""
+        return self.num_moe_layers(layer_ids) * (
+            self.n_experts * self.dim + (self.n_experts + self.n_shared_experts) * self._per_expert)
+
+    @property
+    def _per_expert(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.dim * (self.moe_ffn_dim or self.ffn_dim)
 
     @property
     def layer_params(self) -> int:
-        return self.stage_params(1, first=False, last=False)
+        """Parameters of a dense block (-1: an index no MoE block has)."""
+        return self.stage_params([-1], first=False, last=False)
 
     @property
     def shape_params(self) -> int:
         """Parameters of the whole model of these dims."""
-        return self.stage_params(self.n_layers, first=True, last=True)
+        return self.stage_params(range(self.n_layers), first=True, last=True)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses (:attr:`shape_params` for a dense model), scaled like
+        ``num_params``."""
+        return round(self.stage_params(range(self.n_layers), first=True, last=True,
+                                       active=True) * self.num_params / self.shape_params)
 
 
 def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 32000,
@@ -79,6 +125,21 @@ def shape_from_dims(dim: int, n_layers: int, n_heads: int, vocab_size: int = 320
     s = ModelShape(0, dim, n_layers, n_heads, vocab_size, ffn_dim or 4 * dim, gated_mlp,
                    n_kv_heads=n_kv_heads)
     return replace(s, num_params=s.shape_params)
+
+
+def shape_from_config(model: ModelConfig) -> ModelShape:
+    """The exact shape of the trainer's ``[model]`` section, mixture of experts included:
+    ``num_params`` is :meth:`ModelConfig.num_params`."""
+    s = ModelShape(0, model.dim, model.n_layers, model.n_heads, model.vocab_size,
+                   model.hidden_ffn_dim, model.activation == "swiglu", n_kv_heads=model.kv_heads,
+                   n_experts=model.n_experts,
+                   experts_per_token=model.experts_per_token if model.n_experts else 0,
+                   moe_ffn_dim=model.expert_ffn_dim if model.n_experts else 0,
+                   n_shared_experts=model.n_shared_experts if model.n_experts else 0,
+                   moe_layer_ids=tuple(model.moe_layer_ids))
+    s = replace(s, num_params=s.shape_params)
+    assert s.num_params == model.num_params(), "the planner counts as the config does"
+    return s
 
 
 def shape_from_params(num_params: int, vocab_size: int = 32000) -> ModelShape:
@@ -96,14 +157,15 @@ class Candidate:
     """A layout the planner evaluates: the trainer layout and the sharding (one of
     :data:`SHARDINGS`) its memory is estimated with. ZeRO-1/2 have no trainer mode; their
     ``layout.dp_mode`` is 'fsdp', the mode that would run them. HSDP is 'fsdp' with
-    ``layout.dp_replicate > 1``."""
+    ``layout.dp_replicate > 1``; expert parallelism ``layout.ep > 1`` (its ranks part of
+    ``dp_shard``, as in the trainer)."""
 
     layout: ParallelConfig
     sharding: str
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, sharding: str = "ddp",
-           dp_replicate: int = 1) -> Candidate:
+           dp_replicate: int = 1, ep: int = 1) -> Candidate:
         if sharding not in SHARDINGS:
             raise ValueError(f"--dp-mode: {sharding!r} is not one of {', '.join(SHARDINGS)}")
         if dp_replicate > 1 and sharding != "fsdp":
@@ -111,7 +173,7 @@ class Candidate:
                              f"FSDP; use --dp-mode fsdp instead of {sharding}")
         mode = "ddp" if sharding == "ddp" else "fsdp"
         return cls(ParallelConfig(pp=pp, dp=dp, tp=tp, dp_mode=mode,
-                                  dp_replicate=dp_replicate), sharding)
+                                  dp_replicate=dp_replicate, ep=ep), sharding)
 
     @property
     def pp(self) -> int:
@@ -130,6 +192,10 @@ class Candidate:
         return self.layout.dp_replicate
 
     @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
     def hsdp(self) -> bool:
         return self.layout.hsdp
 
@@ -143,26 +209,30 @@ class Candidate:
             parts = [f"HSDP dp={self.dp_replicate}x{self.layout.dp_shard}"]
         else:
             parts = [f"{self.sharding.upper()} dp={self.dp}"] * (self.dp > 1)
+        parts += [f"EP{self.ep}"] * (self.ep > 1)
         parts += [f"TP{self.tp}"] * (self.tp > 1) + [f"PP{self.pp}"] * (self.pp > 1)
         return " + ".join(parts) or "single GPU"
 
     def preference(self) -> tuple:
         """Sort key of the documented preference order (simplest first); HSDP (more
-        replicas first) comes just before FSDP of the same pp and tp."""
+        replicas first) comes just before FSDP of the same pp and tp, and expert
+        parallelism (smallest ep first) after the same layout without it."""
         return (self.pp > 1, self.tp > 1, self.pp, self.tp, SHARDINGS.index(self.sharding),
-                -self.dp_replicate)
+                -self.dp_replicate, self.ep)
 
     def overrides(self, sequence_parallel: bool = True) -> str:
         """The trainer flags that run this layout."""
         lay = self.layout
         out = " ".join(f"--parallel.{k}={getattr(lay, k)}" for k in ("pp", "dp", "tp", "dp_mode"))
         out += f" --parallel.dp_replicate={lay.dp_replicate}" if self.hsdp else ""
+        out += f" --parallel.ep={lay.ep}" if lay.ep > 1 else ""
         return out + (" --parallel.sequence_parallel=true" if lay.tp > 1 and sequence_parallel
                       else "")
 
     def to_dict(self) -> dict[str, Any]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_mode": self.sharding,
-                "dp_replicate": self.dp_replicate, "dp_shard": self.layout.dp_shard}
+                "dp_replicate": self.dp_replicate, "dp_shard": self.layout.dp_shard,
+                "ep": self.ep}
 
 
 @dataclass(frozen=True)
@@ -228,7 +298,9 @@ def pipeline_bubble(pp: int, num_microbatches: int, stages_per_rank: int = 1) ->
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-GPU bytes on the busiest pipeline stage (``stage``)."""
+    """Per-GPU bytes on the busiest pipeline stage (``stage``). ``experts``: of the
+    weights, gradients and optimizer state, the routed experts' share (counted in those,
+    not again in ``total``)."""
 
     weights: float
     grads: float
@@ -239,6 +311,7 @@ class MemoryEstimate:
     stage: int
     num_microbatches: int
     bubble: float
+    experts: float = 0.0
 
     @property
     def total(self) -> float:
@@ -251,10 +324,17 @@ class MemoryEstimate:
 
 def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
     """Per-GPU memory of ``cand`` running ``work``; the max over the first and last pipeline
-    stage (the first holds the most in-flight micro-batches, the last the output layer)."""
+    stage (the first holds the most in-flight micro-batches, the last the output layer).
+
+    The MoE MLPs are not split over ``tp`` (the trainer's TP splits the dense parts; each tp
+    rank runs the whole MoE). Their routed experts are split over the ``ep`` ranks (each
+    holds ``n_experts / ep`` of every MoE block) and, like every parameter, over the dp
+    ranks the sharding uses: under FSDP the ``dp_shard / ep`` ranks that hold the same
+    experts shard them further, so a rank's expert state is the experts over ``dp_shard``,
+    while its FSDP buffers gather only its own ``n_experts / ep``."""
     pc, sh, layout = PRECISIONS[work.precision], work.shape, cand.layout
     n_states = OPTIMIZER_STATES[work.optimizer]
-    pp, dp, t = layout.pp, layout.dp, layout.tp
+    pp, dp, t, ep = layout.pp, layout.dp, layout.tp, layout.ep
     scale = sh.num_params / sh.shape_params
     layers = math.ceil(sh.n_layers / pp)
     m = work.microbatches_for(layout)
@@ -267,9 +347,24 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
     ds = layout.dp_shard  # = dp, except under HSDP: replicas hold the same shards
     shard = {"ddp": (1, 1, 1), "zero1": (1, 1, dp), "zero2": (1, dp, dp), "fsdp": (ds, ds, ds)}
     w_div, g_div, o_div = shard[cand.sharding]
+    # An expert is held by dp / ep ranks, which shard it when the others are sharded.
+    e_div = {d: d if d > 1 else ep for d in (w_div, g_div, o_div)}
+    # The largest block FSDP gathers: a dense one, or an MoE one with this rank's experts.
+    first_moe = list(sh.moe_layer_ids[:1])
+    moe_block, moe_mlp, moe_experts = (sh.stage_params(first_moe, False, False),
+                                       sh.moe_mlp_params(first_moe), sh.expert_params(first_moe))
+    gathered = max(sh.layer_params / t,
+                   (moe_block - moe_mlp) / t + moe_mlp - moe_experts + moe_experts / ep)
     best: MemoryEstimate | None = None
     for st in sorted({0, pp - 1}):
-        params = sh.stage_params(layers, first=st == 0, last=st == pp - 1) * scale / t
+        ids = range(st * layers, (st + 1) * layers)
+        experts = sh.expert_params(ids) * scale
+        moe_mlp = sh.moe_mlp_params(ids) * scale
+        params = (sh.stage_params(ids, first=st == 0, last=st == pp - 1) * scale - moe_mlp) / t \
+            + moe_mlp - experts
+
+        def state(bytes_per_param: float, div: int) -> float:
+            return params * bytes_per_param / div + experts * bytes_per_param / e_div[div]
         if pp == 1 or work.pp_schedule == "gpipe":
             in_flight = 1.0 if pp == 1 else m
         else:
@@ -279,22 +374,53 @@ def estimate_memory(work: Workload, cand: Candidate) -> MemoryEstimate:
         num_recomputed = len(recomputed_layers(work.recompute, work.recompute_every,
                                                range(st * layers, (st + 1) * layers)))
         kept = (layers - num_recomputed) * act_layer + num_recomputed * act_input
+        opt_bytes = pc.master_bytes + n_states * pc.state_bytes
         est = MemoryEstimate(
-            weights=params * pc.weight_bytes / w_div,
-            grads=params * pc.grad_bytes / g_div,
-            optimizer=params * (pc.master_bytes + n_states * pc.state_bytes) / o_div,
+            weights=state(pc.weight_bytes, w_div),
+            grads=state(pc.grad_bytes, g_div),
+            optimizer=state(opt_bytes, o_div),
             # FSDP all-gathers a layer (plus one prefetched) and its unsharded grads.
-            fsdp_buffers=(sh.layer_params * scale / t * (2 * pc.weight_bytes + pc.grad_bytes)
+            fsdp_buffers=(gathered * scale * (2 * pc.weight_bytes + pc.grad_bytes)
                           if cand.sharding == "fsdp" and ds > 1 else 0.0),
             activations=kept * in_flight + (act_layer if num_recomputed else 0.0),
             # fp32 logits and their softmax gradient; the trainer replicates logits over TP.
             logits=(8.0 * work.seq_len * work.micro_batch * sh.vocab_size
                     if st == pp - 1 else 0.0),
-            stage=st, num_microbatches=m, bubble=pipeline_bubble(pp, m, v))
+            stage=st, num_microbatches=m, bubble=pipeline_bubble(pp, m, v),
+            experts=experts * (pc.weight_bytes / e_div[w_div] + pc.grad_bytes / e_div[g_div]
+                               + opt_bytes / e_div[o_div]))
         if best is None or est.total > best.total:
             best = est
     assert best is not None
     return best
+
+
+def all_to_all_bytes_per_step(work: Workload, cand: Candidate) -> float:
+    """Bytes one GPU sends in the expert-parallel all-to-alls of one training step, on the
+    pipeline stage with the most MoE blocks (0 without experts or with ``ep = 1``).
+
+    Each MoE block's forward sends every routed (token, choice) row, ``dim`` activations
+    wide, to the rank holding its expert (dispatch) and back (combine); backward sends the
+    gradients of both the same way, and a recomputed block (activation checkpointing) runs
+    its forward's two once more. A rank routes the ``seq_len * micro_batch`` tokens of each
+    of its micro-batches (each tp rank its own copy: the experts are not tensor-parallel),
+    ``experts_per_token`` rows each, and with balanced routing the fraction
+    ``(ep - 1) / ep`` of the rows leaves it. The per-expert row counts exchanged before
+    each dispatch (``n_experts`` integers) are left out."""
+    sh, layout = work.shape, cand.layout
+    if not sh.moe_layer_ids or layout.ep == 1:
+        return 0.0
+    pp, ep = layout.pp, layout.ep
+    layers = math.ceil(sh.n_layers / pp)
+    rows = work.seq_len * work.micro_batch * sh.experts_per_token \
+        * work.microbatches_for(layout)
+    row_bytes = sh.dim * PRECISIONS[work.precision].activation_bytes * (ep - 1) / ep
+    busiest = 0
+    for st in range(pp):
+        ids = [i for i in range(st * layers, (st + 1) * layers) if i in sh.moe_layer_ids]
+        recomputed = recomputed_layers(work.recompute, work.recompute_every, ids)
+        busiest = max(busiest, 4 * len(ids) + 2 * len(recomputed))
+    return busiest * rows * row_bytes
 
 
 def optimizer_bytes_per_param(work: Workload) -> float:

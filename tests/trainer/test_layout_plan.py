@@ -21,9 +21,11 @@ from trainer.memory_model import (
     Candidate,
     Workload,
     activation_bytes_per_layer,
+    all_to_all_bytes_per_step,
     block_input_bytes,
     estimate_memory,
     pipeline_bubble,
+    shape_from_config,
     shape_from_dims,
     shape_from_params,
 )
@@ -342,3 +344,140 @@ def test_grouped_query_attention_counts_kv_dim(capsys, tmp_path):
     assert run_plan(parser.parse_args(["--dim", "1024", "--layers", "8", "--heads", "16",
                                        "--kv-heads", "3"])) == 2
     assert "plan: error: --kv-heads: 3 does not divide the 16" in capsys.readouterr().err
+
+
+# --- mixture of experts: total vs active, experts per ep rank, all-to-all, ep in a node ------
+
+MIXTRAL = ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, n_experts=8, experts_per_token=2)
+
+
+def test_moe_counts_total_and_active_parameters_as_the_config():
+    shape = shape_from_config(MIXTRAL)
+    # Mixtral 8x7B's published sizes: 46.7B parameters, 12.9B active per token.
+    assert shape.num_params == MIXTRAL.num_params() and round(shape.num_params / 1e8) == 467
+    assert shape.active_params == MIXTRAL.num_params(active=True)
+    assert round(shape.active_params / 1e8) == 129
+    assert shape.expert_params(range(32)) == 32 * 8 * 3 * 4096 * 14336
+    # Every other block, a shared expert and a smaller expert MLP.
+    odd = ModelConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, ffn_dim=64, n_experts=4,
+                      experts_per_token=2, moe_every=2, n_shared_experts=1, moe_ffn_dim=16)
+    s = shape_from_config(odd)
+    assert s.moe_layer_ids == (1, 3) and s.num_params == odd.num_params()
+    assert s.active_params == odd.num_params(active=True)
+    assert s.stage_params(range(2), True, False) + s.stage_params(range(2, 4), False, True) \
+        == odd.num_params()
+
+
+def test_expert_state_per_ep_rank_and_fsdp_gathers_only_local_experts():
+    work = Workload(shape_from_config(MIXTRAL), recompute="full")
+    sh, pc = work.shape, PRECISIONS["bf16-mixed"]
+    experts = sh.expert_params(range(32))
+    fsdp = estimate_memory(work, Candidate.of(1, 16, 1, "fsdp"))
+    ep8 = estimate_memory(work, Candidate.of(1, 16, 1, "fsdp", ep=8))
+    # Under FSDP the dp_shard / ep ranks holding an expert shard it: experts / dp_shard
+    # per rank whatever ep; ep shrinks what each MoE block gathers to its own experts.
+    assert fsdp.experts == ep8.experts == pytest.approx(experts * 16 / 16)
+    assert fsdp.weights == ep8.weights == pytest.approx(sh.num_params * 2 / 16)
+    dense_block = sh.stage_params([0], False, False) - sh.expert_params([0])
+    per_block = 2 * pc.weight_bytes + pc.grad_bytes
+    assert fsdp.fsdp_buffers == pytest.approx((dense_block + experts / 32) * per_block)
+    assert ep8.fsdp_buffers == pytest.approx((dense_block + experts / 32 / 8) * per_block)
+    # TP splits the dense parts only: the MoE MLPs (router, experts) are whole on every
+    # tp rank.
+    tp2 = estimate_memory(work, Candidate.of(1, 8, 2, "fsdp", ep=4))
+    moe = sh.moe_mlp_params(range(32))
+    assert moe == experts + 32 * 8 * 4096
+    assert tp2.experts == pytest.approx(experts * 16 / 8)
+    assert tp2.weights == pytest.approx(((sh.num_params - moe) / 2 + moe) * 2 / 8)
+
+
+def test_all_to_all_bytes_per_step():
+    sh = shape_from_config(MIXTRAL)
+    rows = 4096 * 2 * 2  # seq x micro-batch x top-2
+    one_block = rows * 4096 * 2  # dim wide, 2-byte activations
+    work = Workload(sh, seq_len=4096, micro_batch=2)
+    assert all_to_all_bytes_per_step(work, Candidate.of(1, 8, 1, "fsdp")) == 0
+    # Dispatch + combine, forward + backward, of every MoE block; (ep - 1) / ep leaves.
+    assert all_to_all_bytes_per_step(work, Candidate.of(1, 8, 1, "fsdp", ep=4)) == \
+        pytest.approx(4 * 32 * one_block * 3 / 4)
+    # A recomputed block repeats its forward's two.
+    full = Workload(sh, seq_len=4096, micro_batch=2, recompute="full")
+    assert all_to_all_bytes_per_step(full, Candidate.of(1, 8, 1, "fsdp", ep=2)) == \
+        pytest.approx(6 * 32 * one_block / 2)
+    # A pipeline stage holds half the blocks and runs every micro-batch.
+    piped = Workload(sh, seq_len=4096, micro_batch=2, num_microbatches=4)
+    assert all_to_all_bytes_per_step(piped, Candidate.of(2, 4, 1, "fsdp", ep=2)) == \
+        pytest.approx(4 * 16 * 4 * one_block / 2)
+    assert all_to_all_bytes_per_step(Workload(shape_from_params(7e9)),
+                                     Candidate.of(1, 8, 1, "fsdp")) == 0
+
+
+def test_expert_parallel_groups_stay_inside_a_node():
+    sh = shape_from_config(MIXTRAL)
+    layouts = candidate_layouts(16, 8, sh)
+    with_ep = [c for c in layouts if c.ep > 1]
+    assert {(c.tp, c.ep) for c in with_ep if c.pp == 1} == {
+        (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    for c in with_ep:
+        assert c.sharding == "fsdp" and 8 % (c.ep * c.tp) == 0 and c.layout.dp_shard % c.ep == 0
+        # After the same layout without experts split: the simpler one first.
+        assert layouts.index(c) > layouts.index(Candidate.of(c.pp, c.dp, c.tp, "fsdp",
+                                                             c.dp_replicate))
+    assert not any(c.ep > 1 for c in candidate_layouts(16, 8, shape_from_params(7e9)))
+    work = Workload(sh, recompute="full")
+    across = plan_layout(work, 16, 8, H100, requested=Candidate.of(1, 4, 4, "fsdp", ep=4))
+    (msg,) = [m for c, m in across.warnings if c == "ep-across-nodes"]
+    assert "EP4 x TP4" in msg and "--parallel.ep=2" in msg
+    inside = plan_layout(work, 16, 8, H100, requested=Candidate.of(1, 8, 2, "fsdp", ep=4))
+    assert "ep-across-nodes" not in _codes(inside)
+    dense = plan_layout(Workload(shape_from_params(7e9)), 8, 8, H100,
+                        requested=Candidate.of(1, 8, 1, "fsdp", ep=2))
+    assert "ep-dense" in _codes(dense)
+
+
+def test_cli_moe_report_and_json(capsys, tmp_path):
+    argv = ["--dim", "4096", "--layers", "32", "--heads", "32", "--kv-heads", "8",
+            "--ffn-dim", "14336", "--experts", "8", "--seq-len", "4096", "--nodes", "2",
+            "--dp", "8", "--tp", "2", "--ep", "4", "--recompute", "full"]
+    rc, out = _run(capsys, *argv)
+    assert "Experts   12.88B of them active per token: 8 experts, top-2, in 32 of 32 " \
+        "blocks" in out
+    assert "Requested:   FSDP dp=8 + EP4 + TP2" in out and "--parallel.ep=4" in out
+    assert "a2a/step" in out and "all-to-all 9.0 GiB sent per step" in out
+    flags = next(line.split() for line in out.splitlines() if "--parallel.ep=4" in line)
+    assert load_config(None, [*flags, "--model.n_experts=8"]).parallel.ep == 4
+    rc, out = _run(capsys, *argv, "--json")
+    data = json.loads(out)
+    assert data["active_params"] == MIXTRAL.num_params(active=True)
+    assert data["requested"]["layout"]["ep"] == 4
+    assert data["requested"]["all_to_all_bytes_per_step"] == pytest.approx(
+        4 * 32 * 4096 * 2 * 4096 * 2 * 3 / 4 + 2 * 32 * 4096 * 2 * 4096 * 2 * 3 / 4)
+    # A config's MoE keys and ep are its own; flags override them.
+    toml = tmp_path / "moe.toml"
+    toml.write_text("[model]\nvocab_size = 64\ndim = 32\nn_layers = 4\nn_heads = 4\n"
+                    "n_experts = 4\nmoe_every = 2\n[parallel]\ndp = 4\nep = 2\n")
+    rc, out = _run(capsys, "--config", str(toml), "--gpus-per-node", "4", "--json")
+    data = json.loads(out)
+    assert data["workload"]["shape"]["moe_layer_ids"] == [1, 3]
+    assert data["requested"]["layout"]["ep"] == 2
+    rc, out = _run(capsys, "--config", str(toml), "--gpus-per-node", "4", "--experts", "8",
+                   "--json")
+    assert json.loads(out)["workload"]["shape"]["n_experts"] == 8
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--params", "47B", "--experts", "8"], "--experts and the other mixture-of-experts flags"),
+    (["--dim", "64", "--layers", "2", "--heads", "4", "--experts", "1"],
+     "model.n_experts: must be 0 (dense) or >= 2"),
+    (["--dim", "64", "--layers", "2", "--heads", "4", "--experts", "4", "--dp", "8",
+      "--ep", "3"], "parallel.ep: 3 does not divide parallel.dp_shard=8"),
+    (["--dim", "64", "--layers", "2", "--heads", "4", "--experts", "4", "--dp", "8",
+      "--ep", "2", "--dp-mode", "ddp"], "parallel.ep: is 2 but expert parallelism composes "
+                                        "with FSDP2 only"),
+])
+def test_cli_bad_moe_input_exits_2(capsys, argv, fragment):
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    assert run_plan(parser.parse_args(argv)) == 2
+    assert fragment in capsys.readouterr().err

@@ -19,6 +19,7 @@ import os
 import pickle
 import struct
 import tracemalloc
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -348,6 +349,65 @@ def test_initial_load_on_a_layout(llama, tmp_path, layout):
             assert r["read"] == r["own"], r
     assert sum(r["logits"] is not None for r in results) == (1 if layout == "pp2" else world)
     _check_export(llama, root, tmp_path / "out")
+
+
+MIXTRAL_ARGS = ("--model.n_experts=4", "--model.experts_per_token=2", "--model.moe_ffn_dim=48")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A tiny Mixtral folder as transformers saves one (``save_pretrained``: Mixtral's
+    per-expert layout, several shards), the Llama fixture's sizes with 4 experts, top-2;
+    its tensors and its logits for ``tokens``."""
+    from safetensors.torch import load_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.ckpt._hf_llama import LLAMA
+
+    torch.manual_seed(0)
+    sizes = {**LLAMA, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2}
+    model = MixtralForCausalLM(MixtralConfig(**sizes)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    folder = tmp_path_factory.mktemp("mixtral") / "hf"
+    model.save_pretrained(folder, max_shard_size="40KB")
+    tokens = torch.randint(0, sizes["vocab_size"], (2, 16),
+                           generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    weights = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(folder / name))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in weights
+    return SimpleNamespace(folder=str(folder), tokens=tokens, logits=logits, weights=weights)
+
+
+@needs_transformers
+def test_mixtral_folder_into_expert_parallel_shards(mixtral, tmp_path):
+    """ep2 on 4 ranks (each expert FSDP-sharded over the 2 ranks holding it): every rank
+    reads the rows of its own experts' shards, the logits are transformers', and step 0
+    exports back to the folder's tensors, expert by expert."""
+    from safetensors.torch import load_file
+
+    from ckpt.export import export
+
+    root = str(tmp_path / "root")
+    extra = (*MIXTRAL_ARGS, "--parallel.dp=4", "--parallel.ep=2")
+    for r in run_ranks(_import_job, 4, mixtral.folder, root, extra, mixtral.tokens):
+        _check_logits(r["logits"], mixtral.logits)
+        assert r["read"] == r["expected"] == r["own"], r
+    out = tmp_path / "out"
+    export(root, 0, str(out), format="hf")
+    exported = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(out / name))
+    assert exported.keys() == mixtral.weights.keys()
+    for key, value in mixtral.weights.items():
+        assert torch.equal(exported[key], value), key
 
 
 @needs_transformers

@@ -49,6 +49,14 @@ group is kept; otherwise (a writer was restarted) every writer joins a new group
 this save. Every writer sees the same counts, so all keep or all change together, whichever
 rank was restarted and whatever the others concluded about the previous save.
 
+Not in the writer: retention (its policies are the caller's objects, which do not cross a
+process boundary without pickling) and the bookkeeping after a commit run on the training
+process's persist thread as in thread mode: a few requests and no bytes.
+
+Size: both ends of one protocol (the training side's :class:`WriterProcess`, the writer's
+``_Writer``) and the lease and life-cycle stand-ins the writer uses, kept together so that
+the messages read in one place.
+
 Limits (refused when the manager is made, naming the option): the state must fit the
 staging memory whole (no ``staging_budget_bytes``), the storage must be reachable from
 another process (not ``memory://``), no ``span`` (the tiered manager's local tier).
@@ -140,8 +148,10 @@ class WriterProcess:
     returns its ``PersistOutcome``, on the manager's persist thread.
 
     Collective at construction (every rank of ``agreement``'s group makes one at once): the
-    coordinator names the writers' rendezvous prefix. ``life``: the manager's life-cycle
-    (its storage, lease and lineage); ``staging``: its shared staging buffers.
+    coordinator names the writers' rendezvous prefix. ``persister``: the manager's thread
+    persister it stands in for (its life-cycle with the storage, lease and lineage, its
+    events and retry settings); ``staging``: the manager's staging buffers, made shared here
+    (nothing may be allocated in them yet).
     """
 
     def __init__(self, persister: Persister, *, world_size: int, agreement, staging):
@@ -381,8 +391,11 @@ class WriterProcess:
                 log.warning("writer process %s %s after committing step %d (read back)",
                             pid, how, step)
                 lease = self.life.lease
-                if lease is not None and lease.confirm():
-                    lease.committed_ids.add(landed.save_id)
+                try:  # a renewal after the manifest: it counts (its close record lists it)
+                    if lease is not None and lease.confirm():
+                        lease.committed_ids.add(landed.save_id)
+                except Exception as exc:  # noqa: BLE001 - then the readers' fence decides
+                    log.warning("could not renew the lease after step %d: %s", step, exc)
                 return PersistOutcome(True, landed, attempts=len(attempts),
                                       persist_seconds=time.monotonic() - t0,
                                       cost=_cost_from(None))
@@ -491,6 +504,7 @@ class _Writer:
         self.replies: dict[int, "queue.Queue[dict[str, Any]]"] = {}
         self.next_call = 0
         self.gid = f"new-{uuid.uuid4().hex}"  # the group it is in: none yet
+        self.counted: tuple[int, str] | None = None  # the save and gid it last counted under
         self.store = None
 
     def send(self, message: dict[str, Any]) -> None:
@@ -569,6 +583,15 @@ class _Writer:
         if store.add(f"{key}/n", 1) == world:
             store.set(f"{key}/all", "1")
         store.wait([f"{key}/all"])
+        # Every writer is past the previous save's check: its keys go (a dead writer's
+        # count key stays, one per restart).
+        if self.counted is not None:
+            prev, gid = self.counted
+            store.delete_key(f"{rendezvous['prefix']}/{prev}/gid/{gid}")
+            if self.config["rank"] == 0:
+                for name in ("n", "all"):
+                    store.delete_key(f"{rendezvous['prefix']}/{prev}/{name}")
+        self.counted = (seq, self.gid)
         if store.add(f"{key}/gid/{self.gid}", 0) == world and dist.is_initialized():
             return dist.group.WORLD
         if dist.is_initialized():

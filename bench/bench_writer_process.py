@@ -1,0 +1,254 @@
+"""What a save takes from the training process: the persist thread against the writer process.
+
+Each sample is one real 2-rank job (gloo, DDP over an MLP with Adam: ``--hidden``, ``--layers``;
+a ``CheckpointManager`` saving every ``--every`` steps into a fresh root), run as two
+processes of this program, in one of three variants, interleaved round by round: ``never``
+(no manager saves), ``thread`` (``writer="thread"``, the default) and ``process``
+(``writer="process"``). Rank 0 reports, over the window from step ``--warmup`` to the last:
+
+- the step time (window / steps), and the overhead against ``never`` of the same round;
+- the stall's share of the window (the staging copies, ``save_staged``);
+- the training process's CPU per save: its background CPU (``save_cost``'s
+  ``background_cpu_seconds``: the persist thread and, in thread mode, its writer and
+  checksum threads; the stall's copy is not in it) and, as a cross-check, the whole
+  process's CPU over the window minus ``never``'s, per save (stall included);
+- the writer process's CPU per save (``writer_process_cpu_seconds``; process mode).
+
+Then, for each of ``thread`` and ``process``, one job saves ``--rss-saves`` times (a save
+every step, each waited for) and reports the training process's resident memory after the
+10th save and after the last (and the writer process's, in process mode): flat is +<= 1%.
+
+    python bench/bench_writer_process.py --rounds 5
+
+Noise on a shared 2-core machine is large: the medians of per-round ratios are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+VARIANTS = ("never", "thread", "process")
+
+
+def _rss_kib(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _writer_pids() -> list[int]:
+    """This process's writer processes (its children running ckpt.job._writer_process)."""
+    pids: list[int] = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"_writer_process" in f.read():
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def worker(args) -> None:
+    """One rank of one job (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` set)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckpt.dcp import ModelState
+    from ckpt.events import EventBus
+    from ckpt.job import CheckpointManager, KeepLast
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    state = {"app": ModelState(model.module, opt), "extra": {"data_position": 0}}
+    x = torch.randn(args.batch, args.hidden)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    bus = EventBus(rank=rank)
+    events: list = []
+    bus.subscribe(events.append)
+    out: dict = {}
+    if args.variant in ("never", "thread", "process") and not args.rss:
+        mgr = None if args.variant == "never" else CheckpointManager(
+            args.root, cadence=str(args.every), retention=[KeepLast(2)], events=bus,
+            writer=args.variant)
+        times = []
+        cpu0 = None
+        for i in range(args.steps):
+            step()
+            if i == args.warmup:
+                cpu0, t0 = time.process_time(), time.monotonic()
+            state["extra"]["data_position"] = i
+            if mgr is not None:
+                mgr.maybe_save(i, state)
+            times.append(time.monotonic())
+        cpu = time.process_time() - cpu0
+        window = times[-1] - t0
+        if mgr is not None:
+            mgr.wait(raise_errors=False)
+            mgr.close()
+        first = args.warmup
+        stalls = [e.fields.get("stall_seconds", 0.0) for e in events
+                  if e.kind == "save_staged" and e.step is not None and e.step > first]
+        costs = [e.fields for e in events if e.kind == "save_cost" and e.step is not None
+                 and e.step > first]
+        out = {"window": window, "steps": args.steps - 1 - first, "cpu": cpu,
+               "saves": len(stalls), "stall": sum(stalls),
+               "background_cpu": sum(c["background_cpu_seconds"] for c in costs),
+               "writer_cpu": sum(c.get("writer_process_cpu_seconds", 0.0) for c in costs),
+               "costs": len(costs),
+               "failed": sum(e.kind == "save_failed" for e in events)}
+    else:  # resident memory over many saves
+        mgr = CheckpointManager(args.root, retention=[KeepLast(2)], events=bus,
+                                writer=args.variant)
+        rss = {}
+        for i in range(1, args.rss_saves + 1):
+            step()
+            mgr.save(i, state)
+            mgr.wait()
+            if i in (10, args.rss_saves):
+                rss[i] = {"trainer_kib": _rss_kib(),
+                          "writer_kib": sum(_rss_kib(p) for p in _writer_pids())}
+        mgr.close()
+        out = {"rss": rss, "state_bytes": sum(
+            t.numel() * t.element_size() for t in model.module.state_dict().values()) * 3}
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _job(variant: str, opts, work: str, *, rss: bool = False) -> dict:
+    from tests.dist import free_port
+
+    run_dir = tempfile.mkdtemp(prefix=f"writer-{variant}-", dir=work)
+    out = os.path.join(run_dir, "out.json")
+    port = str(free_port())
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
+           "--root", os.path.join(run_dir, "ckpt"), "--out", out,
+           "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+           "--every", str(opts.every), "--hidden", str(opts.hidden),
+           "--layers", str(opts.layers), "--batch", str(opts.batch),
+           "--rss-saves", str(opts.rss_saves)] + (["--rss"] if rss else [])
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(
+        os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        OMP_NUM_THREADS="1", PYTHONPATH=REPO)) for r in range(2)]
+    codes = [p.wait(timeout=opts.timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{variant}: ranks exited {codes}")
+    with open(out) as f:
+        result = json.load(f)
+    subprocess.run(["rm", "-rf", run_dir], check=False)
+    return result
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=121)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rss-saves", type=int, default=100)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.worker:
+        worker(opts)
+        return
+    work = tempfile.mkdtemp(prefix="bench-writer-")
+    rounds = []
+    for r in range(opts.rounds):
+        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        res = {v: _job(v, opts, work) for v in order}
+        rounds.append(res)
+        print(f"round {r + 1}: " + ", ".join(
+            f"{v} {res[v]['window'] / res[v]['steps'] * 1e3:.1f} ms/step" for v in VARIANTS),
+            flush=True)
+    rows = {}
+    for v in ("thread", "process"):
+        per = []
+        for res in rounds:
+            a, n = res[v], res["never"]
+            saves = max(1, a["saves"])
+            per.append({
+                "overhead": a["window"] / n["window"] - 1,
+                "stall_share": a["stall"] / a["window"],
+                "background_cpu_ms": a["background_cpu"] / max(1, a["costs"]) * 1e3,
+                "process_cpu_delta_ms": (a["cpu"] - n["cpu"]) / saves * 1e3,
+                "writer_cpu_ms": a["writer_cpu"] / max(1, a["costs"]) * 1e3,
+                "saves": a["saves"], "failed": a["failed"]})
+        rows[v] = {k: _median([x[k] for x in per]) for k in per[0]}
+    rss = {v: _job(v, opts, work, rss=True) for v in ("thread", "process")}
+    print(f"\n2 ranks, MLP {opts.layers}x{opts.hidden} + AdamW, a save every {opts.every} steps, "
+          f"{opts.steps - 1 - opts.warmup} steps measured, {opts.rounds} rounds (medians)")
+    print(f"{'':28}{'thread':>12}{'process':>12}")
+    for key, label, scale, unit in (
+            ("overhead", "step-time overhead", 100, "%"),
+            ("stall_share", "stall share", 100, "%"),
+            ("background_cpu_ms", "training CPU/save (bg)", 1, " ms"),
+            ("process_cpu_delta_ms", "process CPU/save vs never", 1, " ms"),
+            ("writer_cpu_ms", "writer process CPU/save", 1, " ms")):
+        cells = [rows[v][key] for v in ("thread", "process")]
+        print(f"{label:28}" + "".join(f"{c * scale:>10.2f}{unit:<2}" if c is not None
+                                      else f"{'-':>12}" for c in cells))
+    for v in ("thread", "process"):
+        r = rss[v]["rss"]
+        first, last = r["10"], r[str(opts.rss_saves)]
+        growth = (last["trainer_kib"] + last["writer_kib"]) / \
+            (first["trainer_kib"] + first["writer_kib"]) - 1
+        print(f"RSS {v:8} after 10 / {opts.rss_saves} saves: trainer {first['trainer_kib'] >> 10}"
+              f" / {last['trainer_kib'] >> 10} MiB, writer {first['writer_kib'] >> 10} / "
+              f"{last['writer_kib'] >> 10} MiB: {growth * 100:+.2f}%")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"rounds": rounds, "medians": rows, "rss": rss, "options": vars(opts)},
+                      f, indent=1)
+    subprocess.run(["rm", "-rf", work], check=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ from _common import (  # noqa: E402
 from torch.distributed.checkpoint import DefaultSavePlanner  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.dcp import SafeSavePlanner  # noqa: E402
+from ckpt.dcp.planners import SafeSavePlanner  # noqa: E402
 
 
 def _plan_seconds(planner_cls, state) -> float:

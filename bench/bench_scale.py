@@ -80,11 +80,9 @@ from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
 from ckpt.cadence import make_tier_plans
 from ckpt.cadence.young_daly import optimal_interval
-from ckpt.dcp import (
-    CkptWriter,  # noqa: E402
-    PlanCache,  # noqa: E402
-    SafeSavePlanner,  # noqa: E402
-)
+from ckpt.dcp import PlanCache
+from ckpt.dcp.planners import SafeSavePlanner
+from ckpt.dcp.writer import CkptWriter
 from ckpt.dcp.planners import _CACHED_KEY  # noqa: E402  (a cached plan's planner_data)
 from ckpt.format import (  # noqa: E402
     FileRecord,

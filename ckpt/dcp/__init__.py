@@ -14,15 +14,7 @@ an optimizer's replicated values once per param group). ``attachments``: small f
 with a checkpoint. ``savecost``: what one save costs in the background, by phase.
 """
 
-from ckpt.dcp.api import (
-    apply_state,
-    load,
-    load_latest,
-    load_with_extra,
-    resolve_state,
-    save,
-    unwrap_dcp_error,
-)
+from ckpt.dcp.api import load, load_latest, load_with_extra, save
 from ckpt.dcp.attachments import (
     check_attachments,
     list_attachments,
@@ -31,21 +23,12 @@ from ckpt.dcp.attachments import (
 )
 from ckpt.dcp.optim_state import pack_optimizer_state, saved_groups, unpack_optimizer_state
 from ckpt.dcp.plancache import PlanCache
-from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
-from ckpt.dcp.reader import VERIFY_MODES, CkptReader
 from ckpt.dcp.savecost import SaveCost
-from ckpt.dcp.staging import CopyReady, StagingBuffers
+from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
-from ckpt.dcp.writer import CkptWriter
 
 __all__ = [
-    "save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state",
-    "unwrap_dcp_error",
-    "CkptWriter", "CkptReader", "VERIFY_MODES",
-    "SafeSavePlanner", "SafeLoadPlanner", "PlanCache",
-    "StagingBuffers", "CopyReady",
-    "ModelState", "RNGState", "PerRankState", "rank_key", "init_optimizer_state",
-    "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
-    "check_attachments", "read_attachment", "list_attachments", "read_from",
-    "SaveCost",
+    "save", "load", "load_latest", "load_with_extra", "PlanCache", "StagingBuffers", "ModelState", "RNGState", "PerRankState", "rank_key",
+    "init_optimizer_state", "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
+    "check_attachments", "read_attachment", "list_attachments", "read_from", "SaveCost",
 ]

@@ -107,7 +107,7 @@ def resume_body(rank: int, world: int, root: str, local_root: str, total: int,
                 durable: str = DURABLE_EVERY, per_node: int = 1) -> dict:
     """A new job on the same roots (some nodes' local roots wiped or damaged by the test):
     resume, train on to ``total`` and compare with a run that never stopped."""
-    from ckpt.dcp import resolve_state
+    from ckpt.dcp.api import resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._mgr_workers import _train
 

@@ -59,7 +59,8 @@ def async_resume_body(rank: int, world: int, root: str) -> dict:
     """Several async saves of DDP + FSDP2 state while training; resume bit-for-bit."""
     import torch.distributed as dist
 
-    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.dcp import ModelState
+    from ckpt.dcp.api import resolve_state
     from ckpt.job import CheckpointManager
 
     ddp, ddp_opt, fsdp, fsdp_opt = _build(world, 0)
@@ -218,7 +219,8 @@ def fsdp_save_body(rank: int, world: int, root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.dcp import ModelState
+    from ckpt.dcp.api import resolve_state
     from ckpt.job import CheckpointManager
 
     torch.manual_seed(0)

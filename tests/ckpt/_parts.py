@@ -23,7 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ckpt.dcp import CkptWriter, SafeSavePlanner
+from ckpt.dcp.planners import SafeSavePlanner
+from ckpt.dcp.writer import CkptWriter
 from ckpt.format import (
     MANIFEST_NAME,
     FileRecord,

@@ -156,7 +156,8 @@ def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import ckpt
-    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.dcp import ModelState
+    from ckpt.dcp.api import resolve_state
     from ckpt.errors import PartialCheckpointError
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._mgr_workers import _train
@@ -244,7 +245,8 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from ckpt.dcp import ModelState, resolve_state
+    from ckpt.dcp import ModelState
+    from ckpt.dcp.api import resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._mgr_workers import _mlp, _train
 

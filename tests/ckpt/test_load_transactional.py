@@ -230,7 +230,8 @@ def test_a_rank_failing_leaves_every_rank_unchanged(tmp_path):
 
 def test_staging_buffers_as_scratch(root):
     """Reads go into borrowed staging buffers (the manager's path): same guarantees."""
-    from ckpt.dcp import StagingBuffers, resolve_state
+    from ckpt.dcp import StagingBuffers
+    from ckpt.dcp.api import resolve_state
 
     state = _state(7)
     staging = StagingBuffers(pin_memory=False)

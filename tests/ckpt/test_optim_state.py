@@ -35,14 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckpt
-from ckpt.dcp import (
-    ModelState,
-    SafeSavePlanner,
-    init_optimizer_state,
-    pack_optimizer_state,
-    resolve_state,
-    unpack_optimizer_state,
-)
+from ckpt.dcp import ModelState, init_optimizer_state, pack_optimizer_state, unpack_optimizer_state
+from ckpt.dcp.api import resolve_state
+from ckpt.dcp.planners import SafeSavePlanner
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
 from ckpt.export._consolidate import consolidate
 from ckpt.root import CheckpointStore

@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.dcp import CkptReader, SafeLoadPlanner
+from ckpt.dcp.planners import SafeLoadPlanner
+from ckpt.dcp.reader import CkptReader
 from ckpt.errors import CorruptCheckpointError
 from ckpt.export._consolidate import consolidate
 from ckpt.format import MANIFEST_NAME, jsonio, step_dirname

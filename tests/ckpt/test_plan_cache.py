@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ckpt.dcp import SafeSavePlanner
-from ckpt.dcp.planners import tiling_problem
+from ckpt.dcp.planners import SafeSavePlanner, tiling_problem
 from tests.ckpt._helpers import least_cpu_seconds
 from tests.dist import run_ranks
 

@@ -14,7 +14,7 @@ from collections import ChainMap
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ckpt.dcp import SafeSavePlanner
+from ckpt.dcp.planners import SafeSavePlanner
 from tests.ckpt._helpers import least_cpu_seconds
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.planner import SavePlan
 
-from ckpt.dcp import SafeSavePlanner
+from ckpt.dcp.planners import SafeSavePlanner
 from tests.dist import run_ranks
 
 
@@ -45,7 +45,7 @@ def _opposite_orders(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.dcp import apply_state, resolve_state
+    from ckpt.dcp.api import apply_state, resolve_state
 
     # A short timeout turns the deadlock into an error instead of a hang.
     ga = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))

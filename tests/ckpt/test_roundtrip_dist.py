@@ -88,7 +88,8 @@ def _roundtrip_body(rank: int, world: int, url: str, storage_options) -> dict:
     from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 
     import ckpt
-    from ckpt.dcp import ModelState, RNGState, resolve_state
+    from ckpt.dcp import ModelState, RNGState
+    from ckpt.dcp.api import resolve_state
     from ckpt.root import CheckpointStore
 
     storage = _RecordingStorage(url, storage_options)

@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.dcp import CopyReady, StagingBuffers
+from ckpt.dcp import StagingBuffers
+from ckpt.dcp.staging import CopyReady
 from ckpt.dcp._host_arena import HostArena
 from ckpt.job import CheckpointManager
 

@@ -76,7 +76,8 @@ def _every_layout_body(rank: int, world: int, root: str) -> list[str]:
         parallelize_module,
     )
 
-    from ckpt.dcp import ModelState, StagingBuffers, resolve_state
+    from ckpt.dcp import ModelState, StagingBuffers
+    from ckpt.dcp.api import resolve_state
     from ckpt.job import CheckpointManager
     from tests.ckpt._helpers import assert_same, snapshot
 

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from ckpt.dcp import CopyReady, StagingBuffers
+from ckpt.dcp import StagingBuffers
+from ckpt.dcp.staging import CopyReady
 from ckpt.job import CheckpointManager
 
 pytestmark = pytest.mark.timeout(60)

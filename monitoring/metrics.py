@@ -252,6 +252,21 @@ class Metrics:
                                     "Seconds of this rank's collectives by kind, call to "
                                     "completion (send_recv: not timed, stays 0)", ["kind"],
                                     [(k,) for k in COMM_KINDS])
+        # The mixture-of-experts router (train_step's ``router``): this rank's worst block and
+        # mean balancing loss from the start (0 on a dense model), each block once it reports.
+        self.router_imbalance = gauge("train_router_imbalance",
+                                      "Busiest expert's tokens over the mean, the worst of this "
+                                      "rank's MoE blocks in the last step (1 = balanced; 0 = "
+                                      "no MoE block)")
+        self.router_aux_loss = gauge("train_router_aux_loss",
+                                     "Load-balancing loss of the last step, mean over this "
+                                     "rank's MoE blocks (1 = balanced; 0 = no MoE block)")
+        self.router_layer_imbalance = Gauge(
+            "train_router_layer_imbalance", "Busiest expert's tokens over the mean, per MoE "
+            "block (layer) of this rank, in the last step", ["rank", "layer"], registry=r)
+        self.router_layer_aux_loss = Gauge(
+            "train_router_layer_aux_loss", "Load-balancing loss per MoE block (layer) of this "
+            "rank in the last step", ["rank", "layer"], registry=r)
         # Memory, the GPU (read at each scrape) and goodput (the ledger, read at each scrape).
         r.register(HardwareCollector(rk, device, gpu))
         self._goodput = GoodputLedger.start(None, process_start_unix=self.start_time)
@@ -418,6 +433,7 @@ class Metrics:
                 for kind, value in (values or {}).items():
                     if kind in COMM_KINDS and isinstance(value, (int, float)) and value > 0:
                         family.labels(rk, kind).inc(value)
+            self._on_router(f.get("router"))
         elif k == "failure":
             self.failures.labels(rk, str(f.get("failure", "unknown"))).inc()
         elif k == "resumed":
@@ -425,6 +441,23 @@ class Metrics:
             self.resumed_step.labels(rk).set(ev.step if ev.step is not None else -1)
         elif k.startswith("ft_"):
             self._on_replica_event(k, f)
+
+    def _on_router(self, router: Any) -> None:
+        """A step's router statistics: ``{layer: {"imbalance", "aux_loss"}}`` or None."""
+        if not isinstance(router, dict) or not router:
+            return
+        rk, worst, losses = self.rank, 0.0, []
+        for layer, stats in router.items():
+            imbalance, aux = stats.get("imbalance"), stats.get("aux_loss")
+            if isinstance(imbalance, (int, float)):
+                self.router_layer_imbalance.labels(rk, str(layer)).set(imbalance)
+                worst = max(worst, imbalance)
+            if isinstance(aux, (int, float)):
+                self.router_layer_aux_loss.labels(rk, str(layer)).set(aux)
+                losses.append(aux)
+        self.router_imbalance.labels(rk).set(worst)
+        if losses:
+            self.router_aux_loss.labels(rk).set(sum(losses) / len(losses))
 
     def _on_replica_event(self, k: str, f: dict[str, Any]) -> None:
         """An event of the replica groups (``trainer.ft``)."""

@@ -96,7 +96,7 @@ def _state(device: torch.device) -> dict[str, Any]:
 
 def check_rank(local_rank: int, device_type: str, scenario: str, root: str) -> dict[str, Any]:
     """One rank's save in ``scenario`` (the default group exists; the rank's GPU selected)."""
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
 
     cuda = device_type == "cuda"
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -109,7 +109,7 @@ def check_rank(local_rank: int, device_type: str, scenario: str, root: str) -> d
 
     state = _state(device)
     phase("start")
-    mgr = CheckpointManager(root, cadence="2", use_lease=False)
+    mgr = CheckpointManager(root, ManagerOptions(use_lease=False), cadence="2")
     committed = False
     try:
         if scenario == "prepare":

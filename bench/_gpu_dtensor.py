@@ -229,7 +229,7 @@ def _busy(device: torch.device) -> None:
 # -- one rank ----------------------------------------------------------------------------------
 def _check_layout(name: str, model, dtype, device, work: Path) -> dict[str, Any]:
     from ckpt.dcp import StagingBuffers
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
     optimizer = _trained(model, device, dtype)
     state = _state(model, optimizer)
@@ -259,7 +259,8 @@ def _check_layout(name: str, model, dtype, device, work: Path) -> dict[str, Any]
     state = _state(model, optimizer)  # after the change
     saved = host_snapshot(state)
     root = work / name
-    manager = CheckpointManager(str(root), use_lease=False, retention=[KeepLast(2)])
+    manager = CheckpointManager(str(root), ManagerOptions(use_lease=False),
+                                retention=[KeepLast(2)])
     try:
         allocated = _allocated()
         manager.save(1, state, block=True)

@@ -109,9 +109,9 @@ def _rm_prefix(prefix: str) -> None:
 
 
 def _manager(root: str, num_threads: int):
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
-    mgr = CheckpointManager(root, retention=[KeepLast(1)], num_threads=num_threads)
+    mgr = CheckpointManager(root, ManagerOptions(num_threads=num_threads), retention=[KeepLast(1)])
     marks: dict[int, float] = {}
     staged: dict[int, float] = {}
 

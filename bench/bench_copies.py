@@ -90,7 +90,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     from _common import make_state
     from _throttled import register
 
-    from ckpt.job import TieredCheckpointManager
+    from ckpt.job import LocalTierOptions, ManagerOptions, TieredCheckpointManager
     from ckpt.ranks.groups import world_group
 
     register(args.durable_gbps * 1e9)
@@ -100,10 +100,11 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
     base = args.work
 
     def mgr(tag: str, copies: int) -> TieredCheckpointManager:
-        return TieredCheckpointManager(
-            f"throttled://{base}/{tag}/durable", f"{args.local_dir}/{tag}/local-{{node}}",
-            local_cadence=None, cadence=None, node_rank=rank, local_copies=copies,
-            busy="wait", lease_ttl_seconds=30.0)
+        return TieredCheckpointManager(f"throttled://{base}/{tag}/durable",
+                                       f"{args.local_dir}/{tag}/local-{{node}}",
+                                       ManagerOptions(busy="wait", lease_ttl_seconds=30.0),
+                                       local=LocalTierOptions(node_rank=rank, copies=copies),
+                                       local_cadence=None, cadence=None)
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
@@ -132,8 +133,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
         loaded = m.load_latest(blank)
         seconds = time.perf_counter() - t0
         want = "durable" if name == "durable" else "local"
-        assert loaded is not None and loaded.step == 1 and m.resumed_tier == want, \
-            (name, loaded and loaded.step, m.resumed_tier)
+        assert loaded is not None and loaded.step == 1 and m.resumed.tier == want, \
+            (name, loaded and loaded.step, m.resumed)
         fetched = [e.fields["seconds"] for e in m.events.of_kind("copy_restored")]
         m.close()
         assert _equal(state, blank), f"{name}: the state loaded differs from the one saved"
@@ -145,11 +146,11 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> dict:
         tag = name.replace(" ", "_")
         copies = 2 if name == "2 copies" else 1
         m = mgr(tag, copies)
-        m.save(1, state, durable=False, block=True)  # untimed: allocates the arena
+        m.local.save(1, state, block=True)  # untimed: allocates the arena
         m.wait()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for step in range(2, 2 + args.saves):
-            m.save(step, state, durable=False)
+            m.local.save(step, state)
             m.wait()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         staged = [e.fields["stall_seconds"] for e in m.events.of_kind("local_save_staged")][1:]

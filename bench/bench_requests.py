@@ -36,7 +36,7 @@ for p in (HERE, REPO):
 import torch  # noqa: E402
 from _requests import DATA_KINDS, KINDS, CountingStorage, S3RequestLog  # noqa: E402
 
-from ckpt.job import CheckpointManager, KeepLast, KeepPinned  # noqa: E402
+from ckpt.job import CheckpointManager, KeepLast, KeepPinned, ManagerOptions  # noqa: E402
 from ckpt.root import CheckpointStore  # noqa: E402
 
 
@@ -51,8 +51,8 @@ def measure(storage: CountingStorage, saves: int, keep_last: int, http: S3Reques
     state = _state()
     rows = []
     store = CheckpointStore(storage)
-    with CheckpointManager(storage, retention=[KeepLast(keep_last), KeepPinned(store)],
-                           busy="wait", lease_ttl_seconds=3600.0) as mgr:
+    with CheckpointManager(storage, ManagerOptions(busy="wait", lease_ttl_seconds=3600.0),
+                           retention=[KeepLast(keep_last), KeepPinned(store)]) as mgr:
         for step in range(1, saves + 1):
             state["step"] = step
             state["model"]["w"].add_(1.0)

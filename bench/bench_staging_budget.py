@@ -47,13 +47,14 @@ def worker(mib: int, tensors: int, budget: int | None, saves: int, work: str) ->
     import torch
     from _common import make_state, state_nbytes
 
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     state = make_state(mib << 20, tensors)
-    mgr = CheckpointManager(os.path.join(work, "root"), retention=[KeepLast(1)],
-                            use_lease=False, staging_budget_bytes=budget)
+    mgr = CheckpointManager(os.path.join(work, "root"),
+                            ManagerOptions(use_lease=False, staging_budget_bytes=budget),
+                            retention=[KeepLast(1)])
     gc.collect()
     base = _status()["VmRSS"]
     try:

@@ -136,7 +136,7 @@ def _stall_case(work: Path, nbytes: int, dtype: torch.dtype, repeats: int) -> di
     from _common import Contender, interleave
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist
     state = _gpu_state(nbytes, dtype)
@@ -145,7 +145,8 @@ def _stall_case(work: Path, nbytes: int, dtype: torch.dtype, repeats: int) -> di
     floor_bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for b in floor_bufs:
         b.view(-1)[:: max(1, 4096 // b.element_size())].zero_()
-    mgr = CheckpointManager(str(work / "ours"), use_lease=False, retention=[KeepLast(1)])
+    mgr = CheckpointManager(str(work / "ours"), ManagerOptions(use_lease=False),
+                            retention=[KeepLast(1)])
     dcp_sync = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                             use_async_staging=False, use_non_blocking_copy=True))
     dcp_async = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,

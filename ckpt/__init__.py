@@ -30,7 +30,6 @@ from ckpt.cadence import parse_interval
 from ckpt.dcp import (
     ModelState,
     PerRankState,
-    PlanCache,
     RNGState,
     list_attachments,
     load,
@@ -56,11 +55,17 @@ from ckpt.format import Manifest
 from ckpt.hf import HFLoadReport, load_hf
 from ckpt.job import (
     CheckpointManager,
+    Checkpointer,
+    CheckpointReader,
     KeepAll,
     KeepBest,
     KeepEvery,
     KeepLast,
     KeepPinned,
+    LocalTierOptions,
+    ManagerOptions,
+    ReadOnlyCheckpointer,
+    ResumeInfo,
     TieredCheckpointManager,
 )
 from ckpt.ranks import init_distributed
@@ -77,11 +82,16 @@ __all__ = [
     "list_attachments",
     "load_hf",
     "HFLoadReport",
-    "PlanCache",
     "init_distributed",
     # a job's checkpoints
+    "Checkpointer",
+    "CheckpointReader",
+    "ResumeInfo",
     "CheckpointManager",
+    "ManagerOptions",
     "TieredCheckpointManager",
+    "LocalTierOptions",
+    "ReadOnlyCheckpointer",
     "parse_interval",
     "KeepLast",
     "KeepEvery",

@@ -20,9 +20,11 @@ from ckpt.events import EventBus
 from ckpt.format import step_dirname
 from ckpt.job import (
     CheckpointManager,
+    Checkpointer,
     KeepEvery,
     KeepLast,
-    KeepPinned,
+    LocalTierOptions,
+    ManagerOptions,
     TieredCheckpointManager,
     node_local_root,
 )
@@ -37,6 +39,8 @@ __all__ = [
     "TrainerState",
     "build_cadence",
     "build_manager",
+    "manager_options",
+    "local_tier_options",
     "check_startup",
     "config_changes",
     "config_record",
@@ -149,10 +153,11 @@ def build_cadence(cfg: Config):
     return parse_interval(c.interval, mtbf_seconds=durable_mtbf * 3600.0, **_auto_options(cfg))
 
 
-def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str,
-                  par: ParallelConfig | None = None):
-    """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
-    set): cadence, retention, the layout recorded in every manifest. Every rank builds it.
+def manager_options(cfg: Config, world_size: int, fingerprint: str,
+                    par: ParallelConfig | None = None) -> ManagerOptions:
+    """``cfg.checkpoint`` (and the fault-tolerance keys the lease depends on) as the
+    manager's options, field by field: cadence, retention, the layout recorded in every
+    manifest, the lease's name, fingerprint and TTL.
 
     ``par``: the layout of the ranks that save (default ``cfg.parallel``). With fault
     tolerance it is one replica group's (``world_size`` its ranks): the writing group saves
@@ -166,10 +171,8 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
     """
     c, ft = cfg.checkpoint, cfg.fault_tolerance
     par = par or cfg.parallel
-    cadence = build_cadence(cfg)
-    auto = _auto_options(cfg)
     retention = []
-    if c.keep_last > 0:
+    if c.keep_last > 0:  # pinned steps are kept whatever the policies
         retention.append(KeepLast(c.keep_last))
         if c.keep_every > 0:
             retention.append(KeepEvery(c.keep_every))
@@ -177,27 +180,41 @@ def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: s
               "dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard,
               "dp_mode": par.dp_mode, "ep": par.ep, "world_size": world_size}
     slurm = SlurmJob.from_env()
-    options = dict(storage_options=c.storage_options or None, cadence=cadence,
-                   retention=retention, async_save=c.async_save, verify=c.verify,
-                   layout=layout, events=events, raise_on_failure=c.fail_on_error,
-                   job_fingerprint=fingerprint, job_name=slurm.name if slurm else None)
+    job_name, lease = (slurm.name if slurm else None), {}
     if ft.enabled:
         layout["replica_groups"] = cfg.parallel.dp_replicate
         group = f"replica-group-{ft.group_id}"
-        options.update(lease_ttl_seconds=ft.lease_ttl_seconds,
-                       job_name=f"{slurm.name}/{group}" if slurm else group,
-                       job_fingerprint=replica_group_fingerprint(fingerprint, ft.group_id))
+        job_name = f"{slurm.name}/{group}" if slurm else group
+        lease = dict(lease_ttl_seconds=ft.lease_ttl_seconds)
+        fingerprint = replica_group_fingerprint(fingerprint, ft.group_id)
+    return ManagerOptions(
+        cadence=build_cadence(cfg), retention=retention, async_save=c.async_save,
+        verify=c.verify, raise_on_failure=c.fail_on_error, layout=layout,
+        storage_options=c.storage_options or None, job_name=job_name,
+        job_fingerprint=fingerprint, **lease)
+
+
+def local_tier_options(cfg: Config) -> LocalTierOptions:
+    """``cfg.checkpoint``'s local tier (``local_interval``, ``local_keep_last``,
+    ``local_copies``) as the tiered manager's local options."""
+    c = cfg.checkpoint
+    return LocalTierOptions(
+        cadence=parse_interval(c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0,
+                               **_auto_options(cfg)),
+        retention=[KeepLast(c.local_keep_last)], copies=c.local_copies)
+
+
+def build_manager(cfg: Config, world_size: int, events: EventBus, fingerprint: str,
+                  par: ParallelConfig | None = None
+                  ) -> Checkpointer:
+    """The job's checkpoint manager for ``cfg.checkpoint`` (tiered when ``local_root`` is
+    set), with :func:`manager_options`. Every rank builds it."""
+    options = manager_options(cfg, world_size, fingerprint, par)
+    c = cfg.checkpoint
     if c.local_root:
-        mgr = TieredCheckpointManager(
-            c.root, c.local_root, local_cadence=parse_interval(
-                c.local_interval, mtbf_seconds=c.mtbf_hours * 3600.0, **auto),
-            local_retention=[KeepLast(c.local_keep_last)], local_copies=c.local_copies,
-            **options)
-    else:
-        mgr = CheckpointManager(c.root, **options)
-    if retention:
-        mgr.retention.append(KeepPinned(CheckpointStore(mgr.storage)))
-    return mgr
+        return TieredCheckpointManager(c.root, c.local_root, options,
+                                       local=local_tier_options(cfg), events=events)
+    return CheckpointManager(c.root, options, events=events)
 
 
 def replica_group_fingerprint(fingerprint: str, group_id: int) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ckpt.cadence import GoodputLedger, load_history
 from ckpt.events import EventBus
+from ckpt.job import Checkpointer
 from ckpt.storage import Storage
 
 __all__ = ["GoodputRecorder", "RECORD_SECONDS", "process_start_unix"]
@@ -60,10 +61,10 @@ def process_start_unix() -> float:
 class GoodputRecorder:
     """One rank's goodput ledger and its writes (see the module docstring)."""
 
-    def __init__(self, events: EventBus, *, coordinator: bool, manager: Any = None,
+    def __init__(self, events: EventBus, *, coordinator: bool, manager: Checkpointer | None = None,
                  storage: Storage | None = None):
         self.coordinator = coordinator
-        self._manager: Any = None
+        self._manager: Checkpointer | None = None
         self._history = getattr(manager, "durable", manager).history if manager is not None \
             else None
         carried = self._history.goodput if self._history is not None else None
@@ -89,12 +90,11 @@ class GoodputRecorder:
         if manager is not None:
             self.attach(manager)
 
-    def attach(self, manager: Any) -> None:
-        """Write the ledger with ``manager``'s history (a ``CheckpointManager``, or a tiered
-        manager's durable one), from now on."""
-        durable = getattr(manager, "durable", manager)
-        self._manager = durable
-        self._history = durable.history
+    def attach(self, manager: Checkpointer) -> None:
+        """Write the ledger with ``manager``'s history (a two-tier job's: the durable
+        tier's), from now on."""
+        self._manager = manager
+        self._history = manager.history
         self._record(self.ledger.to_dict())
         self._start_thread()
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.dcp import RNGState, init_optimizer_state, load_latest, load_with_extra
+from ckpt.dcp import RNGState, init_optimizer_state
 from ckpt.errors import (
     AllCheckpointsDamagedError,
     LeaseHeldError,
@@ -41,6 +41,12 @@ from ckpt.errors import (
     StateMismatchError,
 )
 from ckpt.events import EventBus, JsonlEventLog
+from ckpt.job import (
+    Checkpointer,
+    CheckpointReader,
+    ManagerOptions,
+    ReadOnlyCheckpointer,
+)
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore
 from ckpt.storage import Storage
@@ -167,7 +173,7 @@ class Trainer:
         self.final_committed = True  # False: a standby group saw no final checkpoint
         if ft.enabled and cfg.checkpoint.enabled:
             # Built when this group takes the store's lease (trainer.ft.writer).
-            self.manager = None
+            self.manager: Checkpointer | None = None
             self.writer = WriterRole(
                 Storage(cfg.checkpoint.root, cfg.checkpoint.storage_options or None),
                 lambda: build_manager(cfg, env.world_size, self.events, self.fingerprint,
@@ -245,11 +251,12 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.enabled or not c.resume:
             return self._import_initial() if c.initial_load else None
-        load = self.manager.load_latest if self.manager is not None else self._read_only_load
+        reader = self.manager if self.manager is not None else self._standby_reader()
         try:
-            manifest = load(self.checkpoint_state(with_rng=False),
-                            step=c.load_step, ignore_keys=("rng.",),
-                            raise_if_all_damaged=True, extra_state=self._rng_if_same_layout)
+            manifest = reader.load_latest(self.checkpoint_state(with_rng=False),
+                                          step=c.load_step, ignore_keys=("rng.",),
+                                          raise_if_all_damaged=True,
+                                          extra_state=self._rng_if_same_layout)
         except StateMismatchError as exc:
             raise state_mismatch_error(exc, c.root) from None
         except AllCheckpointsDamagedError as exc:
@@ -274,7 +281,7 @@ class Trainer:
             log.info("no checkpoint under %s: starting fresh", c.root) if self.env.rank == 0 \
                 else None
             return None
-        self._carry_attachments(manifest)
+        self._carry_attachments(manifest, reader)
         same = self._same_layout(manifest)
         if self.loaded_fingerprint and self.loaded_fingerprint != self.fingerprint:
             log.warning("checkpoint step %d was written with a different model/data/optimizer "
@@ -285,9 +292,9 @@ class Trainer:
             last = (manifest.user_metadata or {}).get("last_save")
             if isinstance(last, dict):  # what a save took before this start
                 self.preemption.check_save_seconds(last.get("seconds"), last.get("step"))
-            tier = self.manager.resumed_tier if self.manager is not None else "durable"
-            log.info("resumed from %s step %d%s%s", c.root if tier != "local" else
-                     f"the local tier ({self.manager.local_root})", manifest.step,
+            resumed = reader.resumed
+            log.info("resumed from %s step %d%s%s", c.root if resumed.tier != "local" else
+                     f"the local tier ({resumed.where})", manifest.step,
                      "" if same else f" (saved on layout {manifest.layout}, resharded)",
                      f"; checkpoint.initial_load ({c.initial_load}) is not read: a resume "
                      f"wins" if c.initial_load else "")
@@ -314,13 +321,12 @@ class Trainer:
             self._forced_save(None)
         return 0
 
-    def _carry_attachments(self, manifest) -> None:
+    def _carry_attachments(self, manifest, reader: CheckpointReader) -> None:
         """The resumed version's attachments this run does not make itself (an import's
         tokenizer files) go on with every save; one that cannot be read is left out, and
         the log says so."""
-        m = self.manager
-        storage = (self.writer.storage if m is None else
-                   m.local.storage if m.resumed_tier == "local" else m.storage)
+        resumed = reader.resumed
+        storage = Storage(resumed.where) if resumed.tier == "local" else reader.storage
         try:
             carried = carried_attachments(storage, manifest, self.hf_files or {})
         except (OSError, ValueError) as exc:
@@ -346,20 +352,17 @@ class Trainer:
         if schedule is not None:
             self.lr_schedule = schedule
 
-    def _read_only_load(self, state, *, step, ignore_keys, raise_if_all_damaged, extra_state):
-        """``CheckpointManager.load_latest`` for a replica group that holds no lease."""
+    def _standby_reader(self) -> ReadOnlyCheckpointer:
+        """What a replica group that holds no lease resumes with: the root, read only, once
+        another group's takeover settled (or its wait ran out)."""
         c = self.cfg.checkpoint
         if self.writer is not None and not self.writer.wait_settled(
                 self.cfg.fault_tolerance.lease_ttl_seconds + 30):
             log.warning("another replica group is still taking over %s; reading it anyway",
                         c.root) if self.env.rank == 0 else None
-        storage = Storage(c.root, c.storage_options or None)
-        options = dict(verify=c.verify, ignore_keys=ignore_keys, process_group=self.ctl_group)
-        if step is not None:
-            return load_with_extra(state, storage, CheckpointStore(storage).read_manifest(step),
-                                   extra_state, **options)
-        return load_latest(state, storage, raise_if_all_damaged=raise_if_all_damaged,
-                           extra_state=extra_state, **options)
+        return ReadOnlyCheckpointer(self.writer.storage if self.writer is not None else c.root,
+                                    ManagerOptions(verify=c.verify),
+                                    process_group=self.ctl_group)
 
     # -- the loop ------------------------------------------------------------------------------
     def _agree_any(self, flag: bool) -> bool:
@@ -612,14 +615,15 @@ class Trainer:
             self.metrics.shutdown(linger_seconds=self.cfg.metrics.linger_seconds if exit_code
                                   in (EXIT_OK, EXIT_LEASE_LOST) else 0.0)
 
-    def _forced_save(self, loss: float | None, manager: Any = None) -> None:
+    def _forced_save(self, loss: float | None, manager: Checkpointer | None = None) -> None:
         """Save this step now, blocking (preemption, the last step), with ``manager`` (default
         this rank's). A save that cannot happen (the write lease lost, the step committed by
         an earlier run or another replica group) is logged, and :meth:`_checked_exit` turns
         it into the exit code."""
         try:
-            (manager or self.manager).save(self.step, self.checkpoint_state(), force=True, block=True,
-                              user_metadata=self._metadata(loss), attachments=self.hf_files)
+            (manager or self.manager).save(self.step, self.checkpoint_state(), force=True,
+                                           block=True, user_metadata=self._metadata(loss),
+                                           attachments=self.hf_files)
         except LeaseLostError:
             pass  # logged by the manager; the exit code says it
         except FileExistsError as exc:

@@ -87,6 +87,16 @@ class FailureHistory:
     def record_failure(self, wall_time: float) -> None:
         self.failure_times.append(float(wall_time))
 
+    def retract_last_failure(self, since: float) -> bool:
+        """Take back the newest failure when it was recorded at ``since`` (Unix time) or
+        later: a start counted as a failure that turned out not to be one of this history's
+        class (a two-tier job's restart that the local tier survived is no node loss).
+        Returns whether one was taken back."""
+        if self.failure_times and self.failure_times[-1] >= since:
+            self.failure_times.pop()
+            return True
+        return False
+
     def add_uptime(self, seconds: float) -> None:
         if seconds > 0:
             self.uptime_seconds += float(seconds)

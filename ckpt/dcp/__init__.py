@@ -2,7 +2,8 @@
 
 DCP's planners understand DTensor, FSDP2 and tensor-parallel shards (which is what makes
 resharding work); everything else is ours. ``api`` (:func:`save`, :func:`load`,
-:func:`load_latest`): the collective save and the transactional load. ``planners``: what
+:func:`load_latest`): the collective save and the transactional load; a manager's saves
+go through :func:`save_with` with a :class:`SaveRequest`. ``planners``: what
 each rank saves and loads, pickle-free (``plancache``: a save's plan, reused while the
 layout stays). ``writer`` and ``reader``: where the bytes go and how they come back
 verified (``layout``: a data file's bytes; ``_shards``: which chunks go in a rank's part,
@@ -14,7 +15,7 @@ an optimizer's replicated values once per param group). ``attachments``: small f
 with a checkpoint. ``savecost``: what one save costs in the background, by phase.
 """
 
-from ckpt.dcp.api import load, load_latest, load_with_extra, save
+from ckpt.dcp.api import SaveRequest, load, load_latest, load_with_extra, save, save_with
 from ckpt.dcp.attachments import (
     check_attachments,
     list_attachments,
@@ -28,7 +29,8 @@ from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
 
 __all__ = [
-    "save", "load", "load_latest", "load_with_extra", "PlanCache", "StagingBuffers", "ModelState", "RNGState", "PerRankState", "rank_key",
+    "save", "save_with", "SaveRequest", "load", "load_latest", "load_with_extra", "PlanCache",
+    "StagingBuffers", "ModelState", "RNGState", "PerRankState", "rank_key",
     "init_optimizer_state", "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
     "check_attachments", "read_attachment", "list_attachments", "read_from", "SaveCost",
 ]

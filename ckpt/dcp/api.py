@@ -23,6 +23,7 @@ import os
 import platform
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -59,7 +60,8 @@ from ckpt.root import (
 )
 from ckpt.storage import Storage
 
-__all__ = ["save", "load", "load_latest", "load_with_extra", "resolve_state", "apply_state", "unwrap_dcp_error"]
+__all__ = ["save", "save_with", "SaveRequest", "load", "load_latest", "load_with_extra",
+           "resolve_state", "apply_state", "unwrap_dcp_error"]
 
 log = logging.getLogger(__name__)
 
@@ -159,16 +161,11 @@ def _versions() -> dict[str, str]:
 
 
 def save(state: dict[str, Any], root: str | Storage, step: int, *,
-         user_metadata: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-         process_group=None, storage_options: dict[str, Any] | None = None,
-         num_threads: int | None = None, durable: bool = True, resolved: bool = False,
-         use_lease: bool = True, lifecycle: Lifecycle | None = None,
-         before_commit: Callable[[], None] | None = None,
-         before_write: Callable[[], None] | None = None,
-         save_id: str | None = None,
+         user_metadata: dict[str, Any] | None = None,
          attachments: dict[str, bytes | str | os.PathLike] | None = None,
-         cost: SaveCost | None = None, plan_cache: PlanCache | None = None,
-         span: Span | None = None, host_window_bytes: int | None = None) -> Manifest | None:
+         layout: dict[str, Any] | None = None, process_group=None,
+         storage_options: dict[str, Any] | None = None, num_threads: int | None = None,
+         use_lease: bool = True) -> Manifest | None:
     """Save ``state`` as checkpoint ``step`` under ``root``. Collective over ``process_group``
     (None: the world; which group its collectives run on: the module docstring).
 
@@ -177,26 +174,77 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
 
     Like every writer, a save holds the root's write lease while it writes: the coordinator
     takes it (``LeaseHeldError`` on every rank when another live job holds it) and
-    releases it after the commit. ``lifecycle``: write through one that already holds the
-    lease (the manager's). ``use_lease=False`` opts out of the lease and of fencing.
-    ``save_id``: this attempt's id (default: a fresh random one). ``before_write``: called
-    on every rank before anything of the save is written (inside DCP's first collective):
-    raising there fails the save on every rank alike, with no collective of its own;
-    ``before_commit``: on the coordinator, right before the commit. ``attachments``: small
-    files kept with the checkpoint, ``{name: bytes or path}`` (:mod:`ckpt.dcp.attachments`);
-    the coordinator's are written, read back with ``ckpt.read_attachment``. ``cost``: a
-    :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created on this thread).
-    ``plan_cache``: a :class:`ckpt.dcp.plancache.PlanCache` kept by the caller across its
-    saves (every rank its own, each save of the group with one): while the state's layout
-    does not change, the save is not planned again (None: every save plans in full).
-    ``span``: the save holds one node's share of a job-wide checkpoint (the local tier of a
-    job of several nodes, :mod:`ckpt.format.span`): ``process_group`` must be its ranks; a
-    tensor sharded across nodes is then saved in part, and the version loads only on this
-    layout. ``host_window_bytes``: device tensors of ``state`` reach the host at most this
-    many bytes at a time, each batch written before the next is copied (a state larger than
-    its staging budget, :class:`ckpt.dcp.staging.StagingBuffers`; None: all at once).
+    releases it after the commit. ``use_lease=False`` opts out of the lease and of fencing.
+    ``attachments``: small files kept with the checkpoint, ``{name: bytes or path}``
+    (:mod:`ckpt.dcp.attachments`); the coordinator's are written, read back with
+    ``ckpt.read_attachment``. ``layout``: the parallel layout the manifest records (e.g.
+    ``{"dp": 2, "tp": 2}``). ``num_threads``: parallel file writes per rank (None: the
+    storage's default). A job's manager saves through :func:`save_with` instead, with its
+    own :class:`SaveRequest` (a save id per attempt, hooks, its cost and cached plans).
     """
     group = cpu_group(process_group)  # first: it may make the group, with every rank
+    attached = check_attachments(attachments)  # same on every rank: before the lease
+    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+    sd = resolve_state(state)
+    lifecycle = _acquire_for_save(storage, group) if use_lease else None
+    try:
+        return save_with(sd, storage, step,
+                         SaveRequest(lifecycle, layout=layout, num_threads=num_threads),
+                         user_metadata=user_metadata, attachments=attached,
+                         process_group=group)
+    finally:
+        if lifecycle is not None and lifecycle.lease is not None:
+            release_lease(lifecycle)
+
+
+@dataclass
+class SaveRequest:
+    """How one save is written, beyond what it saves: the writer's side of a save, which a
+    job's manager chooses per attempt (as DCP takes a ``storage_writer``), and
+    :func:`save` fills in for a caller's single save.
+
+    ``lifecycle``: write through one that already holds the lease (the manager's); None:
+    an unleased one of the save's own. ``save_id``: this attempt's id (None: a fresh random
+    one). ``layout``: the parallel layout the manifest records. ``span``: the save holds one
+    node's share of a job-wide checkpoint (the local tier of a job of several nodes,
+    :mod:`ckpt.format.span`): the save's group must be its ranks; a tensor sharded across
+    nodes is then saved in part, and the version loads only on this layout. ``durable``:
+    sync files and folders to stable storage (False only where a crash may lose the save).
+    ``before_write``: called on every rank before anything of the save is written (inside
+    DCP's first collective): raising there fails the save on every rank alike, with no
+    collective of its own; ``before_commit``: on the coordinator, right before the commit.
+    ``cost``: a :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created
+    on this thread). ``plan_cache``: a :class:`ckpt.dcp.plancache.PlanCache` kept by the
+    caller across its saves (every rank its own, each save of the group with one): while the
+    state's layout does not change, the save is not planned again (None: every save plans in
+    full). ``host_window_bytes``: device
+    tensors reach the host at most this many bytes at a time, each batch written before the
+    next is copied (a state larger than its staging budget,
+    :class:`ckpt.dcp.staging.StagingBuffers`; None: all at once).
+    """
+
+    lifecycle: Lifecycle | None = None
+    save_id: str | None = None
+    layout: dict[str, Any] | None = None
+    span: Span | None = None
+    num_threads: int | None = None
+    durable: bool = True
+    before_write: Callable[[], None] | None = None
+    before_commit: Callable[[], None] | None = None
+    cost: SaveCost | None = None
+    plan_cache: PlanCache | None = None
+    host_window_bytes: int | None = None
+
+
+def save_with(state: dict[str, Any], storage: Storage, step: int, request: SaveRequest, *,
+              user_metadata: dict[str, Any] | None = None,
+              attachments: dict[str, bytes | str | os.PathLike] | None = None,
+              process_group=None) -> Manifest | None:
+    """Save ``state`` (resolved: :func:`resolve_state`, or a staged copy of it) as ``step``
+    as ``request`` says. Collective over ``process_group``, as :func:`save`, whose engine it
+    is; it takes no lease of its own (``request.lifecycle`` holds one, or none is used)."""
+    group = cpu_group(process_group)  # first: it may make the group, with every rank
+    span, plan_cache = request.span, request.plan_cache
     if span is not None:
         ranks, job_size = _job_ranks(group)
         if not span.matches(ranks, job_size):
@@ -204,25 +252,22 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
                              f"({ranks_text(ranks)} of {job_size}): give the group's job "
                              f"ranks in its order")
     attached = check_attachments(attachments)
-    storage = root if isinstance(root, Storage) else Storage(root, storage_options)
-    sd = state if resolved else resolve_state(state)
     distributed = _is_dist()
     world = dist.get_world_size(group) if distributed else 1
-    own_lease = lifecycle is None and use_lease
-    if own_lease:
-        lifecycle = _acquire_for_save(storage, group)
-    extra = {"world_size": world, "layout": dict(layout or {}), "versions": _versions(),
-             "user_metadata": dict(user_metadata or {}), "span": span}
-    writer = CkptWriter(storage, step, step_dirname(step), num_threads=num_threads,
-                        lifecycle=lifecycle, manifest_extra=extra, durable=durable,
-                        before_commit=before_commit, before_write=before_write,
-                        save_id=save_id, attachments=attached,
-                        cost=cost, host_window_bytes=host_window_bytes)
+    extra = {"world_size": world, "layout": dict(request.layout or {}),
+             "versions": _versions(), "user_metadata": dict(user_metadata or {}),
+             "span": span}
+    writer = CkptWriter(storage, step, step_dirname(step), num_threads=request.num_threads,
+                        lifecycle=request.lifecycle, manifest_extra=extra,
+                        durable=request.durable, before_commit=request.before_commit,
+                        before_write=request.before_write, save_id=request.save_id,
+                        attachments=attached, cost=request.cost,
+                        host_window_bytes=request.host_window_bytes)
 
     def run(replan: bool) -> None:
         planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan,
                                   partial=span is not None)
-        dcp.save(sd, storage_writer=writer, planner=planner, process_group=group,
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=not distributed)
 
     try:
@@ -240,9 +285,6 @@ def save(state: dict[str, Any], root: str | Storage, step: int, *,
                 run(replan=True)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc
-    finally:
-        if own_lease and lifecycle is not None and lifecycle.lease is not None:
-            release_lease(lifecycle)
     return writer.manifest
 
 

@@ -4,8 +4,8 @@ Planning a save (every rank lists its write items, the coordinator gathers them 
 deduplicates replicas, builds the global plan and its metadata) costs the same at every
 save of a run, because a run's layout does not change: only the values do. A
 :class:`PlanCache` keeps what that planning produced, for its owner (a
-``CheckpointManager``, one per tier; ``ckpt.save(plan_cache=...)`` for a caller's own
-saves), and the save planner (:class:`ckpt.dcp.planners.SafeSavePlanner`) reuses it:
+``CheckpointManager``, one per tier; a ``SaveRequest(plan_cache=...)`` of
+:func:`ckpt.dcp.api.save_with` for a caller's own saves), and the save planner (:class:`ckpt.dcp.planners.SafeSavePlanner`) reuses it:
 
 ========================== ===============================================================
 every rank                 computes its state's *layout signature* (keys, kinds, dtypes,

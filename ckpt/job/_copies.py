@@ -1,5 +1,5 @@
 """Copies of each node's local checkpoints on the next node: a local tier that survives the
-loss of a node (``TieredCheckpointManager(local_copies=2)``).
+loss of a node (``LocalTierOptions(copies=2)``).
 
 Nodes form a ring by index. Node ``n``'s local checkpoints are copied to its successor, into
 ``peer-{n}/`` under that node's local root (``ckpt.job._tier_layout.peer_root``; never
@@ -60,6 +60,7 @@ from ckpt.format import Manifest
 from ckpt.job._copy import Incoming, Outgoing, swap_versions
 from ckpt.job._tier_layout import peer_root, ring_neighbours, runs_of_steps
 from ckpt.job.manager import CheckpointManager
+from ckpt.job.options import ManagerOptions
 from ckpt.ranks import Agreement, destroy_groups, swap_bytes
 from ckpt.root import CheckpointStore, Lifecycle, acquire_lease, release_lease
 from ckpt.storage import Storage
@@ -93,8 +94,7 @@ class PeerCopies:
 
     def __init__(self, local: CheckpointManager, *, node: int,
                  node_of_rank: list[int], world: Agreement, events: EventBus,
-                 use_lease: bool = True, lease_ttl_seconds: float = 60.0,
-                 job_name: str | None = None, job_fingerprint: str | None = None):
+                 options: ManagerOptions):
         self.local, self.events, self.node, self.world = local, events, node, world
         nodes = sorted(set(node_of_rank))
         first = {n: node_of_rank.index(n) for n in nodes}  # each node's coordinator
@@ -111,8 +111,9 @@ class PeerCopies:
         self._lock = threading.Lock()
         self._last: Future | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
-        error = self._claim(local.storage, use_lease, ttl_seconds=lease_ttl_seconds,
-                            job_name=job_name, fingerprint=job_fingerprint) \
+        error = self._claim(local.storage, options.use_lease,
+                            ttl_seconds=options.lease_ttl_seconds, job_name=options.job_name,
+                            fingerprint=options.job_fingerprint) \
             if self.coordinator else None
         if world.any(error is not None):
             self.close()

@@ -3,8 +3,7 @@
 :class:`StagedCopy`: a copy of the state staged into a manager's reused host buffers at one
 step (staging is the one stall of a save). A manager remembers the newest copy it staged so
 that another manager can persist the same copy at the same step
-(``CheckpointManager.save(..., reuse=...)``; ``ckpt.job.tiers`` saves both tiers with one
-stall).
+(``TierLink.reusable``: ``ckpt.job.tiers`` saves both tiers with one stall).
 
 :class:`InflightSave`: at most one save persists at a time. The slot owns the persist thread
 (one worker), the job in flight, its step and the outcome of the newest save that failed. The
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class StagedCopy:
     """A copy of the state staged by a manager at ``step`` (in its staging buffers), which
-    another manager may persist too (``save(..., reuse=...)``): one stall for two saves.
+    another manager may persist too (``TierLink.reusable``): one stall for two saves.
     ``wait_ready()`` blocks until the copies are done (on CUDA they are only enqueued) and
     returns their device time when known. ``window_bytes``: None when the whole state was
     staged; else the state did not fit the staging budget, ``staged`` holds the live tensors

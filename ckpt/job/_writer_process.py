@@ -88,6 +88,7 @@ from ckpt.errors import (
 )
 from ckpt.events import EventBus
 from ckpt.format import Manifest
+from ckpt.dcp import SaveRequest
 from ckpt.job.persist import PersistOutcome, Persister
 from ckpt.root import Lifecycle
 
@@ -165,6 +166,10 @@ class WriterProcess:
             raise ValueError("writer='process' with staging_budget_bytes: a state over the "
                              "budget is saved from the live tensors, which a writer process "
                              "cannot read; drop staging_budget_bytes or use writer='thread'")
+        if persister.request.span is not None:
+            raise ValueError("writer='process' for a node's share of a job-wide checkpoint "
+                             "(the local tier of a job of several nodes) is not supported; "
+                             "use writer='thread'")
         if staging.shared_path is not None or staging.arena_bytes:
             raise AssertionError("the staging buffers were allocated before the writer")
         staging.shared = True  # the writer process maps them (ckpt.dcp._shm)
@@ -186,7 +191,8 @@ class WriterProcess:
                       "rank": rank, "world_size": world_size, "rendezvous": rendezvous,
                       "max_attempts": persister.max_attempts,
                       "retry_backoff_seconds": persister.retry_backoff_seconds,
-                      "num_threads": persister.num_threads, "layout": persister.layout,
+                      "num_threads": persister.request.num_threads,
+                      "layout": persister.request.layout,
                       "event_rank": events.rank}
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -259,11 +265,11 @@ class WriterProcess:
     # -- one save -----------------------------------------------------------------------------
     def run(self, step: int, staged: dict[str, Any], *, nbytes: int, stall: float,
             user_metadata: dict[str, Any], attachments: dict[str, Any] | None = None,
-            span=None, host_window_bytes: int | None = None) -> PersistOutcome:
+            host_window_bytes: int | None = None) -> PersistOutcome:
         """Hand the save of ``staged`` (its copies done) to the writer process and wait for
         its outcome, serving its lease calls and re-emitting its events meanwhile. A writer
         that is dead is restarted first; one that dies during the save fails it."""
-        assert span is None and host_window_bytes is None, "refused at construction"
+        assert host_window_bytes is None, "refused at construction"
         t0 = time.monotonic()
         self._num_saves += 1
         try:
@@ -625,11 +631,11 @@ class _Writer:
                         bytes=job["nbytes"], persist_seconds=0.0, retries=0)
             return {"committed": False, "error": _error_json(exc), "attempts": 1}
         persister = Persister(
-            self.life, _Forwarded(self.send, config["event_rank"]), group,
+            SaveRequest(self.life, layout=config["layout"], num_threads=config["num_threads"],
+                        plan_cache=self.plan_cache),
+            _Forwarded(self.send, config["event_rank"]), group,
             rank=config["rank"], max_attempts=config["max_attempts"],
-            retry_backoff_seconds=config["retry_backoff_seconds"],
-            num_threads=config["num_threads"], layout=config["layout"],
-            abandon=self.abandon, plan_cache=self.plan_cache)
+            retry_backoff_seconds=config["retry_backoff_seconds"], abandon=self.abandon)
         out = persister.run(step, state, nbytes=job["nbytes"], stall=job["stall"],
                             user_metadata=job["user_metadata"], attachments=attachments)
         del state  # the views of the shared block

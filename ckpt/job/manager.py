@@ -32,7 +32,9 @@ private groups (:mod:`ckpt.ranks.groups`).
 Size: one object, the manager of one root: its save path (gate, staging, persist), its
 resume path (walk, un-commit newer) and its lease share its fields; the one-caller helpers
 were folded back into it on purpose, and what stands alone is in its own module (gate,
-persist, retention, _claim, _commits, _inflight).
+persist, retention, _claim, _commits, _inflight). :class:`TierLink`, the one way a
+``TieredCheckpointManager`` reaches a manager's save and resume state, lives beside it for
+that reason.
 """
 
 from __future__ import annotations
@@ -47,87 +49,59 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interval
-from ckpt.dcp import PlanCache, StagingBuffers, api, check_attachments
+from ckpt.dcp import PlanCache, SaveRequest, StagingBuffers, api, check_attachments
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
 from ckpt.format import Lineage, Manifest, Span, new_run_id, parent_of, step_dirname
 from ckpt.job._claim import RootClaim
 from ckpt.job._commits import Commits
 from ckpt.job._inflight import InflightSave, StagedCopy
-from ckpt.job._writer_process import WriterProcess, check_writer_mode
-from ckpt.job.gate import (
-    SaveChecks,
-    SaveGate,
-    observe_step,
-    report_busy_skip,
-    report_lease_lost,
-    use_slot,
-)
+from ckpt.job._writer_process import WriterProcess
+from ckpt.job.checkpointer import Checkpointer, ResumeInfo
+from ckpt.job.gate import Decision, SaveGate, SaveInputs
+from ckpt.job.options import ManagerOptions, with_policies
 from ckpt.job.persist import Persister
-from ckpt.job.retention import KeepLast, KeepPinned, RetentionPolicy, record_retention
+from ckpt.job.retention import KeepLast, RetentionPolicy, record_retention
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed, private_groups
 from ckpt.root import CheckpointStore, Lease, Lifecycle, record_run
 from ckpt.storage import Storage
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "TierLink"]
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointManager:
+class CheckpointManager(Checkpointer):
     """Checkpoint a training job under ``root``; resume it from the newest valid checkpoint.
 
     Args:
         root: local path or fsspec URL (``s3://bucket/prefix``), or a ``Storage``.
-        cadence: a ``CadencePolicy`` (see ``ckpt.cadence.policies``) or an interval string
-            (``"auto"``, ``"100"`` steps, ``"300s"``); None (the default): ``maybe_save``
-            never saves (it warns once) and only ``save`` does.
-        retention: policies deciding which older checkpoints to delete (default: keep last 3
-            plus pinned); an empty list keeps everything. Pinned steps are kept whatever
-            the policies (``ckpt.job.retention``).
-        async_save: persist in the background (default) or block until committed.
-        busy: ``"skip"`` or ``"wait"`` when a save is due while the previous one is in flight.
-        verify: checksum mode on load: ``"full"``, ``"size"`` or ``"none"``.
-        raise_on_failure: re-raise a background failure at the next call (default: only
-            report it through events, logs and ``wait()``).
-        max_attempts: attempts per save before it is reported failed.
-        retry_backoff_seconds: pause before the second attempt (doubling, at most 5 s).
+        options: how it saves, keeps and loads (:class:`~ckpt.job.options.ManagerOptions`:
+            each field with its default and its check; default ``ManagerOptions()``).
+        cadence, retention, busy: ``options.cadence``, ``options.retention`` and
+            ``options.busy`` as keywords (give each once: here or in ``options``).
+        events: the bus its events go to (default: a new one).
         process_group: the ranks whose state this manager checkpoints under ``root``
             (default: the world). Its first rank coordinates (lease, commit, retention). A
             subgroup is how each node checkpoints its own ranks to a node-local root
             (``ckpt.job.tiers``); every rank of the world then constructs a manager at once.
-        span: with such a subgroup, the share of a job-wide checkpoint its versions hold
-            (``ckpt.format.Span``: the node, and the job ranks of ``process_group``): a
-            tensor sharded across nodes is saved in part, and the versions load only on
-            this layout (``ckpt.job.tiers`` passes one on a job of several nodes).
-        staging_budget_bytes: the most host memory a save's copy of this rank's state may
-            take (None: one whole copy). A state larger than it is saved in pieces, the
-            save blocking until committed (``ckpt.dcp.staging``; docs/store.md,
-            "Host memory under a budget").
-        writer: where the save's background work runs: ``"thread"`` (default), or
-            ``"process"``: a writer process beside this one (``ckpt.job._writer_process``;
-            docs/store.md, "The writer process").
+        tier: given by a ``TieredCheckpointManager`` to each of its two managers (its link
+            to them, :class:`TierLink`); None for a manager of its own.
 
-    Failures are never silent: a save that fails after ``max_attempts`` emits a final
-    ``save_failed`` event and an error log line; its folder is never committed.
+    Failures are never silent: a save that fails after ``options.max_attempts`` emits a
+    final ``save_failed`` event and an error log line; its folder is never committed.
     """
 
-    def __init__(self, root: str | Storage, *, storage_options: dict[str, Any] | None = None,
+    def __init__(self, root: str | Storage, options: ManagerOptions | None = None, *,
                  cadence: CadencePolicy | str | None = None,
                  retention: Sequence[RetentionPolicy] | None = None,
-                 async_save: bool = True, busy: str = "skip", verify: str = "full",
-                 num_threads: int | None = None, use_lease: bool = True,
-                 lease_ttl_seconds: float = 60.0, raise_on_failure: bool = False,
-                 max_attempts: int = 3, retry_backoff_seconds: float = 0.5,
-                 layout: dict[str, Any] | None = None, job_name: str | None = None,
-                 job_fingerprint: str | None = None, process_group=None,
-                 span: Span | None = None, events: EventBus | None = None,
-                 staging_budget_bytes: int | None = None, writer: str = "thread"):
-        if busy not in ("skip", "wait"):
-            raise ValueError(f"busy={busy!r}: expected 'skip' or 'wait'")
-        if max_attempts < 1:
-            raise ValueError("max_attempts must be >= 1")
-        self.storage = root if isinstance(root, Storage) else Storage(root, storage_options)
+                 busy: str | None = None, events: EventBus | None = None,
+                 process_group=None, tier: TierLink | None = None):
+        options = with_policies(options or ManagerOptions(), "CheckpointManager",
+                                cadence=cadence, retention=retention, busy=busy)
+        self.options = options
+        self.storage = root if isinstance(root, Storage) else Storage(
+            root, dict(options.storage_options) if options.storage_options else None)
         self.storage.makedirs("")  # the lease and the first save need the root to exist
         # A commit's marker goes with the next retention's deletions (Commits.record).
         self.life = Lifecycle(self.storage, defer_marker_removal=True)
@@ -137,26 +111,21 @@ class CheckpointManager:
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.events = events or EventBus(rank=dist.get_rank() if self.distributed else 0)
-        self.cadence = parse_interval(cadence) if isinstance(cadence, str) else cadence
-        self.async_save = async_save
-        self.busy = busy
-        self.verify = verify
-        self.num_threads = num_threads
-        self.raise_on_failure = raise_on_failure
-        self.layout = dict(layout or {})
-        self.span = span
-        self.staging = StagingBuffers(budget_bytes=staging_budget_bytes)
+        self.cadence: CadencePolicy | None = (
+            parse_interval(options.cadence) if isinstance(options.cadence, (str, int))
+            else options.cadence)
+        self.staging = StagingBuffers(budget_bytes=options.staging_budget_bytes)
         self._slot = InflightSave()  # the persist thread and the save it runs
         self._abandon = threading.Event()
         self.step_times = StepTimes()
         self.num_skipped = 0
         self.num_saves = 0
         self.lease_lost = False  # agreed on every rank at a save
-        self.resumed_tier: str | None = None  # a plain manager has one tier ("durable")
-        # The step the state was loaded from (``load_latest``), and the steps this manager
+        self._tier = tier
+        # Where the state was loaded from (``load_latest``), and the steps this manager
         # committed: a committed step among these holds this run's state, so a forced save
         # of it has nothing to do; any other committed step belongs to an earlier run.
-        self.resumed_step: int | None = None
+        self._resumed: ResumeInfo | None = None
         self._saved_steps: set[int] = set()
         self._warned_no_cadence = False
         self._closed = False
@@ -168,40 +137,46 @@ class CheckpointManager:
         # (ckpt.dcp.plancache); another manager in the process (the other tier) has its own.
         self.plan_cache = PlanCache()
         self._persister = Persister(
-            self.life, self.events, self._bg_group, rank=self.rank,
-            max_attempts=max_attempts, retry_backoff_seconds=retry_backoff_seconds,
-            num_threads=num_threads, layout=self.layout, abandon=self._abandon,
-            plan_cache=self.plan_cache)
-        if check_writer_mode(writer) == "process":  # the same saves, in a writer process
+            SaveRequest(self.life, layout=dict(options.layout or {}),
+                        span=tier.span if tier is not None else None,
+                        num_threads=options.num_threads, plan_cache=self.plan_cache),
+            self.events, self._bg_group, rank=self.rank, max_attempts=options.max_attempts,
+            retry_backoff_seconds=options.retry_backoff_seconds, abandon=self._abandon)
+        if options.writer == "process":  # the same saves, in a writer process
             self._persister = WriterProcess(self._persister, world_size=self.world_size,
                                             agreement=self._ctl, staging=self.staging)
         if self.distributed:
             free_at_exit(self)  # its groups are freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
+        self._staged_now: StagedCopy | None = None  # the copy staged by this save call
         self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
         self._prepare_started = False
         # Rank 0 takes the lease (fencing off earlier writers), removes dead attempts'
         # leftovers and reads the job's failure history; every rank learns both. One history
         # per job, shared with the cadence (which accumulates uptime in it).
         self._claim = RootClaim(self.life, self._ctl, self.events, coordinator=self.rank == 0,
-                                use_lease=use_lease, ttl_seconds=lease_ttl_seconds,
-                                job_name=job_name, fingerprint=job_fingerprint)
+                                use_lease=options.use_lease,
+                                ttl_seconds=options.lease_ttl_seconds,
+                                job_name=options.job_name, fingerprint=options.job_fingerprint)
         if self.cadence is not None:
             self.cadence.history = self.history
         self.save_history()
-        if retention is None:
-            retention = [KeepLast(3), KeepPinned(self.store)]
+        retention = [KeepLast(3)] if options.retention is None else list(options.retention)
         self._commits = Commits(self.events, self.store, self._claim, retention,
                                 coordinator=self.rank == 0)
         if self.rank == 0 and (self.lease is None or self.lease.held):
             record_retention(self.store, retention)  # for `ckpt list` (best-k reasons)
-        self._gate = SaveGate(self._ctl, self.life, self.rank == 0)
+        # A two-tier job's local tier decides over the whole job (every node saves the same
+        # local steps); any other manager over its own ranks.
+        self._gate = SaveGate(tier.agreement if tier is not None and tier.agreement
+                              else self._ctl, self.life, self.rank == 0)
+        if tier is not None:
+            tier.manager = self
         # The run this manager saves as (:mod:`ckpt.root.lineage`): a fresh one, until a
         # load begins another (``start_run``). The same id on every rank.
         self._run_base = self._ctl.broadcast(new_run_id() if self.rank == 0 else None)
         self._num_runs = 0
         self.life.lineage = Lineage(self._run_base)
-        self.job_name = job_name
 
     # -- the claim on the root and the commits, as callers see them ---------------------------
     @property
@@ -260,14 +235,8 @@ class CheckpointManager:
         self.staging.prepare(api.resolve_state(state))
 
     def in_flight(self) -> bool:
+        """A save is persisting in the background (local)."""
         return self._slot.running()
-
-    def save_outcome(self) -> Future | None:
-        """The newest save started (None before the first), as a ``Future`` whose result
-        is its committed manifest on the coordinator (None on the other ranks, and when the
-        save failed). For work that follows a commit off the training thread
-        (``ckpt.job.tiers`` copies a node's local checkpoint to the next node)."""
-        return self._slot.future
 
     def maybe_save(self, step: int, state: dict[str, Any], *,
                    user_metadata: dict[str, Any] | None = None,
@@ -277,55 +246,25 @@ class CheckpointManager:
         Returns True if a save was started (or completed, when not async). ``attachments``:
         as for :meth:`save`. Without a cadence it never saves, and says so once.
         """
+        if self._closed:
+            raise RuntimeError("CheckpointManager.maybe_save() called after close()")
         if self.cadence is None and not self._warned_no_cadence:
             self._warned_no_cadence = True
             log.warning("CheckpointManager(%s) has no cadence, so maybe_save() never saves: "
                         "pass cadence= (e.g. '500' steps, '10m', 'auto'), or call save() "
                         "yourself", self.storage.url)
-        # A time-based cadence agrees its due check; the save's checks ride along.
-        due, checks = self._due(step, state, with_checks=True)
-        if not due:
-            return False
-        return self._save(step, state, checks, user_metadata=user_metadata,
-                          attachments=attachments)
-
-    def due(self, step: int, state: dict[str, Any]) -> bool:
-        """The decision half of :meth:`maybe_save` (collective; same result on every rank):
-        observe the step, then ask the cadence. Call once per step, then :meth:`save` when
-        True (``maybe_save`` does both; ``ckpt.job.tiers`` decides for two managers first)."""
-        return self._due(step, state, with_checks=False)[0]
-
-    def _due(self, step: int, state: dict[str, Any], *, with_checks: bool
-             ) -> tuple[bool, SaveChecks | None]:
-        """``due``; ``with_checks``: and the save's checks when agreed along with it."""
-        observe_step(self.step_times, self.cadence, self.history, time.monotonic(),
-                     busy=self.in_flight())
-        if self.num_saves == 0 and not self._prepare_started:
-            # Allocate (and fault in) the staging buffers in the background now, while
-            # training runs, so that even the first save's stall is only the copy.
-            self._prepare_started = True
-            self._slot.executor.submit(self.staging.prepare, api.resolve_state(state))
-        checks = None
-        if with_checks:  # agreed when time-based (ckpt.job.gate)
-            want, checks = self._gate.due_with_checks(self.cadence, step,
-                                                      **self._check_inputs(False))
-        else:
-            want = self._gate.due(self.cadence, step)
-        if not want:
+        self._observe_step(state)
+        decision = self._decide(step, requested=False)
+        if not decision.due:
             # No collective follows, so a rank-local re-raise cannot leave a peer waiting.
             self._raise_pending_failure()
-        return want, checks
+            return False
+        return self._start(step, state, decision, user_metadata=user_metadata,
+                           attachments=attachments)
 
-    def _check_inputs(self, busy_elsewhere: bool) -> dict[str, Any]:
-        """This rank's side of the checks a save agrees (``SaveGate.agree``)."""
-        return dict(busy=self.in_flight() or busy_elsewhere, lease_lost=self._claim.lost,
-                    pending_failure=self.raise_on_failure and self._slot.failure is not None,
-                    last_committed=self.last_committed)
-
-    def save(self, step: int, state: dict[str, Any], *,
-             user_metadata: dict[str, Any] | None = None, block: bool = False,
-             force: bool = False, attachments: dict[str, Any] | None = None,
-             reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
+    def save(self, step: int, state: dict[str, Any], *, block: bool = False,
+             force: bool = False, user_metadata: dict[str, Any] | None = None,
+             attachments: dict[str, Any] | None = None) -> bool:
         """Save now (collective). ``force`` waits for an in-flight save instead of skipping.
 
         Returns True when a save was started, False when it was skipped (reported as a
@@ -337,46 +276,74 @@ class CheckpointManager:
         ``LeaseLostError`` when another job took the write lease. Every rank takes the same
         branch: whether the previous save is in flight, whether ``step`` is committed,
         whether the lease is lost and whether a failure is pending are agreed in one
-        all-reduce first.
+        all-reduce first (:class:`~ckpt.job.gate.SaveGate`, as for ``maybe_save``).
         ``attachments``: small files kept with the checkpoint (``ckpt.save``'s); bytes are
-        taken now, a path is read when the save persists. ``reuse``: persist this copy,
-        staged by another manager at this step (its ``last_staged``), instead of staging
-        again: no stall. Its owner must not stage again before this save is done.
-        ``busy_elsewhere``: count as busy although this manager's previous save is done
-        (``ckpt.job.tiers``: another node's save of the same tier is still in flight, and every
-        node must save the same steps).
+        taken now, a path is read when the save persists.
         """
-        return self._save(step, state, None, user_metadata=user_metadata, block=block,
-                          force=force, attachments=attachments, reuse=reuse,
-                          busy_elsewhere=busy_elsewhere)
-
-    def _save(self, step: int, state: dict[str, Any], checks: SaveChecks | None, *,
-              user_metadata: dict[str, Any] | None = None, block: bool = False,
-              force: bool = False, attachments: dict[str, Any] | None = None,
-              reuse: "StagedCopy | None" = None, busy_elsewhere: bool = False) -> bool:
-        """``save``; ``checks``: agreed already (with the due check), else agreed here."""
-        attached = check_attachments(attachments)  # same on every rank: before any collective
         if self._closed:
             raise RuntimeError("CheckpointManager.save() called after close()")
-        if checks is None:
-            checks = self._gate.agree(step, cadence=self.cadence,
-                                      **self._check_inputs(busy_elsewhere))
-        busy, exists, lost, failed = checks
+        check_attachments(attachments)  # the same on every rank: before any collective
+        return self._start(step, state, self._decide(step, requested=True), block=block,
+                           force=force, user_metadata=user_metadata, attachments=attachments)
+
+    def _observe_step(self, state: dict[str, Any]) -> None:
+        """One training step ended: its time goes to the step times and, as uptime, to the
+        cadence (or, without one, to the history); the first one starts allocating the
+        staging buffers in the background, so that even the first save only copies."""
+        dt = self.step_times.observe(time.monotonic(), busy=self.in_flight())
+        if dt is not None:
+            if self.cadence is None:
+                self.history.add_uptime(dt)
+            else:  # the cadence adds the uptime to the shared history itself
+                self.cadence.record_step(dt)
+        if self.num_saves == 0 and not self._prepare_started:
+            self._prepare_started = True
+            self._slot.executor.submit(self.staging.prepare, api.resolve_state(state))
+
+    def _decide(self, step: int, *, requested: bool) -> Decision:
+        """The gate's decision for ``step`` (collective as :meth:`SaveGate.decide` says)."""
+        self._staged_now = None  # a copy another tier may persist: only this call's
+        decision = self._gate.decide(step, SaveInputs(
+            self.cadence, requested, busy=self.in_flight(), lease_lost=self._claim.lost,
+            pending_failure=self.options.raise_on_failure and self._slot.failure is not None,
+            last_committed=self.last_committed))
+        if self._tier is not None:
+            self._tier.due_step = step if decision.due else None
+        return decision
+
+    def _use_slot(self, step: int) -> None:
+        """The save due at ``step`` happened, or was skipped: either way its slot is used, so
+        the cadence counts the next interval from here (every rank alike)."""
+        if self.cadence is not None:
+            self.cadence.record_saved(step, time.monotonic())
+
+    def _start(self, step: int, state: dict[str, Any], decision: Decision, *,
+               block: bool = False, force: bool = False,
+               user_metadata: dict[str, Any] | None = None,
+               attachments: dict[str, Any] | None = None) -> bool:
+        """Act on a due ``decision``: skip, wait or start the save of ``step``."""
+        assert decision.checks is not None
+        attached = check_attachments(attachments)
+        busy, exists, lost, failed = decision.checks
         if failed:
             self._slot.raise_agreed_failure()
         if lost:
             # Said once (by the coordinator), at the first save skipped: each later one is
             # an event only.
             said, self.lease_lost = self.lease_lost, True
-            use_slot(self.cadence, step)  # one skip per due save, not one per step after it
-            report_lease_lost(self.events, step, self.storage.url,
-                              log_it=not said and self.rank == 0)
+            self._use_slot(step)  # one skip per due save, not one per step after it
+            self.events.emit("save_skipped", step, reason="lease lost", outcome="skipped")
+            if not said and self.rank == 0:
+                log.error("not saving step %d nor any later step: the write lease on %s was "
+                          "lost to another job, whose checkpoints count there now (this "
+                          "job's would not)", step, self.storage.url)
             if force:
                 raise LeaseLostError(f"step {step} not saved: another job took over the "
                                      f"write lease on {self.storage.url}, so this job's "
                                      f"saves no longer count")
             return False
-        ours = step in self._saved_steps or step == self.resumed_step  # same on every rank
+        ours = step in self._saved_steps or (  # the same on every rank
+            self._resumed is not None and step == self._resumed.step)
         if exists:
             self._commits.found(step)
             if force and ours:  # this run's state is committed at this step: done
@@ -391,10 +358,15 @@ class CheckpointManager:
                     f"under another step, or roll it back first (`ckpt rollback`)")
             return False
         if busy:
-            if self.busy == "skip" and not force:
-                use_slot(self.cadence, step)  # one skip per due save, not one per step after it
+            if self.options.busy == "skip" and not force:
+                self._use_slot(step)  # one skip per due save, not one per step after it
                 self.num_skipped += 1
-                report_busy_skip(self.events, step, self._slot.step, self.num_skipped)
+                self.events.emit("save_skipped", step, reason="previous save in flight",
+                                 outcome="skipped", in_flight_step=self._slot.step,
+                                 num_skipped=self.num_skipped)
+                log.warning("checkpoint at step %d skipped: the save of step %s is still "
+                            "persisting (%d skipped so far)", step, self._slot.step,
+                            self.num_skipped)
                 return False
             t0 = time.monotonic()
             self._slot.join()
@@ -409,30 +381,34 @@ class CheckpointManager:
                 return force
         t0 = time.monotonic()
         first = self.num_saves == 0
-        if reuse is not None and reuse.step != step:
-            raise ValueError(f"reuse holds step {reuse.step}, not step {step}: pass the "
-                             f"copy staged at this step")
-        # A reused copy costs no stall here; the cadence still learns what staging cost.
+        # Another tier's copy staged in this same call costs no stall here (two tiers);
+        # the cadence still learns what staging cost.
+        reuse = self._tier.reusable(step) if self._tier is not None else None
         copy = self._stage(state, step) if reuse is None else reuse
         self.num_saves += 1
         self.events.emit("save_staged", step, stall_seconds=0.0 if reuse else copy.stall_seconds,
                          bytes=copy.nbytes, first=first, reused=reuse is not None)
-        use_slot(self.cadence, step)
+        self._use_slot(step)
         self.step_times.save_started()
         self._slot.start(step, self._persist, copy, dict(user_metadata or {}), attached, t0)
+        if self._tier is not None:
+            self._tier.started(step)
         # Over the staging budget the copy holds live tensors: training waits for the save.
-        if block or not self.async_save or copy.window_bytes is not None:
+        if block or not self.options.async_save or copy.window_bytes is not None:
             self._slot.join()
             self._raise_pending_failure()
         return True
 
     def _stage(self, state: dict[str, Any], step: int) -> StagedCopy:
         """Copy ``state`` into the staging buffers (the stall, measured): the newest copy."""
+        if self._tier is not None:
+            self._tier.reclaim()  # another tier's save may still persist from the buffers
         t0 = time.monotonic()
         staged, nbytes = self.staging.stage(api.resolve_state(state))
         self.num_stages += 1
         self.last_staged = StagedCopy(step, staged, nbytes, time.monotonic() - t0,
                                       self.staging.wait_ready, self.staging.window_bytes)
+        self._staged_now = self.last_staged
         return self.last_staged
 
     def _persist(self, copy: StagedCopy, user_metadata: dict[str, Any],
@@ -444,7 +420,7 @@ class CheckpointManager:
         copy_seconds = copy.wait_ready()
         out = self._persister.run(copy.step, copy.staged, nbytes=copy.nbytes,
                                   stall=copy.stall_seconds, user_metadata=user_metadata,
-                                  attachments=attachments, span=self.span,
+                                  attachments=attachments,
                                   host_window_bytes=copy.window_bytes)
         if not out.committed:
             if out.error is not None:
@@ -456,7 +432,7 @@ class CheckpointManager:
         return out.manifest
 
     def _raise_pending_failure(self) -> None:
-        if self.raise_on_failure:
+        if self.options.raise_on_failure:
             self._slot.raise_failure()
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
@@ -468,25 +444,40 @@ class CheckpointManager:
         return self._slot.wait(raise_errors)
 
     # -- loading -----------------------------------------------------------------------------
+    @property
+    def resumed(self) -> ResumeInfo | None:
+        """Where the newest :meth:`load_latest` loaded from (None before one, or when it
+        found nothing)."""
+        return self._resumed
+
     def load_latest(self, state: dict[str, Any], *, step: int | None = None,
                     strict: bool = True, ignore_keys: tuple[str, ...] = (),
                     raise_if_all_damaged: bool = False,
-                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None,
-                    uncommit_newer: bool = True) -> Manifest | None:
+                    extra_state: Callable[[Manifest], dict[str, Any]] | None = None
+                    ) -> Manifest | None:
         """Resume: load ``step`` if given, else the newest checkpoint that verifies and
         belongs to the current trajectory (``ckpt.root.lineage``: never one a resume went
         back past).
 
         Returns the manifest loaded, or None when there is nothing to resume from
         (``raise_if_all_damaged``, ``extra_state``: see :func:`ckpt.dcp.api.load_latest`).
-        Then, unless ``uncommit_newer`` is False, the run continues from the step loaded:
-        committed steps newer than it (damaged ones the walk fell back past, or all newer
-        ones when ``step`` rewinds) are un-committed (:meth:`uncommit_newer`), so that this
-        run saves those steps again and the next resume does not jump onto them; before
-        that a new run is recorded (:meth:`start_run`), so that those steps cannot be
-        taken for this trajectory's even when they cannot be un-committed. False: the
-        caller does both (a two-tier job, once for both tiers).
+        Then the run continues from the step loaded: committed steps newer than it (damaged
+        ones the walk fell back past, or all newer ones when ``step`` rewinds) are
+        un-committed (:meth:`uncommit_newer`), so that this run saves those steps again and
+        the next resume does not jump onto them; before that a new run is recorded
+        (:meth:`start_run`), so that those steps cannot be taken for this trajectory's even
+        when they cannot be un-committed. (A two-tier job does both once for both tiers.)
         """
+        return self._load(state, step=step, strict=strict, ignore_keys=ignore_keys,
+                          raise_if_all_damaged=raise_if_all_damaged,
+                          extra_state=extra_state, continue_run=True)
+
+    def _load(self, state: dict[str, Any], *, step: int | None, strict: bool,
+              ignore_keys: tuple[str, ...], raise_if_all_damaged: bool,
+              extra_state: Callable[[Manifest], dict[str, Any]] | None,
+              continue_run: bool) -> Manifest | None:
+        """:meth:`load_latest`; ``continue_run`` False: the caller records the run and
+        un-commits newer steps (a two-tier job, once for both tiers)."""
         if self._closed:
             raise RuntimeError("CheckpointManager.load_latest() called after close()")
         t0 = time.monotonic()
@@ -500,9 +491,11 @@ class CheckpointManager:
         # save is persisting from them.
         scratch = None if self.in_flight() else self.staging
         if scratch is not None:
+            self._staged_now = None  # the load overwrites what was staged
             scratch.prepare(api.resolve_state(state))
-        options = dict(verify=self.verify, strict=strict, process_group=self._ctl_group,
-                       num_threads=self.num_threads, ignore_keys=ignore_keys, scratch=scratch)
+        options = dict(verify=self.options.verify, strict=strict,
+                       process_group=self._ctl_group, num_threads=self.options.num_threads,
+                       ignore_keys=ignore_keys, scratch=scratch)
         if step is not None:
             manifest = api.load_with_extra(state, self.storage, self.store.read_manifest(step),
                                            extra_state, **options)
@@ -510,21 +503,22 @@ class CheckpointManager:
             manifest = api.load_latest(state, self.storage, on_fallback=fell_back,
                                        raise_if_all_damaged=raise_if_all_damaged,
                                        extra_state=extra_state, **options)
-        self.resumed_tier = "durable" if manifest is not None else None
         if manifest is None:
-            if uncommit_newer:
+            self._resumed = None
+            if continue_run:
                 self.start_run(None)
             return None
-        self.resumed_step = manifest.step
-        if uncommit_newer:
+        self._resumed = ResumeInfo(manifest.step, self._tier.name if self._tier else "durable",
+                                   self.storage.url)
+        if continue_run:
             self.start_run(manifest, tier="durable")
             self.uncommit_newer(manifest.step)
         # Resumed at a step, the cadence counts the next interval from there (a resumed run
         # saves at 40 and 50 after resuming at 30 with a cadence of 10).
-        use_slot(self.cadence, manifest.step)
+        self._use_slot(manifest.step)
         seconds = time.monotonic() - t0
         self.events.emit("load_done", manifest.step, outcome="loaded", seconds=seconds,
-                         bytes=manifest.total_bytes, verify=self.verify,
+                         bytes=manifest.total_bytes, verify=self.options.verify,
                          bytes_per_second=manifest.total_bytes / seconds if seconds > 0
                          else 0.0, num_fallbacks=len(fallbacks))
         return manifest
@@ -559,7 +553,7 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 record_run(self.storage, {
-                    "run": lineage.run, "parent": lineage.parent, "job": self.job_name,
+                    "run": lineage.run, "parent": lineage.parent, "job": self.options.job_name,
                     "tier": tier, "abandoned": self._abandoned_by(parent)})
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 failed = exc
@@ -671,8 +665,74 @@ class CheckpointManager:
         if self.distributed:
             destroy_groups(groups)
 
-    def __enter__(self) -> "CheckpointManager":
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close(flush=exc[0] is None)
+
+class TierLink:
+    """What a :class:`~ckpt.job.tiers.TieredCheckpointManager` and one of its two managers
+    need of each other, and nothing of it on either's public surface.
+
+    The tiered manager makes one per tier and passes it to the manager's constructor, which
+    binds it (:attr:`manager`). ``name``: ``"durable"`` or ``"local"``. ``agreement``: what
+    the manager's save gate decides over (the local tier: the whole job, so that every node
+    saves the same local steps; None: the manager's own ranks). ``span``: the share of a
+    job-wide checkpoint the local tier's versions hold on a job of several nodes
+    (``ckpt.format.span``). ``source``: the durable tier's link, whose copy staged in the
+    same step the local tier persists instead of staging its own (one stall for two saves).
+    ``on_started(step, outcome)``: called when a save started (the copies on the next node
+    follow the local tier's commits). Main thread only.
+    """
+
+    def __init__(self, name: str, *, agreement: Agreement | None = None,
+                 span: Span | None = None, source: "TierLink | None" = None,
+                 on_started: Callable[[int, Future | None], None] | None = None):
+        self.name, self.agreement, self.span, self.source = name, agreement, span, source
+        self.on_started = on_started
+        self.manager: CheckpointManager | None = None  # bound by the manager
+        self.due_step: int | None = None  # the newest step the gate found due
+        self.borrower: CheckpointManager | None = None  # persists from this tier's buffers
+
+    def reusable(self, step: int) -> StagedCopy | None:
+        """The source tier's copy of ``step``, staged in this same call, to persist instead
+        of staging (its owner then waits for this save before it stages again)."""
+        src = self.source.manager if self.source is not None else None
+        copy = src._staged_now if src is not None else None
+        if copy is None or copy.step != step:
+            return None
+        self.source.borrower = self.manager
+        return copy
+
+    def reclaim(self) -> None:
+        """Before this tier stages again: the other tier's save that persists from its
+        buffers finishes first."""
+        if self.borrower is not None and self.borrower.in_flight():
+            self.borrower.wait(raise_errors=False)
+        self.borrower = None
+
+    def started(self, step: int) -> None:
+        """A save of ``step`` started: tell the tiered manager."""
+        if self.on_started is not None:
+            self.on_started(step, self.manager._slot.future)
+
+    def outcome(self) -> Future | None:
+        """The newest save started, as a ``Future`` of its committed manifest (on the
+        coordinator; None elsewhere and when it failed)."""
+        return self.manager._slot.future
+
+    def load(self, state: dict[str, Any], step: int, **options: Any) -> Manifest | None:
+        """Load ``step`` of this tier without continuing the run from it (the tiered
+        manager records the run and un-commits once, for both tiers)."""
+        return self.manager._load(state, step=step, raise_if_all_damaged=False,
+                                  continue_run=False, **options)
+
+    def resumed_at(self, info: ResumeInfo | None) -> None:
+        """The job resumed from ``info`` (None: from nothing): this tier holds this run's
+        state at its step too (a forced save of it is done), whichever tier it came from."""
+        self.manager._resumed = info
+
+    def retract_failure(self, since: float) -> bool:
+        """Take back the failure this tier's history recorded at this start (at or after
+        ``since``, Unix time) and write the history: it was not of this tier's class."""
+        if not self.manager.history.retract_last_failure(since):
+            return False
+        self.manager.save_history()
+        return True

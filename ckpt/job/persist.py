@@ -16,14 +16,13 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ckpt.dcp import PlanCache, SaveCost, api
+from ckpt.dcp import SaveCost, SaveRequest, api
 from ckpt.errors import CheckpointError, FormatVersionError, LeaseLostError, SaveAbandoned
 from ckpt.events import EventBus
 from ckpt.format import Manifest
-from ckpt.root import Lifecycle
 from ckpt.storage import backoff_seconds
 
 __all__ = ["Persister", "PersistOutcome", "MAX_BACKOFF_SECONDS"]
@@ -52,19 +51,20 @@ class PersistOutcome:
 class Persister:
     """Writes staged saves for one job (see the module docstring for the contract)."""
 
-    def __init__(self, life: Lifecycle, events: EventBus, group, *,
+    def __init__(self, request: SaveRequest, events: EventBus, group, *,
                  rank: int, max_attempts: int, retry_backoff_seconds: float,
-                 num_threads: int | None, layout: dict[str, Any],
-                 abandon: threading.Event, plan_cache: PlanCache | None = None):
-        self.life, self.storage = life, life.storage
+                 abandon: threading.Event):
+        assert request.lifecycle is not None  # a manager's saves write through its own
+        self.life, self.storage = request.lifecycle, request.lifecycle.storage
+        # What every attempt writes with (the manager's lifecycle, layout, span, threads and
+        # save plans); each attempt adds its save id, cost and host window.
+        self.request = replace(request, before_write=self._before_write,
+                               before_commit=self._before_commit)
         self.events, self.group = events, group
         self.rank = rank
         self.max_attempts = max_attempts
         self.retry_backoff_seconds = retry_backoff_seconds
-        self.num_threads = num_threads
-        self.layout = layout
         self.abandon = abandon
-        self.plan_cache = plan_cache  # the manager's: its saves' plans (ckpt.dcp.plancache)
 
     def _before_write(self) -> None:
         """Every rank, before it writes anything of an attempt: refuse when abandoned. DCP
@@ -82,10 +82,11 @@ class Persister:
                                 "uncommitted and a later job removes its files")
 
     def run(self, step: int, staged: dict[str, Any], *, nbytes: int, stall: float,
-            user_metadata: dict[str, Any], **save_options: Any) -> PersistOutcome:
+            user_metadata: dict[str, Any], attachments: dict[str, Any] | None = None,
+            host_window_bytes: int | None = None) -> PersistOutcome:
         """Save ``staged`` as ``step``, up to ``max_attempts`` times; report every attempt.
 
-        ``save_options`` go to :func:`ckpt.dcp.api.save` as they are.
+        ``attachments`` and ``host_window_bytes``: as for :func:`ckpt.dcp.api.save_with`.
         """
         retries_before = self.storage.retry.num_retries
         t0 = time.monotonic()
@@ -98,13 +99,12 @@ class Persister:
         for attempt in range(1, self.max_attempts + 1):
             attempt_ids.append(uuid.uuid4().hex[:12])
             try:
-                manifest = api.save(
-                    staged, self.storage, step, user_metadata=user_metadata,
-                    layout=self.layout, process_group=self.group,
-                    num_threads=self.num_threads, resolved=True, lifecycle=self.life,
-                    before_commit=self._before_commit, before_write=self._before_write,
-                    save_id=attempt_ids[-1], cost=cost, plan_cache=self.plan_cache,
-                    **save_options)
+                manifest = api.save_with(
+                    staged, self.storage, step,
+                    replace(self.request, save_id=attempt_ids[-1], cost=cost,
+                            host_window_bytes=host_window_bytes),
+                    user_metadata=user_metadata, attachments=attachments,
+                    process_group=self.group)
                 return PersistOutcome(True, manifest, attempts=attempt, retries=retries(),
                                       persist_seconds=time.monotonic() - t0, cost=cost)
             except BaseException as exc:  # noqa: BLE001 - reported, never silent

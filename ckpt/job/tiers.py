@@ -35,7 +35,7 @@ collectives of a resume run on the job-wide tier group (``_world``, main thread 
 which local steps every node has (an all-gather of each node's listing), the durable steps
 (rank 0's listing) and each verdict of the walk.
 
-Copies on the next node (``local_copies=2``, :mod:`ckpt.job._copies`): after a node's
+Copies on the next node (``LocalTierOptions.copies=2``, :mod:`ckpt.job._copies`): after a node's
 local save commits, its coordinator copies it, in the background, to the next node's
 ``local_root/peer-{node}/`` (a root of its own, under that node's lease); at a resume a local
 step counts when every node holds it itself or through its successor's copy, and a node that
@@ -60,14 +60,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from ckpt.cadence import CadencePolicy
+from ckpt.cadence import CadencePolicy, FailureHistory
 from ckpt.events import LOCAL_PREFIX, Event, EventBus
-from ckpt.format import Manifest
-from ckpt.job._copies import MAX_COPIES, PeerCopies
+from ckpt.format import Lineage, Manifest
+from ckpt.job._copies import PeerCopies
 from ckpt.job._tier_layout import (
     mixed_steps,
     node_groups,
@@ -75,46 +76,38 @@ from ckpt.job._tier_layout import (
     runs_of_steps,
     same_root,
 )
-from ckpt.job.gate import DueAgreement
-from ckpt.job.manager import CheckpointManager
-from ckpt.job.retention import KeepLast, RetentionPolicy
+from ckpt.job.checkpointer import Checkpointer, ResumeInfo
+from ckpt.job.manager import CheckpointManager, TierLink
+from ckpt.job.options import LocalTierOptions, ManagerOptions, with_policies
+from ckpt.job.retention import RetentionPolicy
 from ckpt.ranks import Agreement, destroy_groups, free_at_exit, freed
-from ckpt.root import Candidate, Trajectory, read_runs, walk_newest
+from ckpt.root import Candidate, CheckpointStore, Trajectory, read_runs, walk_newest
 from ckpt.storage import Storage
 
-__all__ = ["TieredCheckpointManager", "node_local_root", "DEFAULT_LOCAL_KEEP"]
+__all__ = ["TieredCheckpointManager", "node_local_root"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LOCAL_KEEP = 2
-"""Local checkpoints kept by default (retention of the local tier)."""
-
 
 def node_local_root(local_root: str, node: int) -> str:
     """``local_root`` with ``{node}`` replaced by ``node`` (unchanged without one)."""
     return str(local_root).replace("{node}", str(int(node)))
 
 
-class TieredCheckpointManager:
+class TieredCheckpointManager(Checkpointer):
     """Checkpoint a job to a fast local tier often and to a durable tier less often.
 
     Args:
         root: the durable tier (local path or fsspec URL), as for ``CheckpointManager``.
         local_root: the local tier: a path on each node (``{node}`` is replaced by the node
             index). Must not be ``root``.
-        cadence / local_cadence: each tier's interval (a policy or an interval string).
-        retention / local_retention: each tier's retention (local default: keep the last 2).
-        node_rank: this process's node (default: torchrun's ``GROUP_RANK``, else 0). Ranks
-            with the same ``node_rank`` share a local root.
-        local_copies: 1 (default): each node keeps its own local checkpoints; 2: each
-            node's are also copied to the next node (``peer-{node}/`` under its local root),
-            in the background, so that the local tier survives the loss of one node
-            (docs/store.md, "Copies on the next node"). A job of one node has no next node:
-            its local tier keeps one copy.
+        options: both tiers' :class:`~ckpt.job.options.ManagerOptions` (its ``cadence`` and
+            ``retention`` are the durable tier's, ``storage_options`` the durable root's).
+        local: the local tier's :class:`~ckpt.job.options.LocalTierOptions` (its cadence,
+            retention, copies on the next node, this process's node).
+        cadence / local_cadence / retention / busy: ``options.cadence``, ``local.cadence``,
+            ``options.retention`` and ``options.busy`` as keywords (give each once).
         events: one bus for both tiers; the local tier's are named ``local_<kind>``
             (``local_save_committed`` ...) and carry ``tier="local"``.
-        manager_options: the rest of ``CheckpointManager``'s options, for both tiers
-            (``storage_options`` is the durable root's only).
 
     Contract: every rank of the job constructs it (collective: process groups per node) and
     calls ``maybe_save``/``save``/``load_latest``/``close`` at the same points with the same
@@ -122,20 +115,20 @@ class TieredCheckpointManager:
     of the rank's shard, aligned; docs/store.md, "Two tiers"), freed by ``close``.
     """
 
-    def __init__(self, root: str | Storage, local_root: str, *,
+    def __init__(self, root: str | Storage, local_root: str,
+                 options: ManagerOptions | None = None, *,
+                 local: LocalTierOptions | None = None,
                  cadence: CadencePolicy | str | None = None,
                  local_cadence: CadencePolicy | str | None = None,
                  retention: Sequence[RetentionPolicy] | None = None,
-                 local_retention: Sequence[RetentionPolicy] | None = None,
-                 node_rank: int | None = None, events: EventBus | None = None,
-                 local_copies: int = 1,
-                 storage_options: dict[str, Any] | None = None, **manager_options: Any):
-        if isinstance(local_copies, bool) or not isinstance(local_copies, int) \
-                or not 1 <= local_copies <= MAX_COPIES:
-            raise ValueError(f"local_copies={local_copies!r}: expected 1 (each node keeps "
-                             f"its own local checkpoints) or {MAX_COPIES} (and a copy on "
-                             f"the next node)")
+                 busy: str | None = None, events: EventBus | None = None):
+        options = with_policies(options or ManagerOptions(), "TieredCheckpointManager",
+                                cadence=cadence, retention=retention, busy=busy)
+        local = with_policies(local or LocalTierOptions(), "TieredCheckpointManager",
+                              cadence=local_cadence)
+        self.options, self.local_options = options, local
         root_url = root.url if isinstance(root, Storage) else str(root)
+        node_rank = local.node_rank
         if node_rank is None:
             node_rank = int(os.environ.get("GROUP_RANK", "0") or 0)
         self.node_rank = int(node_rank)
@@ -152,7 +145,7 @@ class TieredCheckpointManager:
             if self.distributed else None
         self._world = Agreement(self._group)
         self._node_group = None  # the local tier's ranks: this node's (several nodes only)
-        self._copies: PeerCopies | None = None  # copies on the next node (local_copies=2)
+        self._copies: PeerCopies | None = None  # copies on the next node (local.copies=2)
         if self._group is not None:
             free_at_exit(self)
         try:
@@ -161,38 +154,39 @@ class TieredCheckpointManager:
         except BaseException:
             self.free_groups()
             raise
-        # A time-based local due, agreed across nodes (each node's manager agrees it within).
-        self._local_due = DueAgreement(self._world)
         self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
         t_start = time.time()
-        self.durable = CheckpointManager(root, cadence=cadence, retention=retention,
-                                         events=self.events, storage_options=storage_options,
-                                         **manager_options)
+        # Each tier's link (``TierLink``): the local tier decides its saves over the whole
+        # job (every node saves the same local steps, skips and waits alike), holds its
+        # node's share, and persists the durable tier's copy staged in the same step.
+        self._durable_link = TierLink("durable")
+        self._local_link = TierLink("local", agreement=self._world,
+                                    span=node_span(self.node_rank, self._node_of_rank),
+                                    source=self._durable_link,
+                                    on_started=self._local_started)
+        self.durable = CheckpointManager(root, options, events=self.events,
+                                         tier=self._durable_link)
         local_events = EventBus(rank=self.rank)
         local_events.subscribe(self._forward_local)
         try:
             self.local = CheckpointManager(
-                self.local_root, cadence=local_cadence, events=local_events,
-                retention=[KeepLast(DEFAULT_LOCAL_KEEP)] if local_retention is None
-                else local_retention, process_group=self._node_group,
-                span=node_span(self.node_rank, self._node_of_rank), **manager_options)
+                self.local_root, replace(options, cadence=local.cadence,
+                                         retention=local.retention, storage_options=None),
+                events=local_events, process_group=self._node_group, tier=self._local_link)
         except BaseException:
             self.durable.close(flush=False)  # its lease is not left behind
             self.free_groups()
             raise
-        self.local_copies = local_copies if self.num_nodes > 1 else 1
-        if local_copies > 1 and self.num_nodes == 1:
-            log.warning("local_copies=%d on a job of one node: there is no next node to "
-                        "hold a copy; the local tier keeps one", local_copies)
+        self.local_copies = local.copies if self.num_nodes > 1 else 1
+        if local.copies > 1 and self.num_nodes == 1:
+            log.warning("LocalTierOptions.copies=%d on a job of one node: there is no next "
+                        "node to hold a copy; the local tier keeps one", local.copies)
         if self.local_copies > 1:
             try:
                 self._copies = PeerCopies(
                     self.local, node=self.node_rank,
                     node_of_rank=self._node_of_rank, world=self._world, events=self.events,
-                    use_lease=manager_options.get("use_lease", True),
-                    lease_ttl_seconds=manager_options.get("lease_ttl_seconds", 60.0),
-                    job_name=manager_options.get("job_name"),
-                    job_fingerprint=manager_options.get("job_fingerprint"))
+                    options=options)
             except BaseException:
                 self.local.close(flush=False)
                 self.durable.close(flush=False)
@@ -201,11 +195,11 @@ class TieredCheckpointManager:
         # Did the durable tier count this start as a failure? (Rank 0's history, the same
         # on every rank.) If the resume loads from the local tier, the local tier survived
         # it: not a failure of the durable tier's class.
+        self._started_at = t_start - 1.0
         times = self.durable.history.failure_times
         self._durable_failure_now = bool(self._world.broadcast(  # rank 0's clock recorded it
-            bool(times) and times[-1] >= t_start - 1.0))
-        self._lent_to_local = False  # the local tier persists from the durable's buffers
-        self.resumed_tier: str | None = None  # "local" or "durable" after load_latest
+            bool(times) and times[-1] >= self._started_at))
+        self._resumed: ResumeInfo | None = None
         # One run for the whole job (:mod:`ckpt.root.lineage`): every node's local versions
         # and the durable ones record the durable tier's (the same on every rank).
         self.local.start_run(None, lineage=self.durable.lineage, record=False)
@@ -217,9 +211,9 @@ class TieredCheckpointManager:
         fields = {k: v for k, v in ev.fields.items() if k != "tier"}
         self.events.emit(LOCAL_PREFIX + ev.kind, ev.step, tier="local", **fields)
 
-    # -- the durable tier's view, for callers of a plain manager ---------------------------
+    # -- the base's members that are the durable tier's -------------------------------------
     @property
-    def store(self):
+    def store(self) -> CheckpointStore:
         return self.durable.store
 
     @property
@@ -227,21 +221,40 @@ class TieredCheckpointManager:
         return self.durable.storage
 
     @property
-    def retention(self) -> list[RetentionPolicy]:
-        return self.durable.retention
+    def cadence(self) -> CadencePolicy | None:
+        return self.durable.cadence
 
     @property
-    def cadence(self):
-        return self.durable.cadence
+    def history(self) -> FailureHistory:
+        return self.durable.history
+
+    def save_history(self) -> None:
+        self.durable.save_history()
+
+    @property
+    def lineage(self) -> Lineage:
+        """The job's lineage: both tiers' versions record it."""
+        return self.durable.lineage
 
     @property
     def newest_committed_step(self) -> int | None:
         return self.durable.newest_committed_step
 
+    def all_steps(self) -> list[int]:
+        """The durable tier's committed steps (a local step lives on its nodes only; this
+        node's: ``local.all_steps()``)."""
+        return self.durable.all_steps()
+
+    @property
+    def resumed(self) -> ResumeInfo | None:
+        """Where the newest :meth:`load_latest` loaded from: ``tier`` ``"local"`` (``where``
+        this node's local root) or ``"durable"``."""
+        return self._resumed
+
     @property
     def lease_lost(self) -> bool:
         """Either tier lost its lease (agreed by every rank at a save)."""
-        return self.durable.lease_lost or self._local_lease_lost
+        return self.durable.lease_lost or self.local.lease_lost or self._local_lease_lost
 
     def check_lease(self) -> bool:
         """Collective: :meth:`CheckpointManager.check_lease` of both tiers."""
@@ -263,69 +276,46 @@ class TieredCheckpointManager:
                    user_metadata: dict[str, Any] | None = None,
                    attachments: dict[str, Any] | None = None) -> bool:
         """Call after every training step: saves each tier that is due (one stall when both
-        are). Returns True if a save of either tier was started."""
-        local_due = self.local.due(step, state)
-        if self.num_nodes > 1:
-            # One step on every node, or no local step: agreed across nodes as the manager
-            # agrees it within a node (``DueAgreement``: a due save waits at most ~5% of an
-            # interval).
-            local_due = self._local_due.decide(self.local.cadence, step, local_due)
-        durable_due = self.durable.due(step, state)
-        if not (local_due or durable_due):
-            return False
-        return self.save(step, state, user_metadata=user_metadata, attachments=attachments,
-                         local=local_due, durable=durable_due)
+        are: the local tier persists the durable tier's copy). Returns True if a save of
+        either tier was started."""
+        durable = self.durable.maybe_save(step, state, user_metadata=user_metadata,
+                                          attachments=attachments)
+        local = self.local.maybe_save(step, state, user_metadata=user_metadata,
+                                      attachments=attachments)
+        return durable or local
 
-    def save(self, step: int, state: dict[str, Any], *,
-             user_metadata: dict[str, Any] | None = None, block: bool = False,
-             force: bool = False, attachments: dict[str, Any] | None = None,
-             local: bool = True, durable: bool = True) -> bool:
-        """Save ``step`` to the chosen tiers now (collective). When both save, the durable
-        tier stages and the local tier persists the same copy: one stall. ``block`` waits
-        for both to commit. Returns True if either save was started. On several nodes each
-        node's local save holds its share (a tensor sharded across nodes in part)."""
-        started_durable = started_local = False
-        if durable:
-            if self._lent_to_local and self.local.in_flight():
-                # The local save of the last shared step still reads the durable buffers.
-                self.local.wait(raise_errors=False)
-            self._lent_to_local = False
-            started_durable = self.durable.save(step, state, user_metadata=user_metadata,
-                                                force=force, attachments=attachments)
-        if local:
-            reuse = self.durable.last_staged if started_durable else None
-            # Every node skips (or waits) alike, or their local steps would differ and a
-            # step would be usable only when no node happened to be busy.
-            elsewhere = False
-            if self.num_nodes > 1:
-                (elsewhere,) = self._local_due.agree(self.local.cadence, self.local.in_flight())
-            started_local = self.local.save(step, state, user_metadata=user_metadata,
-                                            force=force, attachments=attachments, reuse=reuse,
-                                            busy_elsewhere=elsewhere)
-            self._lent_to_local = started_local and reuse is not None
-        if local:
-            # A node's local lease is agreed in its node only: agree it job-wide, and (in the
-            # same all-reduce) whether any node started this local save: then every node's
-            # coordinator queues the copy of it to the next node (the rounds of the copies
-            # must be the same on every node).
-            lost, started_anywhere = self._world.max(int(self.local.lease_lost),
-                                                     int(started_local))
-            self._local_lease_lost = bool(lost)
-            if started_anywhere and self._copies is not None:
-                self._copies.queue(step, self.local.save_outcome() if started_local
-                                     else None)
+    def save(self, step: int, state: dict[str, Any], *, block: bool = False,
+             force: bool = False, user_metadata: dict[str, Any] | None = None,
+             attachments: dict[str, Any] | None = None) -> bool:
+        """Save ``step`` to both tiers now (collective): the durable tier stages and the
+        local tier persists the same copy, one stall. ``block`` waits for both to commit.
+        Returns True if either save was started. On several nodes each node's local save
+        holds its share (a tensor sharded across nodes in part). One tier alone:
+        ``durable.save`` or ``local.save``."""
+        started_durable = self.durable.save(step, state, user_metadata=user_metadata,
+                                            force=force, attachments=attachments)
+        started_local = self.local.save(step, state, user_metadata=user_metadata,
+                                        force=force, attachments=attachments)
         if block:
             for mgr, started in ((self.local, started_local), (self.durable, started_durable)):
                 if started:
-                    mgr.wait(raise_errors=mgr.raise_on_failure)
+                    mgr.wait(raise_errors=mgr.options.raise_on_failure)
         return started_durable or started_local
+
+    def _local_started(self, step: int, outcome) -> None:
+        """The local tier started saving ``step`` (on every node alike: its decisions are
+        agreed over the job): each node's coordinator queues the copy of it to the next
+        node, in the same rounds on every node."""
+        if self._copies is not None:
+            self._copies.queue(step, outcome)
 
     @property
     def lease_lost_url(self) -> str | None:
         """The root whose lease this job lost (durable first), or None."""
         if self.durable.lease_lost:
             return self.durable.storage.url
-        return self.local.storage.url if self._local_lease_lost else None
+        return self.local.storage.url if self.local.lease_lost or self._local_lease_lost \
+            else None
 
     def wait(self, raise_errors: bool = True) -> Manifest | None:
         """Wait for both tiers' in-flight saves (and the copies of local saves to the next
@@ -348,14 +338,15 @@ class TieredCheckpointManager:
         (as ``CheckpointManager.load_latest``). Afterwards, local steps newer than the one
         loaded are deleted on every node and durable ones un-committed (they could not be
         saved again, and would be resumed from next time), and each tier's cadence counts
-        from its newest step not after it. ``self.resumed_tier`` says which tier was loaded. Other arguments: as for
-        ``CheckpointManager.load_latest``.
+        from its newest step not after it. :attr:`resumed` says which tier was loaded. Other
+        arguments: as for ``CheckpointManager.load_latest``.
         """
-        options = dict(strict=strict, ignore_keys=ignore_keys, extra_state=extra_state,
-                       uncommit_newer=False)  # the durable tier's, once, in _after_load
+        # Each tier loads without continuing the run: _after_load does it once for both.
+        options = dict(strict=strict, ignore_keys=ignore_keys, extra_state=extra_state)
+        links = {"local": self._local_link, "durable": self._durable_link}
         self.wait(raise_errors=False)  # no save may persist from buffers a load borrows
         if step is not None:
-            manifest = self.durable.load_latest(state, step=step, **options)
+            manifest = links["durable"].load(state, step, **options)
             self._after_load(manifest, "durable", set(), {step})
             return manifest
         # The durable root's listing and run log (rank 0's): the job's current trajectory
@@ -365,15 +356,14 @@ class TieredCheckpointManager:
              read_runs(self.durable.storage)) if self.rank == 0 else None)
         durable_steps, trajectory = set(listed), Trajectory(runs)
         local_steps = set(self._common_local_steps(max(durable_steps, default=None)))
-        tiers = {"local": self.local, "durable": self.durable}
         walked = walk_newest(
             # Local first: at a step both tiers hold, the local one is tried first. Any error
             # of the local tier falls back (``tolerant``); the durable tier's as for
             # ``ckpt.load_latest``.
             [Candidate(s, self.local.store, "local", tolerant=True) for s in sorted(local_steps)]
             + [Candidate(s, self.durable.store, "durable") for s in sorted(durable_steps)],
-            check="size" if self.durable.verify in ("full", "size") else "none",
-            load=lambda c, _: tiers[c.tier].load_latest(state, step=c.step, **options),
+            check="size" if self.options.verify in ("full", "size") else "none",
+            load=lambda c, _: links[c.tier].load(state, c.step, **options),
             agreement=self._world, trajectory=trajectory,
             on_fallback=lambda c, message: self.events.emit("load_fallback", c.step,
                                                             reason=message, tier=c.tier))
@@ -433,13 +423,15 @@ class TieredCheckpointManager:
 
     def _after_load(self, manifest: Manifest | None, tier: str | None,
                     local_steps: set[int], durable_steps: set[int]) -> None:
-        self.resumed_tier = tier
         step = manifest.step if manifest is not None else -1
+        self._resumed = None if manifest is None else ResumeInfo(
+            step, tier, (self.local if tier == "local" else self.durable).storage.url)
+        for link in (self._durable_link, self._local_link):
+            link.resumed_at(self._resumed)  # not a candidate the walk passed over
         if tier == "local" and self._durable_failure_now:
             # The local tier survived the failure that restarted the job: no node was lost,
             # and the durable tier's interval follows node losses only.
-            self.durable.history.failure_times.pop()
-            self.durable.save_history()
+            self._durable_link.retract_failure(since=self._started_at)
             self._durable_failure_now = False
             self.events.emit("failure_reclassified", step, tier="durable",
                              reason="local tier intact: not a node loss")
@@ -449,8 +441,6 @@ class TieredCheckpointManager:
         lineage = self.durable.start_run(manifest, tier=tier)
         self.local.start_run(manifest, lineage=lineage, record=False)
         if manifest is not None:
-            # Both tiers hold this run's state at ``step`` now (a forced save of it is done).
-            self.durable.resumed_step = self.local.resumed_step = step
             self.durable.uncommit_newer(step)
             now = time.monotonic()
             for mgr, steps in ((self.durable, durable_steps), (self.local, local_steps)):
@@ -515,9 +505,3 @@ class TieredCheckpointManager:
         self._world.close()
         freed(self)
         destroy_groups(groups)
-
-    def __enter__(self) -> "TieredCheckpointManager":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close(flush=exc[0] is None)

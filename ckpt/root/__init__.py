@@ -12,7 +12,14 @@ resume uses. ``parts``: reading a version's parts (a loading rank's few, or all 
 """
 
 from ckpt.root.fence import Fence
-from ckpt.root.lease import Lease, acquire_for_ranks, acquire_lease, read_lease, release_lease
+from ckpt.root.lease import (
+    DEFAULT_LEASE_TTL_SECONDS,
+    Lease,
+    acquire_for_ranks,
+    acquire_lease,
+    read_lease,
+    release_lease,
+)
 from ckpt.root.lifecycle import (
     COMMITTED,
     CORRUPT,
@@ -26,7 +33,7 @@ from ckpt.root.parts import complete_parts, parts_for_rank
 from ckpt.root.store import Candidate, CheckpointInfo, CheckpointStore, walk_newest
 
 __all__ = [
-    "Lease", "read_lease", "Fence", "Lifecycle", "COMMITTED",
+    "Lease", "read_lease", "DEFAULT_LEASE_TTL_SECONDS", "Fence", "Lifecycle", "COMMITTED",
     "INCOMPLETE", "CORRUPT", "ROLLED_BACK", "FENCED", "acquire_lease", "acquire_for_ranks",
     "release_lease", "CheckpointStore", "CheckpointInfo", "Candidate", "walk_newest",
     "parts_for_rank", "complete_parts", "LINEAGE_NAME", "Trajectory", "read_runs", "record_run",

@@ -55,10 +55,12 @@ from ckpt.root.lifecycle import Lifecycle
 from ckpt.storage import Storage
 
 __all__ = ["Lease", "LEASE_NAME", "read_lease", "acquire_lease", "acquire_for_ranks",
-           "release_lease"]
+           "release_lease", "DEFAULT_LEASE_TTL_SECONDS"]
 
 log = logging.getLogger(__name__)
 LEASE_NAME = "_lease.json"
+DEFAULT_LEASE_TTL_SECONDS = 60.0
+"""How long a lease outlives its last heartbeat unless its holder says otherwise."""
 
 
 _NO_RUN_ID = ("", "none", None)
@@ -104,7 +106,7 @@ class Lease:
     holder committed (written into the generation's close record at release).
     """
 
-    def __init__(self, storage: Storage, *, ttl_seconds: float = 60.0,
+    def __init__(self, storage: Storage, *, ttl_seconds: float = DEFAULT_LEASE_TTL_SECONDS,
                  heartbeat_seconds: float | None = None, job_name: str | None = None,
                  on_lost: Callable[[str], None] | None = None, fingerprint: str | None = None):
         if not ttl_seconds > 0:
@@ -365,7 +367,8 @@ def _boot_id() -> str | None:
         return None
 
 
-def acquire_lease(storage: Storage, *, ttl_seconds: float = 60.0, job_name: str | None = None,
+def acquire_lease(storage: Storage, *, ttl_seconds: float = DEFAULT_LEASE_TTL_SECONDS,
+                  job_name: str | None = None,
                   fingerprint: str | None = None, force: bool = False,
                   on_lost: Callable[[str], None] | None = None,
                   heartbeat: bool = True, lifecycle: Lifecycle | None = None) -> Lifecycle:

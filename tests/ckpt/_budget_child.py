@@ -41,18 +41,20 @@ def _status() -> dict[str, int]:
 
 
 def main(root: str, budget: str) -> None:
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
     warnings.filterwarnings("ignore")
     live = state(1)
     # A small save first, to another root: code a first save imports and the threads it
     # starts are not what the budget bounds.
-    warm = CheckpointManager(root + "-warm-up", retention=[KeepLast(1)], use_lease=False)
+    warm = CheckpointManager(root + "-warm-up", ManagerOptions(use_lease=False),
+                             retention=[KeepLast(1)])
     warm.save(1, {"w": torch.ones(1024)})
     warm.wait()
     warm.close()
-    mgr = CheckpointManager(root, retention=[KeepLast(1)], use_lease=False,
-                            staging_budget_bytes=None if budget == "none" else int(budget))
+    limit = None if budget == "none" else int(budget)
+    mgr = CheckpointManager(root, ManagerOptions(use_lease=False, staging_budget_bytes=limit),
+                            retention=[KeepLast(1)])
     gc.collect()
     base = _status()["VmRSS"]
     try:

@@ -28,11 +28,12 @@ def _state(rank: int, model, opt, step: int) -> dict:
 
 
 def _mgr(root: str, local_root: str, node: int, durable: str = DURABLE_EVERY):
-    from ckpt.job import TieredCheckpointManager
+    from ckpt.job import LocalTierOptions, ManagerOptions, TieredCheckpointManager
 
-    return TieredCheckpointManager(root, local_root, cadence=durable,
-                                   local_cadence=LOCAL_EVERY, busy="wait", node_rank=node,
-                                   lease_ttl_seconds=5.0, local_copies=2)
+    return TieredCheckpointManager(root, local_root,
+                                   ManagerOptions(busy="wait", lease_ttl_seconds=5.0),
+                                   local=LocalTierOptions(node_rank=node, copies=2),
+                                   cadence=durable, local_cadence=LOCAL_EVERY)
 
 
 def _steps(mgr, rank: int, model, opt, first: int, last: int) -> None:
@@ -115,7 +116,8 @@ def resume_body(rank: int, world: int, root: str, local_root: str, total: int,
     mgr = _mgr(root, local_root, rank // per_node, durable)
     state = _state(rank, model, opt, 0)
     m = mgr.load_latest(state)
-    out = {"step": m.step if m is not None else None, "tier": mgr.resumed_tier,
+    out = {"step": m.step if m is not None else None,
+           "tier": mgr.resumed.tier if mgr.resumed else None,
            **_kinds(mgr, "copy_restored", "copy_failed", "load_fallback")}
     _steps(mgr, rank, model, opt, (m.step if m is not None else 0) + 1, total)
     mgr.close()

@@ -81,10 +81,10 @@ def api_body(rank: int, world: int, root: str, store_path: str) -> dict:
 def manager_body(rank: int, world: int, root: str) -> dict:
     """CheckpointManager: maybe_save, save, load_latest and close, over the world and over
     a subgroup without a CPU backend (only its ranks are used)."""
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, LocalTierOptions, ManagerOptions
 
     out: dict = {}
-    with CheckpointManager(root, cadence="2", busy="wait", retention=[]) as mgr:
+    with CheckpointManager(root, busy="wait", cadence="2", retention=[]) as mgr:
         out["started"] = [s for s in range(1, 5) if mgr.maybe_save(s, state_at(rank, s))]
         mgr.wait()
         mgr.save(5, state_at(rank, 5), block=True)
@@ -103,12 +103,14 @@ def manager_body(rank: int, world: int, root: str) -> dict:
 def tiers_body(rank: int, world: int, root: str, local_root: str) -> dict:
     """TieredCheckpointManager on two "nodes" (a local root each): saves of both tiers,
     then a resume from the local tier."""
-    from ckpt.job import TieredCheckpointManager
+    from ckpt.job import LocalTierOptions, ManagerOptions, TieredCheckpointManager
     from ckpt.root import CheckpointStore
 
     def tiered():
-        return TieredCheckpointManager(root, local_root, cadence="4", local_cadence="2",
-                                       busy="wait", node_rank=rank, lease_ttl_seconds=5.0)
+        return TieredCheckpointManager(root, local_root,
+                                       ManagerOptions(busy="wait", lease_ttl_seconds=5.0),
+                                       local=LocalTierOptions(node_rank=rank), cadence="4",
+                                       local_cadence="2")
 
     mgr = tiered()
     for step in range(1, 7):
@@ -121,7 +123,7 @@ def tiers_body(rank: int, world: int, root: str, local_root: str) -> dict:
     mgr = tiered()
     state = state_at(rank, -1)
     m = mgr.load_latest(state)
-    out["resumed"] = (m.step, mgr.resumed_tier, step_of(state, rank))
+    out["resumed"] = (m.step, mgr.resumed.tier, step_of(state, rank))
     mgr.close()
     return out
 
@@ -146,7 +148,7 @@ def trainer_managers_body(rank: int, world: int, root: str, local_root: str) -> 
         mgr.close()
         state = state_at(rank, -1)
         mgr = build_manager(cfg, world, EventBus(rank=rank), "fingerprint")
-        out[name] = (mgr.load_latest(state).step, mgr.resumed_tier, step_of(state, rank))
+        out[name] = (mgr.load_latest(state).step, mgr.resumed.tier, step_of(state, rank))
         mgr.close()
     return out
 

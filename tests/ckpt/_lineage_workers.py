@@ -11,10 +11,12 @@ def _value(rank: int, step: int, run: str) -> float:
 
 
 def _mgr(base: str, rank: int):
-    from ckpt.job import KeepLast, TieredCheckpointManager
+    from ckpt.job import KeepLast, LocalTierOptions, ManagerOptions, TieredCheckpointManager
 
-    return TieredCheckpointManager(f"{base}/durable", f"{base}/local{{node}}", node_rank=rank,
-                                   local_retention=[KeepLast(10)], lease_ttl_seconds=5.0)
+    return TieredCheckpointManager(f"{base}/durable", f"{base}/local{{node}}",
+                                   ManagerOptions(lease_ttl_seconds=5.0),
+                                   local=LocalTierOptions(node_rank=rank,
+                                                          retention=[KeepLast(10)]))
 
 
 def tier_phase(rank: int, world: int, base: str, phase: str) -> dict:
@@ -27,17 +29,18 @@ def tier_phase(rank: int, world: int, base: str, phase: str) -> dict:
         if phase == "run1":
             for step in (10, 20, 30, 40, 50):
                 state["w"].fill_(_value(rank, step, "A"))
-                mgr.save(step, state, local=True, durable=False, block=True)
+                mgr.local.save(step, state, block=True)
         elif phase == "run2":
             m = mgr.load_latest(state)
             out["resumed"] = m.step if m else None
             for step in (40, 50):
                 state["w"].fill_(_value(rank, step, "B"))
-                mgr.save(step, state, local=True, durable=False, block=True)
+                mgr.local.save(step, state, block=True)
         else:
             m = mgr.load_latest(state)
             w = state["w"][0].item()
-            out["resumed"], out["tier"] = (m.step if m else None), mgr.resumed_tier
+            out["resumed"], out["tier"] = (m.step if m else None), (
+                mgr.resumed.tier if mgr.resumed else None)
             out["trajectory"] = next((t for t in "ABC" if m and w == _value(rank, m.step, t)),
                                      None if m else "none")
     finally:

@@ -22,13 +22,14 @@ def main() -> int:
     import torch
 
     from ckpt.errors import LeaseHeldError
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
     from tests.ckpt._mgr_util import FaultyStorage
 
     never = threading.Event()
     storage = FaultyStorage(root, options)
     try:
-        mgr = CheckpointManager(storage, lease_ttl_seconds=ttl, retention=[], job_name="child")
+        mgr = CheckpointManager(storage, ManagerOptions(lease_ttl_seconds=ttl, job_name="child"),
+                                retention=[])
     except LeaseHeldError as exc:
         print("HELD", json.dumps(str(exc)), flush=True)
         return 3

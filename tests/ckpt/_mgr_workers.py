@@ -6,6 +6,8 @@ anything that must hold on every rank is asserted inside.
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import json
 import time
@@ -61,7 +63,7 @@ def async_resume_body(rank: int, world: int, root: str) -> dict:
 
     from ckpt.dcp import ModelState
     from ckpt.dcp.api import resolve_state
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions, ReadOnlyCheckpointer
 
     ddp, ddp_opt, fsdp, fsdp_opt = _build(world, 0)
     # Plain tensors are taken as replicated by DCP: per-rank values need per-rank keys.
@@ -69,8 +71,9 @@ def async_resume_body(rank: int, world: int, root: str) -> dict:
     state = {"ddp": ModelState(ddp, ddp_opt), "fsdp": ModelState(fsdp, fsdp_opt), "step": 0,
              own: torch.full((3,), float(rank))}
     storage = FaultyStorage(root, delay_seconds=0.15)  # keeps each save in flight a while
-    mgr = CheckpointManager(storage, busy="wait", retention=[], num_threads=2,
-                            layout={"dp": world})
+    mgr = CheckpointManager(storage,
+                            ManagerOptions(busy="wait", num_threads=2, layout={"dp": world}),
+                            retention=[])
     snaps, allocations = {}, []
     for step in range(1, 7):
         _train([(ddp, ddp_opt), (fsdp, fsdp_opt)], rank, step)
@@ -100,8 +103,9 @@ def async_resume_body(rank: int, world: int, root: str) -> dict:
     assert manifest is not None and manifest.step == 6
     assert_same(snaps[6], snapshot(resolve_state(state2)), f"rank {rank} step 6")
     assert state2["step"] == 6
-    # An older step loads too (without rewinding the root: 4 and 6 stay committed).
-    assert mgr2.load_latest(state2, step=2, uncommit_newer=False).step == 2
+    # An older step loads too, read only (without rewinding the root: 4 and 6 stay
+    # committed).
+    assert ReadOnlyCheckpointer(root).load_latest(state2, step=2).step == 2
     assert_same(snaps[2], snapshot(resolve_state(state2)), f"rank {rank} step 2")
     # Training continues in lockstep after the resume.
     _train([(ddp2, ddp_opt2), (fsdp2, fsdp_opt2)], rank, 7)
@@ -117,11 +121,12 @@ def failure_body(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     from ckpt.errors import RankFailuresError
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
     from ckpt.root.lease import LEASE_NAME
 
     storage = FaultyStorage(root, fail_attempts=-1 if rank == 1 else 0)
-    mgr = CheckpointManager(storage, retention=[], max_attempts=2, retry_backoff_seconds=0.05)
+    mgr = CheckpointManager(storage, ManagerOptions(max_attempts=2, retry_backoff_seconds=0.05),
+                            retention=[])
     state = {f"w{rank}": torch.full((4,), float(rank)), "step": 1}
     assert mgr.save(1, state)
     assert mgr.wait(raise_errors=False) is None
@@ -137,13 +142,13 @@ def failure_body(rank: int, world: int, root: str) -> dict:
 
     # raise_on_failure: the next save() raises on every rank, even on a rank whose own
     # persist thread has not finished yet (the pending failure is agreed first).
-    mgr.raise_on_failure = True
+    mgr.options = dataclasses.replace(mgr.options, raise_on_failure=True)
     assert mgr.save(10, state)
     if rank == 0:
         mgr.wait(raise_errors=False)
     with pytest.raises(RankFailuresError, match="rank 1"):
         mgr.save(11, state)
-    mgr.raise_on_failure = False
+    mgr.options = dataclasses.replace(mgr.options, raise_on_failure=False)
     assert not mgr.in_flight()
 
     # Storage heals: the next save commits on both ranks (nothing is stuck or out of step).
@@ -186,7 +191,7 @@ def exit_body(rank: int, world: int, root: str) -> dict:
     abandons it (never committed); the next job's manager removes the leftovers."""
     import torch.distributed as dist
 
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
 
     storage = FaultyStorage(root, delay_seconds=0.3)
     state = {f"w{rank}": torch.full((4,), float(rank))}
@@ -221,7 +226,7 @@ def fsdp_save_body(rank: int, world: int, root: str) -> dict:
 
     from ckpt.dcp import ModelState
     from ckpt.dcp.api import resolve_state
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions, ReadOnlyCheckpointer
 
     torch.manual_seed(0)
     model = _mlp()
@@ -267,7 +272,7 @@ def groups_freed_body(rank: int, world: int, root: str) -> dict:
     process while a worker thread releases a finished collective's tensors.)"""
     import gc
 
-    from ckpt.job import CheckpointManager, TieredCheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions, TieredCheckpointManager
     from ckpt.ranks.groups import free_all_at_exit
 
     gc.collect()

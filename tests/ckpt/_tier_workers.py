@@ -26,12 +26,14 @@ def step_of(state: dict, rank: int) -> int:
     return step
 
 
-def _mgr(root: str, local_root: str, node_rank: int | None, **kw):
-    from ckpt.job import TieredCheckpointManager
+def _mgr(root: str, local_root: str, node_rank: int | None, copies: int = 1, **kw):
+    from ckpt.job import LocalTierOptions, ManagerOptions, TieredCheckpointManager
 
-    return TieredCheckpointManager(root, local_root, cadence=kw.pop("cadence", "4"),
-                                   local_cadence=kw.pop("local_cadence", "2"), busy="wait",
-                                   node_rank=node_rank, lease_ttl_seconds=5.0, **kw)
+    return TieredCheckpointManager(root, local_root,
+                                   ManagerOptions(busy="wait", lease_ttl_seconds=5.0),
+                                   local=LocalTierOptions(node_rank=node_rank, copies=copies),
+                                   cadence=kw.pop("cadence", "4"),
+                                   local_cadence=kw.pop("local_cadence", "2"), **kw)
 
 
 def _run(mgr, rank: int, first: int, last: int) -> None:
@@ -62,7 +64,7 @@ def nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     mgr = _mgr(root, local_root, rank)
     state = blank(rank)
     m = mgr.load_latest(state)
-    out["resume1"] = (m.step, mgr.resumed_tier, step_of(state, rank))
+    out["resume1"] = (m.step, mgr.resumed.tier, step_of(state, rank))
     _run(mgr, rank, 11, 12)  # local 12 (durable's next is 12 too: one interval after 8)
     mgr.close()
     out["after_resume"] = (CheckpointStore(mine).committed_steps(),
@@ -76,7 +78,7 @@ def nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     mgr = _mgr(root, local_root, rank)
     state = blank(rank)
     m = mgr.load_latest(state)
-    out["resume_wiped"] = (m.step, mgr.resumed_tier, step_of(state, rank))
+    out["resume_wiped"] = (m.step, mgr.resumed.tier, step_of(state, rank))
     _run(mgr, rank, 13, 14)  # local 14 on both nodes again
     mgr.close()
     out["after_wiped"] = CheckpointStore(mine).committed_steps()
@@ -92,7 +94,7 @@ def nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     mgr = _mgr(root, local_root, rank)
     state = blank(rank)
     m = mgr.load_latest(state)
-    out["resume_damaged"] = (m.step, mgr.resumed_tier, step_of(state, rank))
+    out["resume_damaged"] = (m.step, mgr.resumed.tier, step_of(state, rank))
     fallbacks = [(e.step, e.fields.get("tier")) for e in mgr.events.of_kind("load_fallback")]
     out["fallbacks"] = fallbacks
     mgr.close()
@@ -169,7 +171,7 @@ def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node:
         return {"m": ModelState(model, opt), "probe": probe, "progress": {"step": step}}
 
     def mgr():
-        return _mgr(root, local_root, node, local_copies=replicas)
+        return _mgr(root, local_root, node, copies=replicas)
 
     out: dict = {}
     saved: dict[int, dict] = {}
@@ -211,7 +213,7 @@ def fsdp_nodes_body(rank: int, world: int, root: str, local_root: str, per_node:
         events = {k: [e.step for e in m.events.of_kind(k)]
                   for k in ("copy_restored", "load_fallback")}
         m.close()
-        return loaded.step, m.resumed_tier, events
+        return loaded.step, m.resumed.tier, events
 
     if replicas == 1:
         out["intact"] = resume()
@@ -267,7 +269,7 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
     mgr = _mgr(root, local_root, node, cadence="4", local_cadence="3")
     m = mgr.load_latest(state)
     assert_same(saved, snapshot(resolve_state(state)), f"rank {rank}")
-    out = {"step": m.step, "tier": mgr.resumed_tier, "world_size": m.world_size}
+    out = {"step": m.step, "tier": mgr.resumed.tier, "world_size": m.world_size}
     mgr.close()
     return out
 
@@ -275,12 +277,13 @@ def hsdp_nodes_body(rank: int, world: int, root: str, local_root: str) -> dict:
 def timed_nodes_body(rank: int, world: int, root: str, local_root: str) -> list[int]:
     """A time-based local interval on two "nodes" whose steps take different times: both
     nodes still save the same local steps (decisions and busy skips agreed job-wide)."""
+    import dataclasses
     import time
 
     from ckpt.root import CheckpointStore
 
     mgr = _mgr(root, local_root, rank, cadence="1000", local_cadence="60ms")
-    mgr.local.busy = "skip"
+    mgr.local.options = dataclasses.replace(mgr.local.options, busy="skip")
     for step in range(1, 41):
         time.sleep(0.01 * (1 + 2 * rank))  # node 1 is slower
         mgr.maybe_save(step, state_at(rank, step))

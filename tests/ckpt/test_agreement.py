@@ -1,10 +1,11 @@
-"""Rank agreement (``ckpt.ranks.Agreement``) and the agreed due check (``ckpt.job.gate``).
+"""Rank agreement (``ckpt.ranks.Agreement``) and the one save decision (``ckpt.job.gate``).
 
 ``Agreement.min`` and ``any_and_min`` are the one home of the "minimum as a MAX of negated
-values" trick; ``DueAgreement`` is the one rule for a time-based save decision (agreed only
-every ``check_every`` steps, the smallest period any rank proposes), used by the manager's
-save gate and by the two-tier manager across nodes. In one process every answer is the
-local one; on two gloo ranks the answers are agreed.
+values" trick; ``SaveGate.decide`` is the one rule for a save decision (a time-based cadence
+agreed only every ``check_every`` steps, the smallest period any rank proposes, together
+with the save's checks in one all-reduce), used by every manager (a two-tier job's local
+tier over the whole job). In one process every answer is the local one; on two gloo ranks
+the answers are agreed.
 """
 
 from __future__ import annotations
@@ -16,34 +17,54 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt.job.gate import DueAgreement
+from ckpt.job.gate import Decision, SaveChecks, SaveGate, SaveInputs
 from ckpt.ranks import Agreement
+from ckpt.root import Lifecycle
+from ckpt.storage import Storage
 from tests.dist import run_ranks
 
 
 class _Cadence:
-    """A cadence stub: ``deterministic`` or time-based, with an interval in steps."""
+    """A cadence stub: ``deterministic`` or time-based, with an interval in steps, wanting a
+    save (``want``) or not at every step."""
 
-    def __init__(self, interval_steps: int | None, deterministic: bool = False):
-        self.interval_steps, self.deterministic = interval_steps, deterministic
+    def __init__(self, interval_steps: int | None, deterministic: bool = False,
+                 want: bool = True):
+        self.interval_steps, self.deterministic, self.want = interval_steps, deterministic, want
 
     def describe(self) -> dict:
         return {"interval_steps": self.interval_steps}
 
+    def should_save(self, step: int, now: float) -> bool:
+        return self.want
 
-def test_one_process_answers_are_the_local_ones():
+
+def _gate(ag: Agreement, root: str, coordinator: bool = True) -> SaveGate:
+    return SaveGate(ag, Lifecycle(Storage(root)), coordinator)
+
+
+def _inputs(cadence, *, requested: bool = False, busy: bool = False) -> SaveInputs:
+    return SaveInputs(cadence, requested, busy, lease_lost=False, pending_failure=False,
+                      last_committed=None)
+
+
+def test_one_process_answers_are_the_local_ones(tmp_path):
     ag = Agreement()
     assert ag.min(3, -2) == [3, -2]
     assert ag.any_and_min([True, False], [7]) == ([True, False], [7])
     assert ag.any_and_min([], [4, 5]) == ([], [4, 5])
-    due = DueAgreement(ag)
-    assert due.agree(_Cadence(200), False, True) == [False, True]
-    assert due.check_every == 10  # ~1/20 of the interval
-    assert due.decide(_Cadence(200), 15, True) is False  # not a step that is checked
-    assert due.decide(_Cadence(200), 20, True) is True
-    assert due.decide(_Cadence(200, deterministic=True), 15, True) is True
-    assert due.decide(None, 15, True) is True  # no cadence: the caller's answer as it is
-    assert due.agree(_Cadence(None), False) == [False] and due.check_every == 1
+    gate = _gate(ag, str(tmp_path))
+    assert gate.decide(20, _inputs(_Cadence(200), busy=True)) == \
+        Decision(True, SaveChecks(busy=True, exists=False, lost=False, failed=False))
+    assert gate.check_every == 10  # ~1/20 of the interval
+    assert gate.decide(15, _inputs(_Cadence(200))) == Decision(False, None)  # not checked
+    assert gate.decide(20, _inputs(_Cadence(200))).due is True
+    assert gate.decide(20, _inputs(_Cadence(200, want=False))) == Decision(False, None)
+    assert gate.decide(15, _inputs(_Cadence(200, deterministic=True))).due is True
+    assert gate.decide(15, _inputs(None)) == Decision(False, None)  # no cadence: never
+    # save(): due whatever the cadence; a cadence without an estimate checks every step.
+    assert gate.decide(15, _inputs(None, requested=True)).due is True
+    assert gate.check_every == 1
 
 
 class _Opens:
@@ -105,14 +126,19 @@ def _body(rank: int, world: int, marker: str) -> dict:
     ag = Agreement(dist.new_group(backend="gloo"))
     out: dict = {"min": ag.min(3 + rank, 10 - rank),
                  "any_and_min": ag.any_and_min([rank == 1, False], [40 - 20 * rank, 7])}
-    due = DueAgreement(ag)
-    # Rank 0 proposes a period of 10 steps, rank 1 of 5: the smaller one wins on both.
-    out["agree"] = due.agree(_Cadence(200 if rank == 0 else 100), rank == 0)
-    out["check_every"] = due.check_every
-    timed = _Cadence(100)
-    out["step 7"] = due.decide(timed, 7, True)  # not checked: no collective, not due
-    out["step 10"] = due.decide(timed, 10, rank == 1)  # one rank's True wins
-    out["deterministic"] = due.decide(_Cadence(100, deterministic=True), 10, rank == 0)
+    gate = _gate(ag, os.path.join(os.path.dirname(marker), f"root{rank}"), rank == 0)
+    # Rank 0 proposes a period of 10 steps, rank 1 of 5: the smaller one wins on both; rank
+    # 0 is busy, rank 1 not: busy on both (one all-reduce carries the answer and the checks).
+    first = gate.decide(1, _inputs(_Cadence(200 if rank == 0 else 100, want=rank == 0),
+                                   busy=rank == 0))
+    out["agree"] = [first.due, first.checks.busy]
+    out["check_every"] = gate.check_every
+    out["step 7"] = gate.decide(7, _inputs(_Cadence(100))).due  # not checked: no collective
+    out["step 10"] = gate.decide(10, _inputs(_Cadence(100, want=rank == 1))).due  # any wins
+    # Deterministic: not wanted, no collective (rank 0 alone asks); wanted: the checks.
+    if rank == 0:
+        out["not wanted"] = gate.decide(10, _inputs(_Cadence(100, True, want=False)))
+    out["deterministic"] = gate.decide(10, _inputs(_Cadence(100, deterministic=True))).due
     out["payloads"] = _peer_payloads(rank, ag, marker)
     return out
 
@@ -127,9 +153,10 @@ def test_two_ranks_agree_minima_flags_and_the_check_period(two_ranks):
     for rank, out in enumerate(two_ranks):
         assert out["min"] == [3, 9], out
         assert out["any_and_min"] == ([True, False], [20, 7]), out
-        assert out["agree"] == [True] and out["check_every"] == 5, out
+        assert out["agree"] == [True, True] and out["check_every"] == 5, out
         assert out["step 7"] is False and out["step 10"] is True, out
-        assert out["deterministic"] is (rank == 0), out  # the same on every rank by nature
+        assert out["deterministic"] is True, out  # the same on every rank by nature
+        assert rank == 1 or out["not wanted"] == (False, None), out
 
 
 def test_a_peers_payload_is_parsed_as_json_never_unpickled(two_ranks):

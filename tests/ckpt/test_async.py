@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckpt
 from ckpt.events import SAVE_COST_PHASES
 from ckpt.errors import CheckpointError, SaveAbandoned
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from tests.ckpt._helpers import assert_same, flip_byte, snapshot
 from tests.ckpt._mgr_util import FaultyStorage, lease_released, marker_names, wait_for
 
@@ -80,7 +80,7 @@ _ALLOCATING = ("empty", "zeros", "ones", "full", "clone", "_to_copy", "new_", "e
 def test_save_stalls_only_for_staging_and_buffers_are_reused(tmp_path):
     storage = FaultyStorage(str(tmp_path / "root"), delay_seconds=0.3)
     state = _state()
-    with CheckpointManager(storage, retention=[], busy="wait") as mgr:
+    with CheckpointManager(storage, busy="wait", retention=[]) as mgr:
         assert mgr.save(1, state)
         # Returned while the data is still being written: persisting runs in the background.
         assert mgr.in_flight() and not _manifest_exists(tmp_path / "root", 1)
@@ -143,7 +143,7 @@ def test_busy_skip_is_counted_and_reported(tmp_path, caplog):
     gate = threading.Event()
     storage = FaultyStorage(root, block=gate)
     state = _state()
-    with CheckpointManager(storage, retention=[], busy="skip") as mgr:
+    with CheckpointManager(storage, busy="skip", retention=[]) as mgr:
         assert mgr.save(1, state)
         with caplog.at_level(logging.WARNING, logger="ckpt.job.manager"):
             assert mgr.save(2, state) is False
@@ -167,7 +167,7 @@ def test_busy_wait_waits_and_reports(tmp_path):
     root = str(tmp_path / "root")
     storage = FaultyStorage(root, delay_seconds=0.2)
     state = _state()
-    with CheckpointManager(storage, retention=[], busy="wait") as mgr:
+    with CheckpointManager(storage, busy="wait", retention=[]) as mgr:
         assert mgr.save(1, state)
         assert mgr.in_flight()
         assert mgr.save(2, state)
@@ -182,7 +182,8 @@ def test_background_failure_is_reported_not_fatal(tmp_path, caplog):
     root = str(tmp_path / "root")
     storage = FaultyStorage(root, fail_attempts=-1)
     state = _state()
-    mgr = CheckpointManager(storage, retention=[], max_attempts=2, retry_backoff_seconds=0.01)
+    mgr = CheckpointManager(storage, ManagerOptions(max_attempts=2, retry_backoff_seconds=0.01),
+                            retention=[])
     with caplog.at_level(logging.ERROR, logger="ckpt.job.manager"):
         assert mgr.save(1, state)  # returns: the failure happens in the background
         assert mgr.wait(raise_errors=False) is None
@@ -215,7 +216,8 @@ def test_raise_on_failure_reraises_on_next_call(tmp_path):
     root = str(tmp_path / "root")
     storage = FaultyStorage(root, fail_attempts=-1)
     state = _state()
-    mgr = CheckpointManager(storage, retention=[], max_attempts=1, raise_on_failure=True)
+    mgr = CheckpointManager(storage, ManagerOptions(max_attempts=1, raise_on_failure=True),
+                            retention=[])
     assert mgr.save(1, state)
     assert wait_for(lambda: not mgr.in_flight())
     with pytest.raises(ckpt.RankFailuresError, match="no space left"):
@@ -235,8 +237,8 @@ def test_transient_failures_are_retried_then_commit(tmp_path):
     root = str(tmp_path / "root")
     storage = FaultyStorage(root, fail_attempts=2)
     state = _state()
-    with CheckpointManager(storage, retention=[], max_attempts=3,
-                           retry_backoff_seconds=0.01) as mgr:
+    with CheckpointManager(storage, ManagerOptions(max_attempts=3, retry_backoff_seconds=0.01),
+                           retention=[]) as mgr:
         mgr.save(7, state)
         manifest = mgr.wait()
     assert manifest is not None and manifest.step == 7
@@ -302,7 +304,7 @@ def test_close_abandon_leaves_nothing_committed_and_next_start_cleans_up(tmp_pat
 
 def test_abandon_before_writing_is_final_without_retry(tmp_path):
     storage = FaultyStorage(str(tmp_path / "root"))
-    mgr = CheckpointManager(storage, retention=[], max_attempts=3)
+    mgr = CheckpointManager(storage, ManagerOptions(max_attempts=3), retention=[])
     mgr._abandon.set()  # as close(flush=False) does, before the persist thread starts
     mgr.save(1, _state())
     with pytest.raises(SaveAbandoned):
@@ -380,13 +382,13 @@ def test_manager_creates_missing_root_and_validates_arguments(tmp_path):
     finally:
         mgr.close()
     with pytest.raises(ValueError, match="busy"):
-        CheckpointManager(str(root), busy="later")
+        CheckpointManager(str(root), ManagerOptions(busy="later"))
     with pytest.raises(ValueError, match="max_attempts"):
-        CheckpointManager(str(root), max_attempts=0)
+        CheckpointManager(str(root), ManagerOptions(max_attempts=0))
 
 
 def test_wait_without_save_and_closed_twice(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False))
     assert mgr.wait() is None
     mgr.close()
     mgr.close()

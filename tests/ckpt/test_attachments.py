@@ -12,6 +12,7 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
+from ckpt.dcp import SaveRequest, save_with
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import MAX_ATTACHMENT_BYTES, Manifest, data_file_id, step_dirname
 from ckpt.format._check import manifest_bytes
@@ -192,8 +193,9 @@ def test_rollback_gc_cleanup_never_lose_a_kept_versions_attachment(tmp_path, cap
     # A dead attempt at step 2 (its writer failed before the commit): marker, data,
     # attachments.
     with pytest.raises(RuntimeError, match="injected"):
-        ckpt.save(_state(99.0), url, 2, attachments={"config.json": b"dead"},
-                  before_commit=_fail, save_id="deadbeef0001")
+        save_with(_state(99.0), Storage(url), 2,
+                  SaveRequest(before_commit=_fail, save_id="deadbeef0001"),
+                  attachments={"config.json": b"dead"})
     # The resumed run saves 2 again, with other attachments, beside the rolled-back one.
     new2 = ckpt.save(_state(20.0), url, 2, attachments={"config.json": b"twenty",
                                                         "extra.txt": b"x"})
@@ -261,7 +263,7 @@ def test_manager_passes_attachments_through(tmp_path):
     url = str(tmp_path / "root")
     cfg = tmp_path / "config.json"
     cfg.write_bytes(CONFIG)
-    with CheckpointManager(url, cadence="2", retention=[], busy="wait") as mgr:
+    with CheckpointManager(url, busy="wait", cadence="2", retention=[]) as mgr:
         for step in range(1, 5):
             mgr.maybe_save(step, _state(float(step)),
                            attachments={"config.json": str(cfg), "step.txt": str(step).encode()})

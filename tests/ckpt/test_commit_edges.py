@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import ckpt
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, Fence, Lease, Lifecycle
 from trainer.ft.writer import _committed
 
@@ -36,8 +36,9 @@ def test_storage_errors_while_confirming_a_commit_are_read_back(tmp_path, monkey
             raise OSError("connection reset (injected)")
         return doc(self, *a, **kw)
 
-    mgr = CheckpointManager(str(tmp_path), async_save=False, retention=[],
-                            retry_backoff_seconds=0.01)
+    mgr = CheckpointManager(str(tmp_path),
+                            ManagerOptions(async_save=False, retry_backoff_seconds=0.01),
+                            retention=[])
     events = _events(mgr)
     monkeypatch.setattr(Lease, "confirm", flaky_confirm)
     monkeypatch.setattr(Fence, "doc", flaky_doc)
@@ -64,8 +65,9 @@ def test_an_attempt_that_failed_after_its_manifest_existed_counts_as_committed(
         return confirm(self, manifest)
 
     monkeypatch.setattr(Lifecycle, "_confirm_after_commit", failing_once)
-    mgr = CheckpointManager(str(tmp_path), async_save=False, retention=[],
-                            retry_backoff_seconds=0.01)
+    mgr = CheckpointManager(str(tmp_path),
+                            ManagerOptions(async_save=False, retry_backoff_seconds=0.01),
+                            retention=[])
     events = _events(mgr)
     assert mgr.save(10, {"w": torch.ones(3)}, block=True)
     assert mgr.newest_committed_step == 10
@@ -96,8 +98,9 @@ def test_a_root_that_became_a_file_fails_saves_never_skips_them(tmp_path):
     real, link = tmp_path / "real", tmp_path / "link"
     real.mkdir()
     link.symlink_to(real)
-    mgr = CheckpointManager(str(link), async_save=False, retention=[], use_lease=False,
-                            retry_backoff_seconds=0.01)
+    mgr = CheckpointManager(str(link),
+                            ManagerOptions(async_save=False, use_lease=False,
+                                           retry_backoff_seconds=0.01), retention=[])
     mgr.save(1, {"w": torch.ones(2)})
     blocker, new = tmp_path / "blocker", tmp_path / "new"
     blocker.write_text("")

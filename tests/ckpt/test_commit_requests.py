@@ -20,9 +20,9 @@ import time
 import pytest
 import torch
 
-import ckpt
+from ckpt.dcp import SaveRequest, save_with
 from ckpt.errors import LeaseLostError
-from ckpt.job import CheckpointManager, KeepLast, KeepPinned, set_pinned
+from ckpt.job import CheckpointManager, KeepLast, KeepPinned, ManagerOptions, set_pinned
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
@@ -54,10 +54,10 @@ def _state(step: int) -> dict:
             "step": step}
 
 
-def _manager(storage: Storage, **kwargs) -> CheckpointManager:
+def _manager(storage: Storage) -> CheckpointManager:
     # A long TTL keeps the heartbeat thread quiet: every request counted is a save's.
-    return CheckpointManager(storage, retention=[KeepLast(KEEP), KeepPinned(
-        CheckpointStore(storage))], busy="wait", lease_ttl_seconds=3600.0, **kwargs)
+    return CheckpointManager(storage, ManagerOptions(busy="wait", lease_ttl_seconds=3600.0),
+                             retention=[KeepLast(KEEP), KeepPinned(CheckpointStore(storage))])
 
 
 def _fixed(counts) -> int:
@@ -174,7 +174,7 @@ def test_a_delete_renews_the_lease_only_when_its_last_renewal_is_old(tmp_path):
     storage.makedirs("")
     life = acquire_lease(storage, ttl_seconds=2.0, heartbeat=False)
     for step in (1, 2, 3):
-        ckpt.save(_state(step), storage, step, lifecycle=life)
+        save_with(_state(step), storage, step, SaveRequest(life))
     snap = storage.snapshot()
     life.delete(1)
     _, log = storage.since(snap)

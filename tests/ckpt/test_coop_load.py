@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp.api import resolve_state
 from ckpt.root import CheckpointStore
 from ckpt.storage import Storage
 from tests.ckpt._helpers import assert_same
@@ -94,7 +96,7 @@ def _load_replicated(rank, world, root, via):
     storage = ReadCountingStorage(root)
     state = _zeros_like(saved)
     if via == "manager":
-        mgr = ckpt.CheckpointManager(storage, use_lease=False)
+        mgr = ckpt.CheckpointManager(storage, ckpt.ManagerOptions(use_lease=False))
         try:
             assert mgr.load_latest(state).step == 1
         finally:
@@ -123,8 +125,8 @@ def _load_replicated_memory(rank, world, prefix):
     saved = _replicated(2)
     root = f"memory://{prefix}"
     alone = [dist.new_group([r], backend="gloo") for r in range(world)]
-    ckpt.save(saved, root, 2, process_group=alone[rank], use_lease=False,
-              save_id="c0c0c0c0c0c0")
+    save_with(resolve_state(saved), Storage(root), 2, SaveRequest(save_id="c0c0c0c0c0c0"),
+              process_group=alone[rank])
     storage = ReadCountingStorage(root)
     state = _zeros_like(saved)
     ckpt.load(state, storage, 2)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.job import CheckpointManager, KeepLast
+from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 from tests.dist import run_ranks
 
 NEW_DTYPES = [getattr(torch, name) for name in
@@ -79,7 +79,7 @@ def test_manager_stages_and_exports(tmp_path, dtype):
     root = str(tmp_path / "root")
     # No scalar: safetensors has no shape for a 0-dimensional float4 (test below).
     first, second = _state(dtype, seed=0, scalar=False), _state(dtype, seed=1, scalar=False)
-    with CheckpointManager(root, use_lease=False, retention=[KeepLast(5)]) as mgr:
+    with CheckpointManager(root, ManagerOptions(use_lease=False), retention=[KeepLast(5)]) as mgr:
         mgr.save(1, first, block=True)
         mgr.save(2, second, block=True)
     flat, _ = consolidate(root, 2, nested=False)

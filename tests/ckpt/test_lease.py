@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ckpt.errors import LeaseHeldError
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, Lease, Lifecycle
 from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
@@ -88,7 +88,7 @@ def test_second_job_is_refused_then_takes_over_after_sigkill(root, tmp_path):
     try:
         assert info["took_over"] is False
         with pytest.raises(LeaseHeldError) as excinfo:
-            CheckpointManager(url, storage_options=options, lease_ttl_seconds=TTL)
+            CheckpointManager(url, ManagerOptions(storage_options=options, lease_ttl_seconds=TTL))
         msg = str(excinfo.value)
         assert f"pid {info['pid']}" in msg and f"host {socket.gethostname()}" in msg
         assert info["holder"] in msg and "'child'" in msg
@@ -107,7 +107,8 @@ def test_second_job_is_refused_then_takes_over_after_sigkill(root, tmp_path):
     deadline = time.monotonic() + 30
     while mgr is None:
         try:
-            mgr = CheckpointManager(url, storage_options=options, lease_ttl_seconds=TTL,
+            mgr = CheckpointManager(url,
+                                    ManagerOptions(storage_options=options, lease_ttl_seconds=TTL),
                                     retention=[])
         except LeaseHeldError:
             assert time.monotonic() < deadline, "the dead job's lease was never taken over"
@@ -135,10 +136,11 @@ def test_live_lease_elsewhere_is_taken_only_after_ttl(root):
     storage.write_bytes(LEASE_NAME, _foreign_record(TTL))
     t0 = time.monotonic()
     with pytest.raises(LeaseHeldError, match="host some-other-host, pid 4242"):
-        CheckpointManager(url, storage_options=options, lease_ttl_seconds=TTL)
+        CheckpointManager(url, ManagerOptions(storage_options=options, lease_ttl_seconds=TTL))
     assert json.loads(storage.read_bytes(LEASE_NAME))["pid"] == 4242  # untouched
     time.sleep(max(0.0, TTL + 0.3 - (time.monotonic() - t0)))
-    mgr = CheckpointManager(url, storage_options=options, lease_ttl_seconds=TTL, retention=[])
+    mgr = CheckpointManager(url, ManagerOptions(storage_options=options, lease_ttl_seconds=TTL),
+                            retention=[])
     try:
         assert mgr.events.of_kind("lease_acquired")[0].fields["took_over"] is True
         assert mgr.lease.took_over["host"] == "some-other-host"
@@ -150,7 +152,7 @@ def test_live_lease_elsewhere_is_taken_only_after_ttl(root):
 def test_lost_lease_stops_saves_and_blocks_the_commit_in_flight(root):
     url, options = root
     storage = FaultyStorage(url, options, delay_seconds=0.5)
-    mgr = CheckpointManager(storage, lease_ttl_seconds=TTL, retention=[])
+    mgr = CheckpointManager(storage, ManagerOptions(lease_ttl_seconds=TTL), retention=[])
     state = {"w": torch.ones(3)}
     try:
         mgr.save(1, state)  # in flight while another writer takes the lease
@@ -201,7 +203,7 @@ def test_a_lease_lost_during_the_last_save_is_agreed_before_the_run_ends(root):
     No later save agrees the loss, so ``check_lease`` does (the trainer's exit code 4)."""
     url, options = root
     storage = FaultyStorage(url, options, delay_seconds=0.5)
-    mgr = CheckpointManager(storage, lease_ttl_seconds=TTL, retention=[])
+    mgr = CheckpointManager(storage, ManagerOptions(lease_ttl_seconds=TTL), retention=[])
     try:
         mgr.save(1, {"w": torch.ones(3)})
         assert storage.writing.wait(30)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from ckpt.cli import main as ckpt_main
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, FENCED, Lease, acquire_lease, release_lease
 from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
@@ -162,7 +162,8 @@ def test_a_writer_stalled_past_its_lease_stops_saving_and_the_root_verifies(root
     so once, and saves nothing more; B's lease and saves stand; ``ckpt verify`` passes."""
     stalling, other, stall = roots
     caplog.set_level(logging.ERROR, logger="ckpt")
-    a = CheckpointManager(stalling, lease_ttl_seconds=TTL, retention=[], job_name="a")
+    a = CheckpointManager(stalling, ManagerOptions(lease_ttl_seconds=TTL, job_name="a"),
+                          retention=[])
     b = None
     try:
         for step in (1, 2):
@@ -171,7 +172,8 @@ def test_a_writer_stalled_past_its_lease_stops_saving_and_the_root_verifies(root
         a.save(3, _state(3))
         assert stall.stalled.wait(30)
         time.sleep(TTL + 0.3)
-        b = CheckpointManager(other, retention=[], lease_ttl_seconds=30, job_name="b")
+        b = CheckpointManager(other, ManagerOptions(lease_ttl_seconds=30, job_name="b"),
+                              retention=[])
         assert b.lease.took_over["holder"] == a.owner
         assert b.save(10, _state(10), block=True)
         stall.resume()
@@ -229,7 +231,8 @@ def test_verify_reports_a_fenced_leftover_as_such_and_gc_removes_it(where, capsy
     url, options = where
     other = Storage(url, options)
     storage = HoldingStorage(url, options)
-    a = CheckpointManager(storage, lease_ttl_seconds=30, retention=[], job_name="a")
+    a = CheckpointManager(storage, ManagerOptions(lease_ttl_seconds=30, job_name="a"),
+                          retention=[])
     try:
         assert a.save(1, _state(1), block=True)
         storage.pattern = "step_000000002/manifest.json"

@@ -24,6 +24,7 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
+from ckpt.dcp import SaveRequest, save_with
 from ckpt.errors import CheckpointError, FencedCheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.root import (
     COMMITTED,
@@ -99,7 +100,7 @@ def _state(value: float) -> dict:
 
 
 def _save(life: Lifecycle, step: int, value: float):
-    return ckpt.save(_state(value), life.storage, step, lifecycle=life)
+    return save_with(_state(value), life.storage, step, SaveRequest(life))
 
 
 def _loaded(url, options, step: int) -> float:
@@ -409,7 +410,7 @@ def _writer_loop(name, url, options, seed, stop, log, errors, ttl):
                 if op < 0.7:
                     value = rng.random()
                     try:
-                        m = ckpt.save(_state(value), storage, step, lifecycle=life)
+                        m = save_with(_state(value), storage, step, SaveRequest(life))
                         log.append(("counted", m.save_id, step, value))
                     except FileExistsError:
                         pass

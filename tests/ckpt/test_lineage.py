@@ -14,7 +14,7 @@ import torch
 import ckpt
 from ckpt.errors import AbandonedCheckpointError, CorruptCheckpointError
 from ckpt.format import Lineage, parse_lineage
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.job._tier_layout import UNREADABLE, mixed_steps
 from ckpt.root import LINEAGE_NAME, CheckpointStore, Trajectory, read_runs
 from tests.ckpt._lineage_workers import tier_phase
@@ -79,7 +79,7 @@ def test_a_version_a_resume_went_back_past_is_never_resumed_even_when_it_is_put_
     step 50's manifest back (a backup restored over the root, an un-commit that copied
     but did not delete): no resume takes it, and `ckpt history` names it abandoned."""
     root = str(tmp_path)
-    kw = dict(async_save=False, retention=[])
+    kw = dict(options=ManagerOptions(async_save=False), retention=[])
     with CheckpointManager(root, **kw) as a:
         for s in (10, 20, 30, 40, 50):
             _save(a, s)
@@ -110,7 +110,7 @@ def test_a_version_a_resume_went_back_past_is_never_resumed_even_when_it_is_put_
 
 def test_a_restored_version_counts_again(tmp_path):
     root = str(tmp_path)
-    kw = dict(async_save=False, retention=[])
+    kw = dict(options=ManagerOptions(async_save=False), retention=[])
     with CheckpointManager(root, **kw) as a:
         for s in (10, 20, 30):
             _save(a, s)
@@ -130,7 +130,7 @@ def test_a_restored_version_counts_again(tmp_path):
 
 def test_a_damaged_run_log_is_moved_aside_never_lost(tmp_path):
     root = str(tmp_path)
-    kw = dict(async_save=False, retention=[])
+    kw = dict(options=ManagerOptions(async_save=False), retention=[])
     with CheckpointManager(root, **kw) as a:
         _save(a, 10)
         a.load_latest({"w": torch.zeros(3)})
@@ -185,7 +185,7 @@ def test_history_shows_the_tree_and_rollback_names_the_branch_it_abandons(tmp_pa
     from tests.ckpt.test_cli import cli
 
     root = str(tmp_path)
-    kw = dict(async_save=False, retention=[])
+    kw = dict(options=ManagerOptions(async_save=False), retention=[])
     with CheckpointManager(root, **kw) as a:
         a.load_latest({"w": torch.zeros(3)})
         for s in (10, 20, 30, 40, 50):
@@ -222,7 +222,7 @@ def test_a_damaged_manifest_never_blocks_its_step(tmp_path, capsys):
     from tests.ckpt.test_cli import cli
 
     root = str(tmp_path)
-    kw = dict(async_save=False, retention=[], retry_backoff_seconds=0.01)
+    kw = dict(options=ManagerOptions(async_save=False, retry_backoff_seconds=0.01), retention=[])
     with CheckpointManager(root, **kw) as a:
         _save(a, 10)
         _save(a, 20)
@@ -250,7 +250,7 @@ def test_a_run_log_larger_than_any_is_never_read_whole(tmp_path):
         f.truncate(MAX_LOG_BYTES * 64)
     assert read_runs(CheckpointStore(str(tmp_path)).storage) == []
     st = {"w": torch.zeros(3)}
-    with CheckpointManager(str(tmp_path), async_save=False, retention=[]) as m:
+    with CheckpointManager(str(tmp_path), ManagerOptions(async_save=False), retention=[]) as m:
         _save(m, 10)
         assert m.load_latest(st).step == 10
     assert len(read_runs(CheckpointStore(str(tmp_path)).storage)) == 1

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore
 from tests.ckpt import _mgr_workers as workers
 from tests.ckpt._mgr_util import EveryN, lease_released, marker_names
@@ -53,7 +53,7 @@ def test_maybe_save_follows_the_cadence_and_retention(tmp_path):
     root = str(tmp_path / "root")
     cadence = EveryN(3)
     state = {"w": torch.zeros(3), "step": 0}
-    with CheckpointManager(root, cadence=cadence, busy="wait") as mgr:
+    with CheckpointManager(root, busy="wait", cadence=cadence) as mgr:
         started = []
         for step in range(1, 13):
             state["w"].add_(1)
@@ -73,7 +73,7 @@ def test_maybe_save_follows_the_cadence_and_retention(tmp_path):
 
 def test_maybe_save_without_cadence_and_sync_mode(tmp_path):
     root = str(tmp_path / "root")
-    with CheckpointManager(root, async_save=False, retention=[]) as mgr:
+    with CheckpointManager(root, ManagerOptions(async_save=False), retention=[]) as mgr:
         assert mgr.maybe_save(1, {"w": torch.ones(2)}) is False
         assert mgr.save(1, {"w": torch.ones(2)}) is True
         assert not mgr.in_flight()  # synchronous: committed on return

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from ckpt import CheckpointManager, CheckpointStore, EventBus, ModelState, RNGState
+from ckpt import CheckpointManager, CheckpointStore, EventBus, ManagerOptions, ModelState, RNGState
 from ckpt.cli import main as cli_main
 from ckpt.errors import LeaseLostError
 from ckpt.root.lease import LEASE_NAME
@@ -33,7 +33,7 @@ def _own_loop(root: str, steps: int = 20, events: EventBus | None = None) -> dic
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     state = {"app": ModelState(model, optim), "rng": RNGState(), "progress": {"step": 0}}
     bus = events or EventBus()
-    with CheckpointManager(root, cadence="5", busy="wait", events=bus) as mgr:
+    with CheckpointManager(root, busy="wait", cadence="5", events=bus) as mgr:
         resumed = mgr.load_latest(state)
         start = resumed.step if resumed else 0
         for step in range(start + 1, steps + 1):
@@ -107,7 +107,7 @@ def test_forced_save_that_cannot_save_raises(tmp_path):
         assert mgr.save(10, state, block=True, force=True) is True  # resumed from it
         assert mgr.save(11, state, block=True, force=True) is True
 
-    with CheckpointManager(root, retention=[], lease_ttl_seconds=1.0) as mgr:
+    with CheckpointManager(root, ManagerOptions(lease_ttl_seconds=1.0), retention=[]) as mgr:
         now = time.time()
         mgr.storage.write_bytes(LEASE_NAME, json.dumps(
             {"holder": "feedfacecafe0000", "job": "elsewhere", "host": "other-host",

@@ -21,7 +21,7 @@ import ckpt
 from ckpt.cli import main as cli_main
 from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
 from ckpt.format._check import manifest_bytes
-from ckpt.job import CheckpointManager, KeepLast
+from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 from ckpt.root import CORRUPT, CheckpointStore, Lifecycle, acquire_lease, release_lease
 from ckpt.root.lifecycle import MOVED_ASIDE
 from ckpt.storage import Storage
@@ -86,7 +86,8 @@ def _root(tmp_path: Path) -> tuple[Path, set[str]]:
 
 
 def _start_a_job(root: Path, keep: int = 1) -> None:
-    with CheckpointManager(str(root), async_save=False, retention=[KeepLast(keep)]) as mgr:
+    with CheckpointManager(str(root), ManagerOptions(async_save=False),
+                           retention=[KeepLast(keep)]) as mgr:
         mgr.save(6, _state(6))
         mgr.save(8, _state(8))
 
@@ -194,7 +195,8 @@ def test_a_resume_past_an_unreadable_checkpoint_keeps_it(tmp_path, damage):
     root, files = _root(tmp_path)
     damage(root, 4)
     state = _state(0)
-    with CheckpointManager(str(root), async_save=False, retention=[KeepLast(5)]) as mgr:
+    with CheckpointManager(str(root), ManagerOptions(async_save=False),
+                           retention=[KeepLast(5)]) as mgr:
         assert mgr.load_latest(state).step == 2
         assert _files(root, 4) == files
         mgr.save(4, _state(44))

@@ -388,7 +388,8 @@ def _run(make, how: str, root: str | None = None, steps: int = 4):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optim = make(model.parameters())
     state = {"app": ModelState(model, optim)}
-    mgr = ckpt.CheckpointManager(root, async_save=False, use_lease=False, retention=[]) \
+    mgr = ckpt.CheckpointManager(root, ckpt.ManagerOptions(async_save=False, use_lease=False),
+                                 retention=[]) \
         if how == "saved" else None
     if how == "init":
         init_optimizer_state(optim)

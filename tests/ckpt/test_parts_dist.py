@@ -60,16 +60,18 @@ def _body(rank: int, world: int, root: str, cached: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import ckpt
+    from ckpt.dcp import PlanCache, SaveRequest, save_with
+    from ckpt.dcp.api import resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._parts import RecordingStorage
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     saved = _state(rank, mesh, seed=7)
-    cache = ckpt.PlanCache() if cached else None
+    cache = PlanCache() if cached else None
     if cached:
-        ckpt.save(_state(rank, mesh, seed=5), RecordingStorage(root), STEP - 1,
-                  plan_cache=cache)
-    ckpt.save(saved, RecordingStorage(root), STEP, plan_cache=cache)
+        save_with(resolve_state(_state(rank, mesh, seed=5)), RecordingStorage(root), STEP - 1,
+                  SaveRequest(plan_cache=cache))
+    save_with(resolve_state(saved), RecordingStorage(root), STEP, SaveRequest(plan_cache=cache))
     if cached:
         assert (cache.num_full_plans, cache.num_cached_plans, cache.num_replans) == (1, 1, 0)
     dist.barrier()

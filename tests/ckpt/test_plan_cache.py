@@ -36,13 +36,22 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp.api import resolve_state
 from ckpt.dcp.planners import SafeSavePlanner, tiling_problem
+from ckpt.storage import Storage
 from tests.ckpt._helpers import least_cpu_seconds
 from tests.dist import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
-QUICK = dict(use_lease=False, durable=False)
+
+
+def _save(state, root: str, step: int, cache) -> None:
+    """A loop's own save that keeps its plans (``ckpt.dcp.save_with`` with a ``PlanCache``),
+    with no lease and nothing synced: what these tests measure is the planning."""
+    save_with(resolve_state(state), Storage(root), step,
+              SaveRequest(plan_cache=cache, durable=False))
 
 
 def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -77,7 +86,7 @@ def _drift_body(rank: int, world: int, root: str) -> dict:
              "mine": PerRankState(counter)}
     for step in range(1, 51):
         counter.n = rank * 1000 + step
-        ckpt.save(state, root, step, plan_cache=cache, **QUICK)
+        _save(state, root, step, cache)
     assert (cache.num_full_plans, cache.num_cached_plans, cache.num_replans) == (1, 49, 0)
     store = CheckpointStore(root)
     first, last = store.read_manifest(1), store.read_manifest(50)
@@ -87,21 +96,21 @@ def _drift_body(rank: int, world: int, root: str) -> dict:
     # An object replica drifts on rank 1: refused, naming the key; nothing committed.
     state["cfg"]["lr"] = 0.1 if rank == 0 else 0.2
     with pytest.raises(ValueError) as info:
-        ckpt.save(state, root, 51, plan_cache=cache, **QUICK)
+        _save(state, root, 51, cache)
     out["object_error"] = str(info.value)
     state["cfg"]["lr"] = 0.1
     # A tensor replica (a DDP-style model weight) drifts by one element on rank 1.
     with torch.no_grad():
         model[1].bias[0] += rank
     with pytest.raises(ValueError) as info:
-        ckpt.save(state, root, 51, plan_cache=cache, **QUICK)
+        _save(state, root, 51, cache)
     out["tensor_error"] = str(info.value)
     with torch.no_grad():
         model[1].bias[0] -= rank
     assert cache.num_replans == 2
     assert 51 not in store.committed_steps()
     # Back in line: saved from the cache again (the failed full plans cached nothing).
-    ckpt.save(state, root, 51, plan_cache=cache, **QUICK)
+    _save(state, root, 51, cache)
     assert (cache.num_full_plans, cache.num_cached_plans) == (3, 52)
 
     # Every checkpoint loads as saved: step 1's files were never overwritten by later saves.
@@ -146,7 +155,7 @@ def _layout_body(rank: int, world: int, root: str) -> dict:
     counts = []
 
     def save(step):
-        ckpt.save(state, root, step, plan_cache=cache, **QUICK)
+        _save(state, root, step, cache)
         counts.append((cache.num_full_plans, cache.num_cached_plans, cache.num_replans))
 
     save(1)
@@ -197,7 +206,7 @@ def _manager_body(rank: int, world: int, root: str) -> dict:
 
     import ckpt.dcp.planners as planners
     from ckpt.dcp import ModelState
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
 
     calls = []
     original = default_planner.create_default_local_save_plan
@@ -218,8 +227,10 @@ def _manager_body(rank: int, world: int, root: str) -> dict:
     optim_b.step()
     # Two managers in one process, as the two tiers of TieredCheckpointManager, saving
     # different states in turn.
-    a = CheckpointManager(f"{root}/a", retention=[], async_save=False, use_lease=False)
-    b = CheckpointManager(f"{root}/b", retention=[], async_save=False, use_lease=False)
+    a = CheckpointManager(f"{root}/a", ManagerOptions(async_save=False, use_lease=False),
+                          retention=[])
+    b = CheckpointManager(f"{root}/b", ManagerOptions(async_save=False, use_lease=False),
+                          retention=[])
     state_a = {"app": ModelState(model_a, optim_a), "step": 0}
     state_b = {"other": ModelState(model_b, optim_b), "tag": "b"}
     for step in (1, 2, 3):

@@ -13,12 +13,12 @@ import torch
 
 import ckpt
 from ckpt.job import (
-    PINS_NAME,
     CheckpointManager,
     KeepAll,
     KeepEvery,
     KeepLast,
     KeepPinned,
+    PINS_NAME,
     apply_retention,
     read_pins,
     set_pinned,
@@ -67,7 +67,7 @@ def test_union_through_the_manager_with_pins(tmp_path):
     store = CheckpointStore(root)
     policies = [KeepLast(2), KeepEvery(20), KeepPinned(store)]
     state = {"w": torch.zeros(2)}
-    with CheckpointManager(root, retention=policies, busy="wait") as mgr:
+    with CheckpointManager(root, busy="wait", retention=policies) as mgr:
         for step in range(5, 45, 5):
             state["w"].add_(1)
             mgr.save(step, state)

@@ -14,10 +14,10 @@ import torch
 import ckpt
 from ckpt.cli import main as cli_main
 from ckpt.job import (
-    RETENTION_NAME,
     CheckpointManager,
     KeepBest,
     KeepLast,
+    RETENTION_NAME,
     apply_retention,
     read_retention,
     set_pinned,
@@ -79,7 +79,8 @@ def test_manager_keeps_the_best_and_ckpt_list_says_why(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     losses = {2: 0.9, 4: 0.3, 6: 0.5, 8: 0.2, 10: 0.7, 12: 0.8}
     retention = [KeepLast(2), KeepBest(CheckpointStore(root), "loss", k=2)]
-    with CheckpointManager(root, cadence="2", busy="wait", retention=retention) as mgr:
+    with CheckpointManager(root, busy="wait", cadence="2",
+                           retention=retention) as mgr:
         for step in range(1, 13):
             mgr.maybe_save(step, {"w": torch.ones(2) * step},
                            user_metadata={"loss": losses.get(step, math.inf)})

@@ -121,7 +121,7 @@ def test_save_attempts_pause_the_documented_backoff_without_touching_global_rngs
     at most 5 s, and draw from no random generator."""
     import time as real_time
 
-    from ckpt.job import CheckpointManager, persist
+    from ckpt.job import CheckpointManager, ManagerOptions, persist
     from tests.ckpt._mgr_util import FaultyStorage
 
     pauses = []
@@ -136,8 +136,8 @@ def test_save_attempts_pause_the_documented_backoff_without_touching_global_rngs
     monkeypatch.setattr(persist, "time", _Clock)
     storage = FaultyStorage(str(tmp_path / "root"), fail_attempts=-1)
     before = _rng_states()
-    with CheckpointManager(storage, retention=[], max_attempts=6,
-                           retry_backoff_seconds=0.5) as mgr:
+    with CheckpointManager(storage, ManagerOptions(max_attempts=6, retry_backoff_seconds=0.5),
+                           retention=[]) as mgr:
         assert mgr.save(1, {"w": torch.ones(4)})
         assert mgr.wait(raise_errors=False) is None
     assert pauses == [0.5, 1, 2, 4, 5]

@@ -15,10 +15,12 @@ import time
 import torch
 
 import ckpt
-from ckpt.dcp import SaveCost
+from ckpt.dcp import SaveCost, SaveRequest, save_with
+from ckpt.dcp.api import resolve_state
 from ckpt.events import SAVE_COST_PHASES
 from ckpt.format import crc32c_of
 from ckpt.root import CheckpointStore
+from ckpt.storage import Storage
 
 
 def _state():
@@ -32,7 +34,7 @@ def _state():
 def test_recorded_checksums_are_those_of_the_bytes_on_disk(tmp_path):
     root = str(tmp_path)
     cost = SaveCost()
-    ckpt.save(_state(), root, 1, num_threads=3, cost=cost)
+    save_with(resolve_state(_state()), Storage(root), 1, SaveRequest(num_threads=3, cost=cost))
     manifest = CheckpointStore(root).read_manifest(1)
     folder = os.path.join(root, "step_000000001")
     items = [c["location"] for t in manifest.tensors.values() for c in t["chunks"]]

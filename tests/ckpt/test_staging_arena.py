@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt.dcp import StagingBuffers
 from ckpt.dcp._host_arena import ALIGN_BYTES, HostArena, aligned_bytes
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from tests.ckpt._helpers import assert_same
 
 pytestmark = pytest.mark.timeout(120)
@@ -128,14 +128,14 @@ def test_values_round_trip_bit_for_bit_for_mixed_dtypes():
 
 def test_a_manager_persists_from_the_arena_and_loads_back(tmp_path):
     state = _mixed_state()
-    with CheckpointManager(str(tmp_path / "r"), use_lease=False) as mgr:
+    with CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False)) as mgr:
         assert mgr.save(1, state, block=True)
         assert mgr.staging.num_allocations == 1
     fresh = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v)
              for k, v in _mixed_state(seed=2).items()}
     fresh["nested"] = {"list": [torch.zeros(3), torch.zeros(0, dtype=torch.int32)]}
     fresh["transposed"] = torch.zeros(6, 4)
-    with CheckpointManager(str(tmp_path / "r"), use_lease=False) as mgr:
+    with CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False)) as mgr:
         assert mgr.load_latest(fresh).step == 1  # reads into the borrowed arena
     assert_same({k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
                  for k, v in state.items()}, fresh)
@@ -177,7 +177,7 @@ def test_close_frees_the_arena_and_a_later_stage_allocates_again():
 
 
 def test_a_manager_close_frees_its_staging_buffers(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False))
     assert mgr.save(1, _mixed_state(), block=True)
     assert mgr.staging.arena_bytes > 0 and mgr.last_staged is not None
     mgr.close()
@@ -186,11 +186,11 @@ def test_a_manager_close_frees_its_staging_buffers(tmp_path):
 
 
 def test_a_tiered_manager_close_frees_both_tiers_buffers(tmp_path):
-    from ckpt.job import TieredCheckpointManager
+    from ckpt.job import ManagerOptions, TieredCheckpointManager
 
     state = _mixed_state()
     mgr = TieredCheckpointManager(str(tmp_path / "durable"), str(tmp_path / "local"),
-                                  use_lease=False)
+                                  ManagerOptions(use_lease=False))
     mgr.prepare(state)  # one arena per tier
     shard = sum(aligned_bytes(_bytes(t)) for t in _tensors(state))
     assert mgr.durable.staging.arena_bytes == mgr.local.staging.arena_bytes == shard

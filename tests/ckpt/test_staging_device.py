@@ -27,7 +27,7 @@ import torch
 from ckpt.dcp import StagingBuffers
 from ckpt.dcp.staging import CopyReady
 from ckpt.dcp._host_arena import HostArena
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,7 +221,7 @@ def test_a_rank_off_gpu_0_makes_every_cuda_call_on_its_own_device(runtime, tmp_p
     torch.cuda.set_device(RANK_DEVICE)
     state = _state()
     expected = _plain(state)
-    mgr = CheckpointManager(str(tmp_path / "r"), cadence="2", use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False), cadence="2")
     try:
         if prepared:
             mgr.prepare(state)
@@ -238,7 +238,7 @@ def test_a_rank_off_gpu_0_makes_every_cuda_call_on_its_own_device(runtime, tmp_p
     assert len(runtime.devices("cudaHostUnregister")) == 1 and not runtime.registered
     _assert_all_on_the_rank_device(runtime)
     loaded = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}, "step": 0}
-    with CheckpointManager(str(tmp_path / "r"), use_lease=False) as reader:
+    with CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False)) as reader:
         reader.load_latest(loaded)
     for k, v in expected.items():
         assert torch.equal(loaded["model"][k], v), k

@@ -18,7 +18,7 @@ import torch
 
 from ckpt.dcp import StagingBuffers
 from ckpt.dcp.staging import CopyReady
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +70,7 @@ def test_cpu_staging_is_synchronous_and_has_nothing_to_wait_for():
 
 
 def test_persist_waits_for_the_copies_before_writing(tmp_path):
-    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False))
     mgr.staging = _LateStaging(pin_memory=False)
     state = _state()
     expected = {k: v.clone() for k, v in state["model"].items()}
@@ -89,7 +89,7 @@ def test_persist_waits_for_the_copies_before_writing(tmp_path):
 
 def test_the_late_staging_stand_in_would_catch_a_missing_wait(tmp_path):
     """Adversarial check of the test above: a persist that skips the wait saves zeros."""
-    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False))
     mgr.staging = _LateStaging(pin_memory=False)
     mgr.staging.wait_ready = lambda: None  # a persist that forgot to wait
     state = _state()
@@ -116,7 +116,7 @@ def test_the_training_thread_never_waits_for_the_copies(tmp_path):
             self.ready = Gated(self.ready.pairs, seconds=0.5)
             return staged, nbytes
 
-    mgr = CheckpointManager(str(tmp_path / "r"), use_lease=False)
+    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False))
     mgr.staging = GatedStaging(pin_memory=False)
     state = _state()
     assert mgr.save(1, state)  # returns: the main thread did not wait for the copies
@@ -132,7 +132,7 @@ def test_the_training_thread_never_waits_for_the_copies(tmp_path):
 
 
 def test_cpu_saves_report_no_copy_time(tmp_path):
-    with CheckpointManager(str(tmp_path / "r"), use_lease=False) as mgr:
+    with CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False)) as mgr:
         mgr.save(1, _state(), block=True)
         assert mgr.events.of_kind("save_committed")[-1].fields["copy_seconds"] is None
 

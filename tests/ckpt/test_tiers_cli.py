@@ -23,17 +23,18 @@ def tiers(tmp_path):
     from ckpt.job import TieredCheckpointManager
 
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2",
-                                 busy="wait") as mgr:
+    with TieredCheckpointManager(root, local, busy="wait", cadence="4",
+                                 local_cadence="2") as mgr:
         for step in range(1, 9):
             mgr.maybe_save(step, {"w": torch.full((4,), float(step))},
                            user_metadata={"loss": 1.0 / step})
         mgr.wait()
         # One process: the tier logic without a process group.
         assert mgr.local.num_stages + mgr.durable.num_stages == 4  # steps 2, 4, 6, 8
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+    with TieredCheckpointManager(root, local, busy="wait", cadence="4",
+                                 local_cadence="2") as mgr:
         state = {"w": torch.zeros(4)}
-        assert mgr.load_latest(state).step == 8 and mgr.resumed_tier == "local"
+        assert mgr.load_latest(state).step == 8 and mgr.resumed.tier == "local"
         assert torch.equal(state["w"], torch.full((4,), 8.0))
     return root, local
 
@@ -137,17 +138,20 @@ def test_a_failure_the_local_tier_survived_is_no_node_loss(tmp_path, monkeypatch
     from ckpt.job import TieredCheckpointManager
 
     root, local = str(tmp_path / "durable"), str(tmp_path / "local")
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+    with TieredCheckpointManager(root, local, busy="wait", cadence="4",
+                                 local_cadence="2") as mgr:
         for step in range(1, 5):
             mgr.maybe_save(step, {"w": torch.full((2,), float(step))})
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+    with TieredCheckpointManager(root, local, busy="wait", cadence="4",
+                                 local_cadence="2") as mgr:
         assert mgr.durable.history.num_failures == mgr.local.history.num_failures == 1
         assert mgr.load_latest({"w": torch.zeros(2)}).step == 4
-        assert mgr.resumed_tier == "local"
+        assert mgr.resumed.tier == "local"
         assert mgr.durable.history.num_failures == 0 and mgr.local.history.num_failures == 1
         assert mgr.events.of_kind("failure_reclassified")
     shutil.rmtree(local)  # a lost node: the next restart resumes from the durable tier
-    with TieredCheckpointManager(root, local, cadence="4", local_cadence="2", busy="wait") as mgr:
+    with TieredCheckpointManager(root, local, busy="wait", cadence="4",
+                                 local_cadence="2") as mgr:
         assert mgr.load_latest({"w": torch.zeros(2)}).step == 4
-        assert mgr.resumed_tier == "durable" and mgr.durable.history.num_failures == 1
+        assert mgr.resumed.tier == "durable" and mgr.durable.history.num_failures == 1

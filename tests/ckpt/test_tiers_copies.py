@@ -1,4 +1,4 @@
-"""Local copies on the next node (``TieredCheckpointManager(local_copies=2)``): the local
+"""Local copies on the next node (``LocalTierOptions(copies=2)``): the local
 tier survives the loss of a node.
 
 Three real gloo processes act as three nodes, each with its own local root

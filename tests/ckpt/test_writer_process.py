@@ -1,4 +1,4 @@
-"""The save's background work in a writer process (``CheckpointManager(writer="process")``).
+"""The save's background work in a writer process (``ManagerOptions(writer="process")``).
 
 Real writer processes, killed or stopped at precise points by tests/ckpt/_writer_hooks
 (started with the point in their environment): a writer killed at each phase of a save
@@ -24,7 +24,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointError
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, Lifecycle
 from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
@@ -93,7 +93,7 @@ def _stopped(pid: int) -> bool:
 def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at):
     root = str(tmp_path / "root")
     writer_at("kill_mid_write")
-    mgr = CheckpointManager(root, writer="process", retention=[])
+    mgr = CheckpointManager(root, ManagerOptions(writer="process"), retention=[])
     try:
         # Killed half-way through its first data file: the save failed, as any failed save.
         assert mgr.save(1, _state(1))
@@ -153,7 +153,8 @@ def _foreign_record(ttl: float) -> bytes:
 def test_a_writer_fenced_off_while_stopped_mid_save_does_not_commit(tmp_path, writer_at):
     root = str(tmp_path / "root")
     writer_at("stop_mid_write")
-    mgr = CheckpointManager(root, writer="process", retention=[], lease_ttl_seconds=2.0)
+    mgr = CheckpointManager(root, ManagerOptions(writer="process", lease_ttl_seconds=2.0),
+                            retention=[])
     storage = Storage(root)
     try:
         mgr.save(1, _state(1))
@@ -180,12 +181,14 @@ def test_a_writer_fenced_off_while_stopped_mid_save_does_not_commit(tmp_path, wr
 
 def test_bad_writer_options_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match="writer='fork'"):
-        CheckpointManager(str(tmp_path / "a"), writer="fork", use_lease=False)
+        CheckpointManager(str(tmp_path / "a"), ManagerOptions(writer="fork", use_lease=False))
     with pytest.raises(ValueError, match="staging_budget_bytes"):
-        CheckpointManager(str(tmp_path / "b"), writer="process", staging_budget_bytes=1 << 20,
-                          use_lease=False)
+        CheckpointManager(str(tmp_path / "b"),
+                          ManagerOptions(writer="process", staging_budget_bytes=1 << 20,
+                                         use_lease=False))
     with pytest.raises(ValueError, match="memory://"):
-        CheckpointManager("memory://writer-process", writer="process", use_lease=False)
+        CheckpointManager("memory://writer-process",
+                          ManagerOptions(writer="process", use_lease=False))
 
 
 def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
@@ -204,7 +207,7 @@ def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
             hooks, os.environ.get("PYTHONPATH")]))
         os.environ["CKPT_TEST_WRITER_AT"] = "kill_mid_write"
-    mgr = CheckpointManager(f"{root}/process", writer="process", retention=[])
+    mgr = CheckpointManager(f"{root}/process", ManagerOptions(writer="process"), retention=[])
     os.environ.pop("CKPT_TEST_WRITER_AT", None)  # the writers after it do not
     out = {}
     try:

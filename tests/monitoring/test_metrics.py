@@ -294,15 +294,15 @@ def test_event_log_is_strict_json_with_non_finite_numbers_as_strings(tmp_path):
 
 
 def test_local_tier_saves_have_their_own_series_and_never_feed_the_durable_ones(tmp_path):
-    from ckpt.job import TieredCheckpointManager
+    from ckpt.job import ManagerOptions, TieredCheckpointManager
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
     assert _value(m, "ckpt_last_committed_step", tier="local") == -1
     state = {"w": torch.zeros(4), "step": 0}
     with TieredCheckpointManager(str(tmp_path / "durable"), str(tmp_path / "local"),
-                                 cadence="4", local_cadence="1", events=bus,
-                                 busy="wait") as mgr:
+                                 ManagerOptions(busy="wait"), cadence="4", local_cadence="1",
+                                 events=bus) as mgr:
         for step in range(1, 6):
             state["w"].add_(1)
             state["step"] = step
@@ -345,14 +345,15 @@ def test_local_tier_events_feed_only_the_local_series():
 
 def test_background_cpu_of_each_save_by_phase(tmp_path):
     from ckpt.events import SAVE_COST_PHASES
-    from ckpt.job import CheckpointManager
+    from ckpt.job import CheckpointManager, ManagerOptions
 
     bus = EventBus(rank=0)
     m = Metrics(bus, rank=0)
     for phase in SAVE_COST_PHASES:
         assert _value(m, "ckpt_save_cpu_seconds_total", phase=phase) == 0
     state = {"w": torch.randn(256, 256), "step": 0}
-    with CheckpointManager(str(tmp_path / "root"), cadence="2", events=bus, busy="wait") as mgr:
+    with CheckpointManager(str(tmp_path / "root"), ManagerOptions(busy="wait"), cadence="2",
+                           events=bus) as mgr:
         for step in range(1, 5):
             state["step"] = step
             mgr.maybe_save(step, state)

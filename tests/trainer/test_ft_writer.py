@@ -11,7 +11,7 @@ import time
 import torch
 
 from ckpt.events import EventBus
-from ckpt.job import CheckpointManager
+from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore, Fence, acquire_lease, release_lease
 from ckpt.storage import Storage
@@ -20,8 +20,11 @@ from trainer.ft import WriterRole
 
 def _role(root, events=None, ttl=60.0, retry_steps=5) -> WriterRole:
     storage = Storage(str(root))
-    return WriterRole(storage, lambda: CheckpointManager(
-        str(root), cadence="5", lease_ttl_seconds=ttl, job_name="g1", job_fingerprint="fp/g1"),
+    return WriterRole(storage, lambda: CheckpointManager(str(root),
+                                                         ManagerOptions(lease_ttl_seconds=ttl,
+                                                                        job_name="g1",
+                                                                        job_fingerprint="fp/g1"),
+                                                         cadence="5"),
         agreement=Agreement(None), coordinator=True, events=events or EventBus(),
         group_id=1, ttl_seconds=ttl, retry_steps=retry_steps, fingerprint="fp/g1")
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 from ckpt.errors import CheckpointError, LeaseHeldError
 from ckpt.events import EventBus
-from ckpt.job import CheckpointManager
+from ckpt.job import Checkpointer
 from ckpt.ranks import Agreement
 from ckpt.root import CheckpointStore, Fence, Lease, read_lease
 from ckpt.storage import Storage
@@ -52,14 +52,14 @@ class WriterRole:
     ``fingerprint`` and ``ttl_seconds`` are the ones ``build`` gives the lease.
     """
 
-    def __init__(self, storage: Storage, build: Callable[[], CheckpointManager], *,
+    def __init__(self, storage: Storage, build: Callable[[], Checkpointer], *,
                  agreement: Agreement, coordinator: bool, events: EventBus, group_id: int,
                  ttl_seconds: float, retry_steps: int, fingerprint: str | None):
         self.storage, self.build, self.agreement = storage, build, agreement
         self.coordinator, self.events, self.group_id = coordinator, events, group_id
         self.retry_steps = retry_steps
         self._probe = Lease(storage, ttl_seconds=ttl_seconds, fingerprint=fingerprint)
-        self.manager: CheckpointManager | None = None
+        self.manager: Checkpointer | None = None
 
     @property
     def writing(self) -> bool:
@@ -130,7 +130,7 @@ class WriterRole:
                 return bool(settled)
             time.sleep(0.2)
 
-    def finish(self, step: int, save: Callable[[CheckpointManager], None],
+    def finish(self, step: int, save: Callable[[Checkpointer], None],
                timeout_seconds: float) -> bool:
         """A standby group at the end of the run: wait until ``step`` is committed by the
         writer, taking the lease and saving it itself (``save(manager)``) if the writer is

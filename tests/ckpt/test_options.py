@@ -56,3 +56,8 @@ def test_everyday_keywords_are_the_options_fields_given_once(tmp_path):
 
 def test_the_public_entry_points_take_few_parameters():
     assert len(inspect.signature(ckpt.CheckpointManager).parameters) <= 8
+    # ckpt.save takes the user's parameters; a manager's per-save choices are a SaveRequest.
+    params = inspect.signature(ckpt.save).parameters
+    assert len(params) <= 10
+    assert not {"lifecycle", "before_commit", "before_write", "save_id", "cost", "plan_cache",
+                "durable", "resolved", "span", "host_window_bytes"} & set(params)

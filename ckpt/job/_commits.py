@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
+from ckpt.cadence import CadencePolicy
 from ckpt.events import EventBus
 from ckpt.format import Manifest
 from ckpt.job._claim import RootClaim
@@ -50,7 +51,7 @@ class Commits:
         """``step`` turned out committed already (a save of it was skipped)."""
         self.newest_step = max(step, self.newest_step if self.newest_step is not None else step)
 
-    def record(self, out: PersistOutcome, copy: StagedCopy, *, cadence: Any,
+    def record(self, out: PersistOutcome, copy: StagedCopy, *, cadence: CadencePolicy | None,
                copy_seconds: float | None, t_start: float, slowdown: float | None) -> None:
         """Persist thread: the save of ``copy`` was committed (``out``); do everything that
         follows, in order (module docstring). ``cadence``: the manager's policy (or None);
@@ -85,7 +86,7 @@ class Commits:
             retries=out.retries, attempts=out.attempts,
             total_bytes=manifest.total_bytes if manifest else None)
 
-    def _tell_cadence(self, cadence: Any, out: PersistOutcome, copy: StagedCopy,
+    def _tell_cadence(self, cadence: CadencePolicy | None, out: PersistOutcome, copy: StagedCopy,
                       slowdown: float | None) -> None:
         """Tell ``cadence`` what the save cost; emit its new state as ``cadence``."""
         try:

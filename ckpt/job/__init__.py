@@ -11,7 +11,7 @@ which committed checkpoints to keep. ``tiers`` (:class:`TieredCheckpointManager`
 local tier per node under the durable one. Internals: ``_claim`` (a manager's claim on its
 root: lease, cleanup, failure history), ``_commits`` (what a manager knows of its commits,
 the bookkeeping after each), ``_inflight`` (the staged copy a save persists, the one
-background slot), ``_tier_layout`` (where local checkpoints live), ``_replicas`` (each
+background slot), ``_tier_layout`` (where local checkpoints live), ``_copies`` (each
 node's local checkpoints copied to the next node, and fetched back at a resume), ``_copy``
 (one committed version sent to a neighbouring node and committed there).
 """

@@ -5,9 +5,8 @@ Three jobs run at once under one Prometheus, each its own scrape job with one ta
 rank (``metrics.port + LOCAL_RANK``):
 
 - ``nanhang``: the loss of one step is made NaN (``fault.inject_nan_step``) ->
-  ``TrainingLossNotFinite``; then rank 1 is frozen with SIGSTOP (the hang watchdog
-  lengthened to 600 s) -> ``TrainingStalled`` on rank 0 within its stall threshold and
-  ``TrainingJobDown`` (pending) for rank 1.
+  ``TrainingLossNotFinite``; then rank 1 is frozen with SIGSTOP -> ``TrainingStalled`` on
+  rank 0 within its stall threshold and ``TrainingJobDown`` (pending) for rank 1.
 - ``storage``: a finished run's newest checkpoint is corrupted, then the job resumes ->
   ``CheckpointLoadFellBack``; its checkpoint root is made unwritable (a symlink re-pointed at
   a file, as when a mount goes away) -> ``CheckpointSaveFailures`` and, 3 intervals plus the
@@ -23,11 +22,11 @@ rank (``metrics.port + LOCAL_RANK``):
   that fills what its host has left within the hour -> ``MemoryHeadroomLow``
   (``memory="host"``, pending).
 
-The ``nanhang`` job's hang watchdog (30 s) then catches rank 0 waiting for the frozen rank:
+The ``nanhang`` job's hang watchdog (15 s) then catches rank 0 waiting for the frozen rank:
 it counts the hang, keeps serving ``metrics.linger_seconds`` and exits ->
 ``TrainingFailures{kind="hang"}``.
 
-A second test runs two more jobs under another Prometheus, the trainer wrapped by
+A second test runs three more jobs under another Prometheus, two with the trainer wrapped by
 ``tests/e2e/_faulty_storage.py``:
 
 - ``faults``: every data-file write fails 4 times with ECONNRESET before it succeeds (4
@@ -44,6 +43,10 @@ A second test runs two more jobs under another Prometheus, the trainer wrapped b
   agrees with the one computed from its raw event log within 2 points per category, and
   the lost time -> ``GoodputBelowTarget`` (pending).
 
+The ``goodput`` job takes minutes (its rule pages once the job's first start-up is under a
+tenth of its wall time): it and its Prometheus start before the first test's jobs (a module
+fixture), whose minutes it overlaps.
+
 When every job is stopped -> ``TrainingJobAbsent`` (pending).
 
 A third test runs fault-tolerant replica groups (``trainer.ft``: a lighthouse and two groups
@@ -54,6 +57,9 @@ lighthouse is SIGKILLed -> ``ReplicaLighthouseUnreachable`` (pending).
 Every alert of the shipped file is brought to pending or firing. Rules are the shipped file
 unchanged: thresholds come from the exporter's gauges, set small
 through the metrics config keys; ``for:`` durations are met by "pending".
+
+Jobs that train on while the tests wait for something else are paced (``PACED``: each step
+sleeps a little), so that they leave the 2 cores to the start-ups being waited for.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -86,7 +93,10 @@ SCRAPE = 1.0
 STALL_MIN = 5.0
 AGE_SLACK = 3.0
 INTERVAL = 2.0  # checkpoint.interval of the storage job, seconds
-HANG = 30.0  # the nanhang job's hang watchdog: it exits then, after the metrics linger
+HANG = 15.0  # the nanhang job's hang watchdog: it exits then, after the metrics linger
+# Each step of a job that trains on sleeps this long (fault.inject_step_delay_seconds): the
+# alerts here wait on time, not on steps, and a paced job leaves the CPU to the others.
+PACED = "--fault.inject_step_delay_seconds=0.05"
 ALERT_SLACK = 10.0  # scrape + evaluation + query latency on a loaded 2-core machine
 
 
@@ -243,7 +253,8 @@ def _dashboard_needs_dcgm(expr: str) -> bool:
     return "train_rank:dcgm_" in expr or "DCGM_" in expr
 
 
-def test_every_fault_brings_its_alert(tmp_path):
+def test_every_fault_brings_its_alert(tmp_path, goodput_prom):
+    # (goodput_prom: the next test's goodput job starts first and runs beside this test.)
     nan_base, storage_base, done_base = _port_pair(), _port_pair(), _port_pair()
     hw_base = _port_pair()
     prom = Prom(tmp_path, {"nanhang": nan_base, "storage": storage_base, "done": done_base,
@@ -255,7 +266,7 @@ def test_every_fault_brings_its_alert(tmp_path):
         [trainer_argv(f"--training.steps={steps}", f"--checkpoint.interval={steps}",
                       f"--checkpoint.root={tmp_path / f'done-ckpt-{i}'}",
                       f"--metrics.port={done_base}", "--metrics.host=127.0.0.1",
-                      f"--metrics.linger_seconds={3 * SCRAPE:g}")
+                      f"--metrics.linger_seconds={3 * SCRAPE:g}", PACED)
          for i, steps in enumerate([3, 3, 3, 1000000])], tmp_path, "done", jobs)
     try:
         done.start()
@@ -272,7 +283,7 @@ def test_every_fault_brings_its_alert(tmp_path):
         # Job 1 trains on, metrics on; its loss at step 60 becomes NaN.
         a_jsonl = tmp_path / "a.jsonl"
         a = Job(trainer_argv("--training.steps=1000000", "--fault.inject_nan_step=60",
-                             f"--fault.hang_timeout_seconds={HANG:g}",
+                             f"--fault.hang_timeout_seconds={HANG:g}", PACED,
                              *_metrics_args(nan_base),
                              f"--metrics.jsonl_path={a_jsonl}", nproc=2),
                 tmp_path, "nanhang", a_jsonl)
@@ -287,6 +298,21 @@ def test_every_fault_brings_its_alert(tmp_path):
                                  nproc=2), tmp_path, "storage-first")
         jobs.append(first)
         first.wait_ok(timeout=180)
+        newest = sorted((real / "step_000000012").glob("*.bin"),
+                        key=lambda p: -p.stat().st_size)[0]
+        raw = bytearray(newest.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        newest.write_bytes(bytes(raw))
+
+        # Job 2 resumes past the corrupt checkpoint, saving every 2 s (it starts up while
+        # the hw job's alerts are waited for).
+        b_jsonl = tmp_path / "b.jsonl"
+        b = Job(trainer_argv("--training.steps=1000000", f"--checkpoint.interval={INTERVAL:g}s",
+                             f"--checkpoint.root={link}", *_metrics_args(storage_base),
+                             f"--metrics.jsonl_path={b_jsonl}", PACED, nproc=2),
+                tmp_path, "storage", b_jsonl)
+        jobs.append(b)
+
         # The throttled link: rank 1's all-reduce bandwidth, not rank 0's, far below the
         # job's median (pending: the rule's for: is 5 minutes).
         prom.wait_alert("CommBandwidthLow", 120, job="hw", rank="1", kind="all_reduce")
@@ -299,19 +325,6 @@ def test_every_fault_brings_its_alert(tmp_path):
             warnings.warn("MemoryHeadroomLow not brought: this host has too much memory free "
                           "for a test to fill a share of it within the hour")
         hw.kill_all()
-        newest = sorted((real / "step_000000012").glob("*.bin"),
-                        key=lambda p: -p.stat().st_size)[0]
-        raw = bytearray(newest.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        newest.write_bytes(bytes(raw))
-
-        # Job 2 resumes past the corrupt checkpoint, saving every 2 s.
-        b_jsonl = tmp_path / "b.jsonl"
-        b = Job(trainer_argv("--training.steps=1000000", f"--checkpoint.interval={INTERVAL:g}s",
-                             f"--checkpoint.root={link}", *_metrics_args(storage_base),
-                             f"--metrics.jsonl_path={b_jsonl}", nproc=2),
-                tmp_path, "storage", b_jsonl)
-        jobs.append(b)
 
         # NaN loss: the alert follows the bad step within a few scrapes.
         a.wait_event(lambda e: e["kind"] == "failure" and e["failure"] == "nan", 180, "NaN")
@@ -341,31 +354,14 @@ def test_every_fault_brings_its_alert(tmp_path):
             'rate(train_comm_seconds_total{job="storage"}[1m]) > 0', 60)}
         assert seen == {(r, k) for r in ("0", "1") for k in ("all_gather", "reduce_scatter")}
 
-
-        # 3 runs in a row on one port ended normally, then a 4th starts: 4 start times,
-        # no restart loop.
-        fourth = done.result(timeout=300)
-        assert prom.wait_query('changes(train_process_start_timestamp_seconds{job="done"}'
-                               '[30m]) == 3', 120), "4 start times of the done job not scraped"
-        # Each end seen is a rise of the completion time (the first run's is not when its
-        # first scrape came after its end).
-        ends = 'changes({0}[30m]) - resets({0}[30m])'.format(
-            'train_completed_timestamp_seconds{job="done"}')
-        assert prom.wait_query(f"{ends} >= 2", 10), prom.query(ends)
-        assert fourth.proc.poll() is None, fourth.tails()
-        time.sleep(3 * SCRAPE)  # rule evaluations after the 4th start was scraped
-        looping = [alert["labels"] for alert in prom.alerts()
-                   if alert["labels"]["alertname"] == "TrainingRestartLoop"]
-        assert not looping, f"normal ends counted as restarts: {looping}"
-        fourth.kill_all()
-
         # Hang: freeze rank 1; rank 0 waits in its next collective.
         threshold, typical = (float(prom.query(f'{name}{{job="nanhang",rank="0"}}')[0]["value"][1])
                               for name in ("train_stall_threshold_seconds",
                                            "train_step_seconds_typical"))
-        # The floor, or 20 typical steps on a loaded machine (one scrape may lie between).
-        assert threshold == STALL_MIN or threshold == pytest.approx(20 * typical, rel=0.3), \
-            (threshold, typical)
+        # The floor, or 20 typical steps on a loaded machine (one scrape may lie between), at
+        # most half the hang watchdog's limit.
+        assert threshold in (STALL_MIN, HANG / 2) or \
+            threshold == pytest.approx(20 * typical, rel=0.3), (threshold, typical)
         a.signal_rank(1, signal.SIGSTOP)
         waited = prom.wait_alert("TrainingStalled", threshold + ALERT_SLACK, job="nanhang",
                                  rank="0")
@@ -399,6 +395,23 @@ def test_every_fault_brings_its_alert(tmp_path):
         for r in (0, 1):
             prom.wait_alert("TrainingJobDown", ALERT_SLACK, job="storage",
                             instance=f"127.0.0.1:{storage_base + r}")
+
+        # 3 runs in a row on one port ended normally, then a 4th starts: 4 start times,
+        # no restart loop.
+        fourth = done.result(timeout=300)
+        assert prom.wait_query('changes(train_process_start_timestamp_seconds{job="done"}'
+                               '[30m]) == 3', 120), "4 start times of the done job not scraped"
+        # Each end seen is a rise of the completion time (the first run's is not when its
+        # first scrape came after its end).
+        ends = 'changes({0}[30m]) - resets({0}[30m])'.format(
+            'train_completed_timestamp_seconds{job="done"}')
+        assert prom.wait_query(f"{ends} >= 2", 10), prom.query(ends)
+        assert fourth.proc.poll() is None, fourth.tails()
+        time.sleep(3 * SCRAPE)  # rule evaluations after the 4th start was scraped
+        looping = [alert["labels"] for alert in prom.alerts()
+                   if alert["labels"]["alertname"] == "TrainingRestartLoop"]
+        assert not looping, f"normal ends counted as restarts: {looping}"
+        fourth.kill_all()
     finally:
         done.stop()
         for job in jobs:
@@ -437,33 +450,66 @@ def test_every_shipped_alert_has_a_fault():
     assert set().union(*BROUGHT.values()) | RULE_TESTS_ONLY == shipped
 
 
-def test_checkpoint_faults_bring_their_alerts(tmp_path):
-    """Flaky, slow storage that cannot delete, then a lease takeover; a worker in a restart
-    loop; at last no trainer at all."""
-    from bench._goodput import TOLERANCE_POINTS
-    from bench._goodput import table as goodput_table
+@pytest.fixture(scope="module")
+def goodput_prom(tmp_path_factory):
+    """The Prometheus of test_checkpoint_faults_bring_their_alerts (scrape jobs ``faults``,
+    ``loop``, ``goodput``: ``.ports``) and its goodput job, started with the module's first
+    Prometheus test, whose minutes it overlaps: its lost time pages only once its first
+    start-up is under a tenth of its wall time (the rule's guard). It starts up alone (the
+    test's jobs would lengthen that start-up); ``.goodput()`` joins it and returns
+    bench_goodput's result."""
+    from bench._goodput import read_events
     from bench.bench_goodput import run as run_goodput
 
-    faults_base, loop_base, goodput_base = _port_pair(), _port_pair(), _port_pair()
-    prom = Prom(tmp_path, {"faults": faults_base, "loop": loop_base, "goodput": goodput_base})
-    jobs: list[Job] = []
-    # The goodput job: rank 1 killed twice; before the breakdown is read, its lost time pages
-    # (its first start-up must be under a tenth of its time first: the rule's guard).
+    tmp = tmp_path_factory.mktemp("goodput")
+    ports = {"faults": _port_pair(), "loop": _port_pair(), "goodput": _port_pair()}
+    prom = Prom(tmp, ports)
     goodput: dict = {}
 
     def goodput_job() -> None:
+        # Rank 1 killed twice; before the breakdown is read, its lost time pages.
         try:
-            (tmp_path / "goodput").mkdir()
             goodput["result"] = run_goodput(
-                tmp_path / "goodput", kill_at=[30.0, 70.0], end_at=110.0, interval=150,
-                port=goodput_base,
+                tmp / "goodput", kill_at=[30.0, 70.0], end_at=110.0, interval=150,
+                port=ports["goodput"],
                 before_end=lambda: prom.wait_alert("GoodputBelowTarget", 240, job="goodput"))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:  # noqa: BLE001 - re-raised by .goodput()
             goodput["error"] = exc
 
-    goodput_thread = threading.Thread(target=goodput_job, name="goodput", daemon=True)
+    def goodput_result() -> dict:
+        thread.join(timeout=600)
+        assert not thread.is_alive(), "the goodput job did not end"
+        if "error" in goodput:
+            raise goodput["error"]
+        return goodput["result"]
+
+    (tmp / "goodput").mkdir()
+    thread = threading.Thread(target=goodput_job, name="goodput", daemon=True)
     try:
-        goodput_thread.start()
+        thread.start()
+        deadline = time.monotonic() + 180
+        while not any(e["kind"] == "train_step"
+                      for e in read_events(tmp / "goodput" / "events.jsonl")):
+            assert thread.is_alive() and time.monotonic() < deadline, \
+                f"the goodput job did not train within 180 s: {goodput}"
+            time.sleep(0.2)
+        yield SimpleNamespace(prom=prom, ports=ports, goodput=goodput_result)
+    finally:
+        prom.stop()  # a goodput job still waiting for its alert fails, and is killed
+        thread.join(timeout=60)
+
+
+def test_checkpoint_faults_bring_their_alerts(tmp_path, goodput_prom):
+    """Flaky, slow storage that cannot delete, then a lease takeover; a worker in a restart
+    loop; the goodput job killed twice (started before: ``goodput_prom``); at last no trainer
+    at all."""
+    from bench._goodput import TOLERANCE_POINTS
+    from bench._goodput import table as goodput_table
+
+    prom = goodput_prom.prom
+    faults_base, loop_base = goodput_prom.ports["faults"], goodput_prom.ports["loop"]
+    jobs: list[Job] = []
+    try:
         # Every data-file write fails 4 times with a dropped connection before it succeeds
         # (4 retries per save and rank, ~3 s of backoff), staging is 5.5 s slow, old
         # checkpoints cannot be deleted; saves are due every second.
@@ -473,7 +519,7 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
                              "--checkpoint.keep_last=1",
                              f"--checkpoint.root={tmp_path / 'faults-ckpt'}",
                              *_metrics_args(faults_base), f"--metrics.jsonl_path={f_jsonl}",
-                             "--metrics.linger_seconds=8", nproc=2, script=FAULTY),
+                             "--metrics.linger_seconds=8", PACED, nproc=2, script=FAULTY),
                 tmp_path, "faults", f_jsonl,
                 env=base_env(E2E_TRANSIENT_FAILS=str(TRANSIENT_FAILS),
                              E2E_DELETE_FAILS="1", E2E_STAGE_DELAY_SECONDS=str(STAGE_DELAY),
@@ -507,14 +553,11 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
         assert "took over the write lease" in f.stderr, f.tails()
 
         # The goodput job's exported breakdown against its raw event log's.
-        goodput_thread.join(timeout=600)
-        assert not goodput_thread.is_alive(), "the goodput job did not end"
-        if "error" in goodput:
-            raise goodput["error"]
-        rows = goodput["result"]["rows"]
+        goodput = goodput_prom.goodput()
+        rows = goodput["rows"]
         off = [r for r in rows if abs(r["difference"]) > TOLERANCE_POINTS]
         assert not off, f"goodput off by more than {TOLERANCE_POINTS} points:\n" \
-            f"{goodput_table(rows)}\n{json.dumps(goodput['result'], indent=1)}"
+            f"{goodput_table(rows)}\n{json.dumps(goodput, indent=1)}"
         shares = {r["category"]: r["truth_points"] for r in rows}
         assert shares["restart"] > 5 and shares["recomputed"] > 1, rows  # the kills cost
 
@@ -525,7 +568,6 @@ def test_checkpoint_faults_bring_their_alerts(tmp_path):
     finally:
         for job in jobs:
             job.kill_all()
-        prom.stop()
 
 
 def test_replica_group_faults_bring_their_alerts(tmp_path):

@@ -9,7 +9,7 @@ and ``data_delete``, since their number follows the bytes, not the save. One cal
 are two HTTP requests (a swap is GET + PUT, s3fs's whole-object read may ask the size
 first, a miss may list), which :class:`S3RequestLog` counts at the HTTP level (botocore's
 ``before-send`` event on every client the backend uses). Used by ``bench/bench_requests.py``
-and by ``tests/ckpt/test_commit_requests.py``.
+and by ``tests/ckpt/job/test_commit_requests.py``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Printed: requests per steady-state save by kind (medians), and apart the data fi
 and, where files are deleted one by one (not S3), those deleted (their number follows the
 bytes: a few files here). The lease's heartbeat thread is kept quiet
 (a long TTL) so every request counted is one a save made. A program, not a test (the test
-that holds the count down is ``tests/ckpt/test_commit_requests.py``).
+that holds the count down is ``tests/ckpt/job/test_commit_requests.py``).
 """
 
 from __future__ import annotations

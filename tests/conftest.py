@@ -168,8 +168,8 @@ _SLOWEST_FIRST = ("tests/e2e/test_slurm.py", "tests/e2e/test_recipes.py",
                   "tests/e2e/test_trainer_cli_errors.py", "tests/e2e/test_tiers_multinode.py",
                   "tests/trainer/test_parallel_equivalence.py",
                   "tests/e2e/test_ft_replicas.py", "tests/e2e/test_multinode.py",
-                  "tests/ckpt/test_parts.py", "tests/ckpt/test_cli_errors.py",
-                  "tests/e2e/test_trainer_cli.py", "tests/ckpt/test_crash.py",
+                  "tests/ckpt/format/test_parts.py", "tests/ckpt/cli/test_cli_errors.py",
+                  "tests/e2e/test_trainer_cli.py", "tests/ckpt/root/test_crash.py",
                   "tests/e2e/test_damaged_resume.py", "tests/e2e/test_own_loop.py")
 
 

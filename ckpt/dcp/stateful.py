@@ -165,7 +165,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     and ASGD's ``mu`` 1, Rprop's step sizes and ASGD's ``eta`` the group's lr now), and
     nothing else changes: no parameter, gradient, hyperparameter, step hook or LR-scheduler
     counter is touched. The first real step then does exactly what it would have done
-    without this call, bit for bit (``tests/ckpt/test_optim_state.py`` checks every
+    without this call, bit for bit (``tests/ckpt/dcp/test_optim_state.py`` checks every
     optimizer of ``torch.optim``), with one exception: SGD with momentum and
     ``dampening`` > 0 starts its buffer at the first step as the gradient itself, and a
     zero buffer makes that step take ``1 - dampening`` of it.

@@ -3,7 +3,7 @@
 downloaded), grouped-query attention included, and a GELU model, which no Hugging Face
 architecture matches, says so. The other way, ``checkpoint.initial_load`` refuses a
 folder whose ``config.json`` is not the model's in one line naming both values (the
-import itself: tests/ckpt/test_hf_import.py and tests/e2e/test_hf_import.py).
+import itself: tests/ckpt/hf/test_hf_import.py and tests/e2e/test_hf_import.py).
 """
 
 from __future__ import annotations

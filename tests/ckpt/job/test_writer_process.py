@@ -1,0 +1,255 @@
+"""The save's background work in a writer process (``ManagerOptions(writer="process")``).
+
+Real writer processes, killed or stopped at precise points by tests/ckpt/job/_writer_hooks
+(started with the point in their environment): a writer killed at each phase of a save
+fails that save as a failed save is reported (the final ``save_failed`` event, ``wait()``
+raises, never a hang), or counts it committed when its manifest landed, and the next save
+starts a new writer and commits; a writer whose lease was taken over while it was stopped
+in the middle of a save does not commit; two ranks save DTensor shards bit for bit, a writer of
+one rank killed mid-save included, with the manifest a thread-mode save writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import CheckpointError
+from ckpt.job import CheckpointManager, ManagerOptions
+from ckpt.root import CheckpointStore, Lifecycle
+from ckpt.root.lease import LEASE_NAME
+from ckpt.storage import Storage
+from tests.ckpt._helpers import assert_same
+from tests.ckpt._mgr_util import wait_for
+from tests.dist import run_ranks
+
+HOOKS = str(Path(__file__).parent / "_writer_hooks")
+
+
+@pytest.fixture
+def writer_at(monkeypatch):
+    """``writer_at(point)``: writers started from now on stop or die at ``point`` (None:
+    nowhere)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        HOOKS, os.environ.get("PYTHONPATH")])))
+
+    def at(point: str | None) -> None:
+        if point:
+            monkeypatch.setenv("CKPT_TEST_WRITER_AT", point)
+        else:
+            monkeypatch.delenv("CKPT_TEST_WRITER_AT", raising=False)
+    return at
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 32, generator=g),
+                      "b": torch.randn(16, generator=g).to(torch.bfloat16)},
+            "extra": {"step": step, "pair": (step, "a"), "lr": 0.5 / step},
+            "buffers": [torch.full((3,), float(step)), torch.arange(5, dtype=torch.int64) + step]}
+
+
+def _wait(mgr: CheckpointManager, timeout: float = 120.0):
+    """``mgr.wait(raise_errors=False)``, failing the test instead of hanging it."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(mgr.wait(raise_errors=False)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"wait() still blocked after {timeout} s"
+    return box[0]
+
+
+def _writer_pids() -> list[int]:
+    """This process's writer processes (its children running the writer)."""
+    pids = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"_writer_process" in f.read():
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at):
+    root = str(tmp_path / "root")
+    writer_at("kill_mid_write")
+    mgr = CheckpointManager(root, ManagerOptions(writer="process"), retention=[])
+    try:
+        # Killed half-way through its first data file: the save failed, as any failed save.
+        assert mgr.save(1, _state(1))
+        assert _wait(mgr) is None
+        failed = mgr.events.of_kind("save_failed")[-1]
+        assert failed.step == 1 and failed.fields["final"] and failed.fields["outcome"] == "failed"
+        assert "writer process" in failed.fields["error"] and "signal 9" in failed.fields["error"]
+        with pytest.raises(CheckpointError, match="writer process of rank 0"):
+            mgr.wait()
+        # Killed right before its commit: failed too; the next save starts another writer.
+        writer_at("kill_before_commit")
+        assert mgr.save(2, _state(2))
+        assert _wait(mgr) is None and mgr.events.of_kind("save_failed")[-1].step == 2
+        # Killed after its manifest landed: committed after all (read back), as the
+        # persist thread counts an attempt that failed after its commit.
+        writer_at("kill_after_commit")
+        assert mgr.save(3, _state(3))
+        committed3 = _wait(mgr)
+        assert committed3 is not None and committed3.step == 3
+        assert mgr.events.of_kind("save_committed")[-1].step == 3
+        writer_at(None)
+        path = None
+        for step in (4, 5):  # one writer for both, one shared block for every save
+            assert mgr.save(step, _state(step))
+            assert _wait(mgr).step == step
+            assert path in (None, mgr.staging.shared_path)
+            path = mgr.staging.shared_path
+        assert path is not None and os.path.exists(path)
+        cost = mgr.events.of_kind("save_cost")[-1].fields
+        assert cost["writer_process_cpu_seconds"] > 0 and cost["wall_seconds"]["write"] > 0
+        done = mgr.events.of_kind("save_committed")[-1].fields
+        assert done["bytes"] == sum(t.numel() * t.element_size() for t in
+                                    [*_state(5)["model"].values(), *_state(5)["buffers"]])
+    finally:
+        mgr.close()
+    assert not os.path.exists(path)  # the shared block is freed at close
+    store = CheckpointStore(root)
+    assert store.committed_steps() == [3, 4, 5]
+    store.verify(3)
+    # The killed attempts' files are leftovers the life-cycle recognises by their markers;
+    # of the attempt killed after its commit, only its stale marker is.
+    leftovers = dict(Lifecycle(Storage(root)).leftovers())
+    assert sorted(leftovers) == [1, 2, 3]
+    assert any(n.endswith(".bin") for n in leftovers[1])
+    assert all(n.startswith("pending-") for n in leftovers[3]), leftovers[3]
+    state = _state(1)
+    assert ckpt.load_latest(state, root).step == 5
+    assert_same(_state(5), state, "step 5 saved by a writer process")
+
+
+def _foreign_record(ttl: float) -> bytes:
+    return json.dumps({"holder": "feedfacecafe0000", "job": "other", "host": socket.gethostname(),
+                       "pid": 1, "acquired_unix": time.time(), "heartbeat_unix": time.time(),
+                       "ttl_seconds": ttl, "generation": 99, "released": False}).encode()
+
+
+def test_a_writer_fenced_off_while_stopped_mid_save_does_not_commit(tmp_path, writer_at):
+    root = str(tmp_path / "root")
+    writer_at("stop_mid_write")
+    mgr = CheckpointManager(root, ManagerOptions(writer="process", lease_ttl_seconds=2.0),
+                            retention=[])
+    storage = Storage(root)
+    try:
+        mgr.save(1, _state(1))
+        assert wait_for(lambda: any(_stopped(p) for p in _writer_pids()), timeout=60)
+        [pid] = _writer_pids()
+        storage.write_bytes(LEASE_NAME, _foreign_record(60))  # another job takes over
+        assert wait_for(lambda: mgr.events.of_kind("lease_lost"), timeout=20)
+        os.kill(pid, signal.SIGCONT)
+        assert _wait(mgr) is None
+        failed = mgr.events.of_kind("save_failed")[-1]
+        assert failed.fields["outcome"] == "abandoned" and "lease lost" in failed.fields["error"]
+        assert not storage.exists("step_000000001/manifest.json")
+        assert mgr.save(2, _state(2)) is False
+        assert mgr.events.of_kind("save_skipped")[-1].fields["reason"] == "lease lost"
+    except BaseException:
+        for pid in _writer_pids():  # a stopped writer would keep close() waiting
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        mgr.close()
+    assert json.loads(storage.read_bytes(LEASE_NAME))["holder"] == "feedfacecafe0000"
+    assert CheckpointStore(storage).committed_steps() == []
+
+
+def test_bad_writer_options_are_refused_naming_them(tmp_path):
+    with pytest.raises(ValueError, match="writer='fork'"):
+        CheckpointManager(str(tmp_path / "a"), ManagerOptions(writer="fork", use_lease=False))
+    with pytest.raises(ValueError, match="staging_budget_bytes"):
+        CheckpointManager(str(tmp_path / "b"),
+                          ManagerOptions(writer="process", staging_budget_bytes=1 << 20,
+                                         use_lease=False))
+    with pytest.raises(ValueError, match="memory://"):
+        CheckpointManager("memory://writer-process",
+                          ManagerOptions(writer="process", use_lease=False))
+
+
+def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(step: int) -> dict:
+        full = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6) * step
+        return {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]),
+                          "r": torch.linspace(0, step, 7)},
+                "extra": {"step": step}, f"own{rank}": torch.full((4,), float(rank + step))}
+
+    if rank == 1:  # this rank's first writer dies half-way through its first data file
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+            hooks, os.environ.get("PYTHONPATH")]))
+        os.environ["CKPT_TEST_WRITER_AT"] = "kill_mid_write"
+    mgr = CheckpointManager(f"{root}/process", ManagerOptions(writer="process"), retention=[])
+    os.environ.pop("CKPT_TEST_WRITER_AT", None)  # the writers after it do not
+    out = {}
+    try:
+        mgr.save(1, state(1))
+        out["first"] = mgr.wait(raise_errors=False) is None and \
+            mgr.events.of_kind("save_failed")[-1].fields["final"]
+        for step in (2, 3):
+            mgr.save(step, state(step))
+            m = mgr.wait()
+            out[f"committed{step}"] = mgr.newest_committed_step == step
+            if rank == 0:
+                out["manifest"] = m
+    finally:
+        mgr.close()
+    thread = CheckpointManager(f"{root}/thread", retention=[])
+    try:
+        thread.save(3, state(3), block=True)
+        expected = thread.last_committed
+    finally:
+        thread.close()
+    loaded = state(0)
+    loaded["model"]["w"].to_local().zero_()
+    ckpt.load_latest(loaded, f"{root}/process")
+    out["bit_exact"] = all(torch.equal(a, b) for a, b in (
+        (loaded["model"]["w"].full_tensor(), state(3)["model"]["w"].full_tensor()),
+        (loaded["model"]["r"], state(3)["model"]["r"]),
+        (loaded[f"own{rank}"], state(3)[f"own{rank}"]))) and loaded["extra"] == {"step": 3}
+    if rank == 0:
+        got = out.pop("manifest")
+        out["same_manifest"] = (got.tensors.keys() == expected.tensors.keys()
+                                and all(got.tensors[k]["shape"] == expected.tensors[k]["shape"]
+                                        and got.tensors[k]["sharded"] ==
+                                        expected.tensors[k]["sharded"] for k in got.tensors)
+                                and got.planner_data == expected.planner_data
+                                and sorted(got.parts) != [] and len(got.parts) ==
+                                len(expected.parts))
+    return out
+
+
+def test_two_ranks_save_shards_bit_for_bit_through_a_killed_writer(tmp_path):
+    results = run_ranks(_two_ranks, 2, str(tmp_path), HOOKS, timeout=240)
+    for rank, out in enumerate(results):
+        assert out["first"], (rank, out)  # every rank reports the save its writer lost
+        assert out["committed2"] and out["committed3"] and out["bit_exact"], (rank, out)
+    assert results[0]["same_manifest"]

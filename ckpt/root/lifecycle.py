@@ -72,7 +72,6 @@ from ckpt.errors import (
     CorruptCheckpointError,
     FencedCheckpointError,
     FormatVersionError,
-    LeaseHeldError,
     LeaseLostError,
 )
 from ckpt.format import (

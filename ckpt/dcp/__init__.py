@@ -15,7 +15,7 @@ an optimizer's replicated values once per param group). ``attachments``: small f
 with a checkpoint. ``savecost``: what one save costs in the background, by phase.
 """
 
-from ckpt.dcp.api import SaveRequest, load, load_latest, load_with_extra, save, save_with
+from ckpt.dcp.api import SaveRequest, load, load_latest, save
 from ckpt.dcp.attachments import (
     check_attachments,
     list_attachments,
@@ -29,8 +29,8 @@ from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
 
 __all__ = [
-    "save", "save_with", "SaveRequest", "load", "load_latest", "load_with_extra", "PlanCache",
-    "StagingBuffers", "ModelState", "RNGState", "PerRankState", "rank_key",
-    "init_optimizer_state", "pack_optimizer_state", "unpack_optimizer_state", "saved_groups",
-    "check_attachments", "read_attachment", "list_attachments", "read_from", "SaveCost",
+    "save", "SaveRequest", "load", "load_latest", "PlanCache", "StagingBuffers", "ModelState",
+    "RNGState", "PerRankState", "rank_key", "init_optimizer_state", "pack_optimizer_state",
+    "unpack_optimizer_state", "saved_groups", "check_attachments", "read_attachment",
+    "list_attachments", "read_from", "SaveCost",
 ]

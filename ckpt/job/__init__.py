@@ -18,20 +18,15 @@ node's local checkpoints copied to the next node, and fetched back at a resume),
 
 from ckpt.job.checkpointer import Checkpointer, CheckpointReader, ResumeInfo
 from ckpt.job.manager import CheckpointManager
-from ckpt.job.options import DEFAULT_LOCAL_KEEP, LocalTierOptions, ManagerOptions
+from ckpt.job.options import LocalTierOptions, ManagerOptions
 from ckpt.job.retention import (
-    PINS_NAME,
-    RETENTION_NAME,
     KeepAll,
     KeepBest,
     KeepEvery,
     KeepLast,
     KeepPinned,
-    RetentionPolicy,
-    apply_retention,
     read_pins,
     read_retention,
-    record_retention,
     set_pinned,
 )
 from ckpt.job.reader import ReadOnlyCheckpointer
@@ -40,8 +35,6 @@ from ckpt.job.tiers import TieredCheckpointManager, node_local_root
 __all__ = [
     "Checkpointer", "CheckpointReader", "ResumeInfo", "CheckpointManager",
     "TieredCheckpointManager", "ReadOnlyCheckpointer", "ManagerOptions", "LocalTierOptions",
-    "node_local_root", "DEFAULT_LOCAL_KEEP",
-    "RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "KeepBest",
-    "apply_retention", "PINS_NAME", "read_pins", "set_pinned", "RETENTION_NAME",
-    "record_retention", "read_retention",
+    "node_local_root", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "KeepBest", "read_pins",
+    "set_pinned", "read_retention",
 ]

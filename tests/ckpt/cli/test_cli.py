@@ -186,7 +186,8 @@ def test_pin_and_unpin(root, capsys):
     assert rc == 2 and "damaged" in err  # never overwrites the pins it cannot read
     with open(os.path.join(url, "pins.json"), "w") as f:
         json.dump({"pinned": [30]}, f)
-    from ckpt.job import KeepLast, KeepPinned, apply_retention
+    from ckpt.job import KeepLast, KeepPinned
+    from ckpt.job.retention import apply_retention
 
     store = ckpt.CheckpointStore(url)
     assert apply_retention(store, [KeepLast(1), KeepPinned(store)]) == [10, 20]

@@ -12,7 +12,8 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
-from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp import SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import MAX_ATTACHMENT_BYTES, Manifest, data_file_id, step_dirname
 from ckpt.format._check import manifest_bytes

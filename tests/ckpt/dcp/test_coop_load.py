@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp import SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.dcp.api import resolve_state
 from ckpt.root import CheckpointStore
 from ckpt.storage import Storage

@@ -60,7 +60,8 @@ def _body(rank: int, world: int, root: str, cached: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import ckpt
-    from ckpt.dcp import PlanCache, SaveRequest, save_with
+    from ckpt.dcp import PlanCache, SaveRequest
+    from ckpt.dcp.api import save_with
     from ckpt.dcp.api import resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
     from tests.ckpt._parts import RecordingStorage

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp import SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.dcp.api import resolve_state
 from ckpt.dcp.planners import SafeSavePlanner, tiling_problem
 from ckpt.storage import Storage

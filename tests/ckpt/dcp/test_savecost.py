@@ -15,7 +15,8 @@ import time
 import torch
 
 import ckpt
-from ckpt.dcp import SaveCost, SaveRequest, save_with
+from ckpt.dcp import SaveCost, SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.dcp.api import resolve_state
 from ckpt.events import SAVE_COST_PHASES
 from ckpt.format import crc32c_of
@@ -96,7 +97,8 @@ def _busy(cost: SaveCost, phase: str, seconds: float) -> None:
 def test_retention_with_the_committed_manifest_still_checks_the_files(tmp_path):
     """Retention takes the manifest just committed instead of parsing it back; a damaged
     newest checkpoint must still stop every deletion."""
-    from ckpt.job import KeepLast, apply_retention
+    from ckpt.job import KeepLast
+    from ckpt.job.retention import apply_retention
 
     root = str(tmp_path)
     for step in (1, 2, 3):

@@ -21,7 +21,8 @@ import torch
 import ckpt
 from ckpt.cadence import FailureHistory, write_history
 from ckpt.format import Span
-from ckpt.job import KeepBest, record_retention, set_pinned
+from ckpt.job import KeepBest, set_pinned
+from ckpt.job.retention import record_retention
 from ckpt.root import CheckpointStore, acquire_lease, release_lease
 from ckpt.storage import Storage
 from tests.ckpt._parts import save_chunked

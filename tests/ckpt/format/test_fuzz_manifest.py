@@ -32,7 +32,8 @@ from ckpt.events import EventBus
 from ckpt.export._consolidate import consolidate
 from ckpt.format import MANIFEST_NAME, jsonio, step_dirname
 from ckpt.format._check import manifest_bytes
-from ckpt.job import PINS_NAME, read_pins
+from ckpt.job import read_pins
+from ckpt.job.retention import PINS_NAME
 from ckpt.storage import Storage
 from tests.ckpt._helpers import assert_same
 

@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp import SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.errors import LeaseLostError
 from ckpt.job import CheckpointManager, KeepLast, KeepPinned, ManagerOptions, set_pinned
 from ckpt.ranks import Agreement

@@ -18,11 +18,10 @@ from ckpt.job import (
     KeepEvery,
     KeepLast,
     KeepPinned,
-    PINS_NAME,
-    apply_retention,
     read_pins,
     set_pinned,
 )
+from ckpt.job.retention import PINS_NAME, apply_retention
 from ckpt.root import CheckpointStore
 from tests.ckpt._mgr_util import FaultyStorage
 

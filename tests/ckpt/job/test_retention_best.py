@@ -13,15 +13,8 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli_main
-from ckpt.job import (
-    CheckpointManager,
-    KeepBest,
-    KeepLast,
-    RETENTION_NAME,
-    apply_retention,
-    read_retention,
-    set_pinned,
-)
+from ckpt.job import CheckpointManager, KeepBest, KeepLast, read_retention, set_pinned
+from ckpt.job.retention import RETENTION_NAME, apply_retention
 from ckpt.root import CheckpointStore
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,7 +24,8 @@ import torch
 
 import ckpt
 from ckpt.cli import main as ckpt_main
-from ckpt.dcp import SaveRequest, save_with
+from ckpt.dcp import SaveRequest
+from ckpt.dcp.api import save_with
 from ckpt.errors import CheckpointError, FencedCheckpointError, LeaseHeldError, LeaseLostError
 from ckpt.root import (
     COMMITTED,

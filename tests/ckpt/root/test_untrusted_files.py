@@ -19,7 +19,8 @@ from ckpt.export import export
 from ckpt.export._consolidate import consolidate
 from ckpt.format import MANIFEST_NAME, step_dirname
 from ckpt.format._check import manifest_bytes
-from ckpt.job import PINS_NAME, KeepLast, KeepPinned, apply_retention, read_pins, set_pinned
+from ckpt.job import KeepLast, KeepPinned, read_pins, set_pinned
+from ckpt.job.retention import PINS_NAME, apply_retention
 from ckpt.storage import Storage
 
 HOSTILE = [b"[" * 200_000, b'{"pinned": [' + b"9" * 5000 + b"]}", b'{"pinned": [NaN]}',

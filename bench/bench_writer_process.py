@@ -74,7 +74,7 @@ def worker(args) -> None:
 
     from ckpt.dcp import ModelState
     from ckpt.events import EventBus
-    from ckpt.job import CheckpointManager, KeepLast
+    from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -99,8 +99,8 @@ def worker(args) -> None:
     out: dict = {}
     if args.variant in ("never", "thread", "process") and not args.rss:
         mgr = None if args.variant == "never" else CheckpointManager(
-            args.root, cadence=str(args.every), retention=[KeepLast(2)], events=bus,
-            writer=args.variant)
+            args.root, ManagerOptions(writer=args.variant), cadence=str(args.every),
+            retention=[KeepLast(2)], events=bus)
         times = []
         cpu0 = None
         for i in range(args.steps):
@@ -128,8 +128,8 @@ def worker(args) -> None:
                "costs": len(costs),
                "failed": sum(e.kind == "save_failed" for e in events)}
     else:  # resident memory over many saves
-        mgr = CheckpointManager(args.root, retention=[KeepLast(2)], events=bus,
-                                writer=args.variant)
+        mgr = CheckpointManager(args.root, ManagerOptions(writer=args.variant),
+                                retention=[KeepLast(2)], events=bus)
         rss = {}
         for i in range(1, args.rss_saves + 1):
             step()

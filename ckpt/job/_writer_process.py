@@ -1,6 +1,6 @@
 """A manager's saves persisted by a writer process beside the training process.
 
-With ``CheckpointManager(..., writer="process")`` the training process only stages (the
+With ``ManagerOptions(writer="process")`` the training process only stages (the
 stall, into shared host memory: ``StagingBuffers(shared=True)``) and hands the save off; a
 long-lived writer process per rank writes the files, checksums them, runs the save's
 collectives (DCP's planning and the commit's gather) on a gloo group of its own, retries,
@@ -86,9 +86,9 @@ from ckpt.errors import (
     SaveAbandoned,
     StorageUnavailableError,
 )
+from ckpt.dcp import SaveCost, SaveRequest
 from ckpt.events import EventBus
 from ckpt.format import Manifest
-from ckpt.dcp import SaveRequest
 from ckpt.job.persist import PersistOutcome, Persister
 from ckpt.root import Lifecycle
 
@@ -198,6 +198,7 @@ class WriterProcess:
         self._conn: Connection | None = None
         self._pidfd: int | None = None
         self._lock = threading.Lock()
+        self._cost = SaveCost()  # of the save in flight (made again by each run)
         self._num_saves = 0  # saves handed off, alike on every rank (they start together)
         self.num_starts = 0  # writer processes started (1 + restarts)
         self._start()
@@ -271,6 +272,9 @@ class WriterProcess:
         that is dead is restarted first; one that dies during the save fails it."""
         assert host_window_bytes is None, "refused at construction"
         t0 = time.monotonic()
+        # Made now, on this thread: its totals are what the save takes from this process
+        # (the hand-off, the waiting, the bookkeeping after); the writer's phases join it.
+        self._cost = SaveCost()
         self._num_saves += 1
         try:
             message = self._save_message(step, staged, nbytes, stall, user_metadata,
@@ -372,12 +376,13 @@ class WriterProcess:
             manifest = Manifest.from_json_bytes(done["manifest"].encode(),
                                                 f"the writer process's manifest of step {step}",
                                                 expected_step=step)
-        if done["committed"]:
+        if done["committed"] and manifest is not None:
             # The training side's life-cycle learns the commit (its gate and retention read
-            # it): read back as readers read it, once, on the coordinator.
-            if self.rank == 0 and manifest is not None:
-                self.life.committed_by(step, [manifest.save_id])
-        cost = _cost_from(done.get("cost"))
+            # it), proven when the writer reported the renewal after it.
+            lease = self.life.lease
+            self.life.adopt_commit(manifest, proven=lease is not None
+                                   and manifest.save_id in lease.committed_ids)
+        cost = self._add_writer_cost(done.get("cost"))
         return PersistOutcome(bool(done["committed"]), manifest,
                               already_committed=bool(done.get("already_committed")),
                               error=_error_from(done.get("error")),
@@ -385,6 +390,17 @@ class WriterProcess:
                               retries=int(done.get("retries", 0)),
                               persist_seconds=float(done.get("persist_seconds", 0.0)),
                               cost=cost)
+
+    def _add_writer_cost(self, fields: dict[str, Any] | None) -> SaveCost:
+        """This save's cost: the writer's phases (``fields``: its ``SaveCost.fields()``)
+        added to the one made on this thread when the save was handed off."""
+        cost = self._cost
+        if fields:
+            for phase, wall in fields.get("wall_seconds", {}).items():
+                if phase in cost.wall:
+                    cost.add(phase, float(wall), float(fields["cpu_seconds"].get(phase, 0.0)))
+            cost.writer_process_cpu = float(fields.get("process_cpu_seconds", 0.0))
+        return cost
 
     def _died(self, step: int, attempts: list[str], nbytes: int, stall: float,
               t0: float) -> PersistOutcome:
@@ -404,7 +420,7 @@ class WriterProcess:
                     log.warning("could not renew the lease after step %d: %s", step, exc)
                 return PersistOutcome(True, landed, attempts=len(attempts),
                                       persist_seconds=time.monotonic() - t0,
-                                      cost=_cost_from(None))
+                                      cost=self._cost)
         return self._failed(step, CheckpointError(
             f"the writer process of rank {self.rank} (pid {pid}) {how} while saving step "
             f"{step}; the save is not committed and the next save starts a new writer"),
@@ -419,21 +435,7 @@ class WriterProcess:
                          stall_seconds=stall, bytes=nbytes, persist_seconds=seconds, retries=0)
         log.error("checkpoint save of step %d failed: %s", step, exc)
         return PersistOutcome(False, error=exc, attempts=attempts, persist_seconds=seconds,
-                              cost=_cost_from(None))
-
-
-def _cost_from(fields: dict[str, Any] | None):
-    """A ``SaveCost`` on this (the persist) thread holding the writer's phases; ``fields``:
-    the writer's ``SaveCost.fields()`` (None: nothing measured)."""
-    from ckpt.dcp import SaveCost
-
-    cost = SaveCost()
-    if fields:
-        for phase, wall in fields.get("wall_seconds", {}).items():
-            if phase in cost.wall:
-                cost.add(phase, float(wall), float(fields["cpu_seconds"].get(phase, 0.0)))
-        cost.writer_process_cpu = float(fields.get("process_cpu_seconds", 0.0))
-    return cost
+                              cost=self._cost)
 
 
 # -- the writer process ------------------------------------------------------------------------

@@ -335,6 +335,13 @@ class Lifecycle:
             else:
                 self._proven.pop(step, None)
 
+    def adopt_commit(self, manifest: Manifest, *, proven: bool) -> None:
+        """A commit under this holder's lease made by another life-cycle over the same root
+        (the writer process of a manager, ``ckpt.job._writer_process``): know its step as
+        committed, without a request, as if this one had committed it (``proven``: the
+        lease's renewal after the manifest succeeded)."""
+        self._note(manifest.step, True, manifest.save_id if proven else None)
+
     def may_hold_manifest(self, step: int) -> bool:
         """False only when ``known_committed`` is known (no request here) and lacks
         ``step``: a step the writer knows to have no ``manifest.json``."""

@@ -122,6 +122,9 @@ def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at):
             assert path in (None, mgr.staging.shared_path)
             path = mgr.staging.shared_path
         assert path is not None and os.path.exists(path)
+        # The training side knows the writer's commit: the step is refused at the gate.
+        assert mgr.save(5, _state(5)) is False
+        assert mgr.events.of_kind("save_skipped")[-1].fields["reason"] == "already committed"
         cost = mgr.events.of_kind("save_cost")[-1].fields
         assert cost["writer_process_cpu_seconds"] > 0 and cost["wall_seconds"]["write"] > 0
         done = mgr.events.of_kind("save_committed")[-1].fields

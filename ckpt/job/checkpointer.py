@@ -168,6 +168,19 @@ class Checkpointer(CheckpointReader):
         the newest save's failure when ``raise_errors``."""
 
     @abstractmethod
+    def start_run(self, parent: Manifest | None, *, tier: str | None = None) -> Lineage:
+        """Collective: begin a new run (``ckpt.root.lineage``) from ``parent``, the
+        checkpoint the state was just loaded from (None: a fresh start); :meth:`load_latest`
+        does it, a caller that loaded the state another way calls it before saving. Every
+        version saved from now on records the new run and ``parent`` (:attr:`lineage`).
+        The coordinator first appends the run to the job's run log (``_lineage.json`` of the
+        root; two tiers: the durable root's, which both tiers' resumes read, and the local
+        tier saves as the same run), naming the committed steps newer than ``parent`` that
+        it goes back past: no resume takes them from then on. ``tier``: where ``parent``
+        was loaded from, as the log records it. A failure to record raises on every rank.
+        Returns the new lineage."""
+
+    @abstractmethod
     def uncommit_newer(self, step: int) -> list[int]:
         """Collective: un-commit every committed step of the root newer than ``step`` (-1:
         all, a deliberate fresh start); returns those un-committed (on the coordinator)."""

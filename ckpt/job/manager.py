@@ -146,7 +146,7 @@ class CheckpointManager(Checkpointer):
             self._persister = WriterProcess(self._persister, world_size=self.world_size,
                                             agreement=self._ctl, staging=self.staging)
         if self.distributed:
-            free_at_exit(self)  # its groups are freed at exit if close() is never called
+            free_at_exit(self._free_groups)  # freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged
         self._staged_now: StagedCopy | None = None  # the copy staged by this save call
         self.num_stages = 0  # copies into the staging buffers (stalls); reused ones not counted
@@ -528,27 +528,24 @@ class CheckpointManager(Checkpointer):
         """The lineage the versions this manager saves now record (the same on every rank)."""
         return self.life.lineage
 
-    def start_run(self, parent: Manifest | None, *, tier: str | None = None,
-                  lineage: Lineage | None = None, record: bool = True) -> Lineage:
+    def start_run(self, parent: Manifest | None, *, tier: str | None = None) -> Lineage:
         """Begin a new run (``ckpt.root.lineage``): the state was just loaded from ``parent``
-        (None: a fresh start). Collective over the manager's group.
+        (None: a fresh start); :meth:`load_latest` does it. Collective over the manager's
+        group.
 
-        Every version saved from now on records the new run and ``parent``. With ``record``
-        the coordinator first appends the run to the root's run log, naming the committed
-        steps newer than ``parent`` that this run goes back past (``abandoned``): from then
-        on no resume takes them, whether or not they can be un-committed or deleted.
-        ``lineage``: adopt this one (a two-tier job's, the same for both tiers) instead of
-        deriving one. A failure to record raises on every rank: a run whose versions could
-        not be told from an abandoned trajectory's must not save.
+        Every version saved from now on records the new run and ``parent``. The coordinator
+        first appends the run to the root's run log (``_lineage.json``; ``tier``: where
+        ``parent`` was loaded from, as the log records it), naming the committed steps newer
+        than ``parent`` that this run goes back past (``abandoned``): from then on no resume
+        takes them, whether or not they can be un-committed or deleted. A failure to record
+        raises on every rank: a run whose versions could not be told from an abandoned
+        trajectory's must not save. Returns the new lineage.
         """
-        if lineage is None:
-            self._num_runs += 1
-            run = hashlib.sha256(f"{self._run_base}:{self._num_runs}".encode()).hexdigest()[:16]
-            lineage = Lineage(run, None if parent is None
-                              else parent_of(parent.step, parent.save_id, parent.lineage))
+        self._num_runs += 1
+        run = hashlib.sha256(f"{self._run_base}:{self._num_runs}".encode()).hexdigest()[:16]
+        lineage = Lineage(run, None if parent is None
+                          else parent_of(parent.step, parent.save_id, parent.lineage))
         self.life.lineage = lineage
-        if not record:
-            return lineage
         failed: Exception | None = None
         if self.rank == 0:
             try:
@@ -646,7 +643,7 @@ class CheckpointManager(Checkpointer):
                 self._claim.save_history()
             finally:
                 self._claim.release()
-            self.free_groups()
+            self._free_groups()
             # The persist thread is done with the staged copy (and so is another tier
             # that persisted ``last_staged``): free the host memory it took.
             self.last_staged = None
@@ -655,7 +652,7 @@ class CheckpointManager(Checkpointer):
         if flush:
             self._raise_pending_failure()
 
-    def free_groups(self) -> None:
+    def _free_groups(self) -> None:
         """Free the two private groups (a job may build several managers over its life):
         destroy them and drop every reference (``ckpt.ranks.groups`` says why both)."""
         groups, self._ctl_group, self._bg_group = (self._ctl_group, self._bg_group), None, None
@@ -723,6 +720,11 @@ class TierLink:
         manager records the run and un-commits once, for both tiers)."""
         return self.manager._load(state, step=step, raise_if_all_damaged=False,
                                   continue_run=False, **options)
+
+    def adopt_run(self, lineage: Lineage) -> None:
+        """Save as the run ``lineage`` from now on (the other tier's, recorded in its run
+        log: one run for both tiers), recording nothing here."""
+        self.manager.life.lineage = lineage
 
     def resumed_at(self, info: ResumeInfo | None) -> None:
         """The job resumed from ``info`` (None: from nothing): this tier holds this run's

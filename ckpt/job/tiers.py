@@ -147,12 +147,12 @@ class TieredCheckpointManager(Checkpointer):
         self._node_group = None  # the local tier's ranks: this node's (several nodes only)
         self._copies: PeerCopies | None = None  # copies on the next node (local.copies=2)
         if self._group is not None:
-            free_at_exit(self)
+            free_at_exit(self._free_groups)
         try:
             self._node_group, self.num_nodes, self._node_of_rank = node_groups(
                 self.node_rank, self._group)
         except BaseException:
-            self.free_groups()
+            self._free_groups()
             raise
         self._local_lease_lost = False  # some node's local tier lost its lease (agreed)
         t_start = time.time()
@@ -175,7 +175,7 @@ class TieredCheckpointManager(Checkpointer):
                 events=local_events, process_group=self._node_group, tier=self._local_link)
         except BaseException:
             self.durable.close(flush=False)  # its lease is not left behind
-            self.free_groups()
+            self._free_groups()
             raise
         self.local_copies = local.copies if self.num_nodes > 1 else 1
         if local.copies > 1 and self.num_nodes == 1:
@@ -190,7 +190,7 @@ class TieredCheckpointManager(Checkpointer):
             except BaseException:
                 self.local.close(flush=False)
                 self.durable.close(flush=False)
-                self.free_groups()
+                self._free_groups()
                 raise
         # Did the durable tier count this start as a failure? (Rank 0's history, the same
         # on every rank.) If the resume loads from the local tier, the local tier survived
@@ -202,7 +202,7 @@ class TieredCheckpointManager(Checkpointer):
         self._resumed: ResumeInfo | None = None
         # One run for the whole job (:mod:`ckpt.root.lineage`): every node's local versions
         # and the durable ones record the durable tier's (the same on every rank).
-        self.local.start_run(None, lineage=self.durable.lineage, record=False)
+        self._local_link.adopt_run(self.durable.lineage)
 
     def _forward_local(self, ev: Event) -> None:
         """The local tier's events, renamed ``local_<kind>`` (with ``tier="local"``): the
@@ -438,8 +438,7 @@ class TieredCheckpointManager(Checkpointer):
         # A new run begins, for both tiers: recorded in the durable root before anything
         # newer than ``step`` is un-committed or deleted (so that what cannot be is still
         # never taken for this trajectory's, on any node).
-        lineage = self.durable.start_run(manifest, tier=tier)
-        self.local.start_run(manifest, lineage=lineage, record=False)
+        self.start_run(manifest, tier=tier)
         if manifest is not None:
             self.durable.uncommit_newer(step)
             now = time.monotonic()
@@ -452,6 +451,15 @@ class TieredCheckpointManager(Checkpointer):
         self._drop_newer_local(step)
         if self._copies is not None:
             self._copies.drop_newer(step)
+
+    def start_run(self, parent: Manifest | None, *, tier: str | None = None) -> Lineage:
+        """One run for the whole job: recorded in the durable root's run log (the one both
+        tiers' resumes read, :meth:`load_latest` here), naming the durable steps newer than
+        ``parent`` it goes back past; the local tier saves as the same run on every node
+        (its local steps newer than a resumed one are deleted by the resume instead)."""
+        lineage = self.durable.start_run(parent, tier=tier)
+        self._local_link.adopt_run(lineage)
+        return lineage
 
     def uncommit_newer(self, step: int) -> list[int]:
         """The durable tier's :meth:`CheckpointManager.uncommit_newer` (``load_latest``
@@ -494,9 +502,9 @@ class TieredCheckpointManager(Checkpointer):
                     self._copies.close()
         finally:
             self.durable.close(flush=flush)
-            self.free_groups()
+            self._free_groups()
 
-    def free_groups(self) -> None:
+    def _free_groups(self) -> None:
         """Free the job-wide group of the tier logic and the node group (each tier frees
         its own)."""
         groups, self._group, self._node_group = (self._group, self._node_group), None, None

@@ -37,8 +37,8 @@ threads stop only when the last reference goes. A group still alive at the inter
 teardown can abort the process ("terminate called without an active exception"): a worker
 thread that releases a finished collective's tensors then needs the interpreter. So every
 owner of groups (``CheckpointManager``, ``TieredCheckpointManager``, the world group here)
-registers with :func:`free_at_exit` and has ``free_groups()`` called at exit if it was
-never closed.
+registers its freeing method with :func:`free_at_exit`, which calls it at exit if the owner
+was never closed.
 """
 
 from __future__ import annotations
@@ -46,42 +46,41 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 
 from ckpt.ranks.agreement import Agreement
 from ckpt.ranks.torchrun import warn_if_not_attempt_scoped
 
-__all__ = ["world_group", "cpu_group", "has_cpu_backend", "private_groups", "GroupOwner",
+__all__ = ["world_group", "cpu_group", "has_cpu_backend", "private_groups",
            "free_at_exit", "freed", "free_all_at_exit", "destroy_groups"]
 
 log = logging.getLogger(__name__)
 
 
-class GroupOwner(Protocol):
-    def free_groups(self) -> None:
-        """Destroy the owner's groups and drop every reference to them (idempotent)."""
+# The owners whose groups are not freed yet, each with its freeing method's function (the
+# owner held weakly: a dropped owner's groups went with it).
+_owners: "weakref.WeakKeyDictionary[Any, Callable[[Any], None]]" = weakref.WeakKeyDictionary()
 
 
-_owners: "weakref.WeakSet[GroupOwner]" = weakref.WeakSet()  # groups not freed yet
+def free_at_exit(free: Callable[[], None]) -> None:
+    """Call ``free`` (a bound method of the owner of groups, e.g. a manager's private
+    ``_free_groups``: destroy them and drop every reference, idempotent) at interpreter exit
+    unless :func:`freed` came first. The owner is held weakly."""
+    _owners[free.__self__] = free.__func__
 
 
-def free_at_exit(owner: GroupOwner) -> None:
-    """Call ``owner.free_groups()`` at interpreter exit unless :func:`freed` came first."""
-    _owners.add(owner)
-
-
-def freed(owner: GroupOwner) -> None:
+def freed(owner: Any) -> None:
     """``owner`` freed its groups: nothing to do at exit."""
-    _owners.discard(owner)
+    _owners.pop(owner, None)
 
 
 @atexit.register
 def free_all_at_exit() -> None:
     """Free the groups of every owner not closed (run by the interpreter at exit)."""
-    for owner in list(_owners):
-        owner.free_groups()
+    for owner, free in list(_owners.items()):
+        free(owner)
 
 
 def destroy_groups(groups: Iterable[Any]) -> None:
@@ -105,7 +104,7 @@ class _WorldGroup:
     def __init__(self) -> None:
         self._default = weakref.ref(dist.group.WORLD)
         self.group = dist.new_group(backend="gloo", group_desc="ckpt_world")
-        free_at_exit(self)
+        free_at_exit(self.free_groups)
 
     def current(self) -> bool:
         """Whether it belongs to the current default group and was not freed."""

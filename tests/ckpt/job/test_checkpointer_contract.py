@@ -21,6 +21,7 @@ from ckpt import (
     ResumeInfo,
     TieredCheckpointManager,
 )
+from ckpt.root import Trajectory, read_runs
 
 
 def _public(cls) -> set[str]:
@@ -52,7 +53,8 @@ def test_every_member_of_the_base_has_the_bases_signature(cls):
     # What one manager lacks the other cannot silently lack: the contract is the base.
     assert {"latest_step", "all_steps", "resumed", "lineage", "history", "lease_lost",
             "check_lease", "uncommit_newer", "maybe_save", "save", "wait", "load_latest",
-            "close", "prepare", "in_flight", "newest_committed_step"} <= _public(Checkpointer)
+            "close", "prepare", "in_flight", "newest_committed_step", "start_run"} \
+        <= _public(Checkpointer)
 
 
 @pytest.mark.parametrize("kind", ["plain", "tiered"])
@@ -95,6 +97,36 @@ def test_both_managers_keep_the_contract(kind, tmp_path):
         assert again.load_latest(state, step=2).step == 2 and again.all_steps() == [2]
         assert again.resumed == ResumeInfo(2, "durable", again.storage.url)
         assert again.uncommit_newer(-1) == [2] and again.latest_step() is None
+
+
+@pytest.mark.parametrize("kind", ["plain", "tiered"])
+def test_start_run_records_the_run_in_the_jobs_log_and_every_tier_saves_as_it(kind, tmp_path):
+    with _make(kind, tmp_path) as mgr:
+        for step in (2, 4):
+            mgr.save(step, _state(float(step)), block=True)
+        parent = mgr.store.read_manifest(2)
+        before = mgr.lineage
+        lineage = mgr.start_run(parent, tier="durable")
+        assert lineage == mgr.lineage and lineage.run != before.run
+        assert lineage.parent is not None
+        # The job's one run log (two tiers: the durable root's) names the run, its parent's
+        # tier and the step it goes back past.
+        runs = read_runs(mgr.storage)
+        assert runs[-1]["run"] == lineage.run and runs[-1]["tier"] == "durable"
+        assert [a["step"] for a in runs[-1]["abandoned"]] == [4]
+        # Every version saved from now on records it, in every tier.
+        mgr.save(6, _state(6.0), block=True)
+        assert mgr.store.read_manifest(6).lineage == lineage
+        if kind == "tiered":
+            assert mgr.local.store.read_manifest(6).lineage == lineage
+            assert read_runs(mgr.local.storage) == []  # one log per job: the durable root's
+        # The step the run went back past is abandoned; the new run's are live.
+        trajectory = Trajectory(read_runs(mgr.storage))
+        m4, m6 = mgr.store.read_manifest(4), mgr.store.read_manifest(6)
+        assert trajectory.why_abandoned(4, m4.save_id, m4.lineage) is not None
+        assert trajectory.why_abandoned(6, m6.save_id, m6.lineage) is None
+    with _make(kind, tmp_path) as again:
+        assert again.load_latest(_state(0.0)).step == 6
 
 
 def test_a_read_only_checkpointer_loads_and_changes_nothing(tmp_path):

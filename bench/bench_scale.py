@@ -20,7 +20,7 @@ then runs what the coordinator runs at a save, timed:
   rank of an unchanged layout pays: ``load bytes`` is what it reads and parses (the root and
   its own part);
 * ``steady``: a save after the first, as a ``CheckpointManager`` makes it (its
-  ``PlanCache``): every rank sends an empty plan with the cached plan's id and one digest
+  ``SavePlanCache``): every rank sends an empty plan with the cached plan's id and one digest
   per holder set, the coordinator checks them (``create_global_plan`` on the cached path)
   and ``prepare_global_plan``; the manifest build and commit are the first save's (each
   save's offsets and checksums are new). ``coordinator_s_per_save`` is that sum.
@@ -78,9 +78,9 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
 )
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
-from ckpt.cadence import make_tier_plans
+from ckpt.cadence import make_tier_cadence_plans
 from ckpt.cadence.young_daly import optimal_interval
-from ckpt.dcp import PlanCache
+from ckpt.dcp import SavePlanCache
 from ckpt.dcp.planners import SafeSavePlanner
 from ckpt.dcp.writer import CkptWriter
 from ckpt.dcp.planners import _CACHED_KEY  # noqa: E402  (a cached plan's planner_data)
@@ -341,7 +341,7 @@ def measure(model: Model, n_layers: int, world: int, tp: int, root: str,
         row["t_merge"], merged = _timed(_chain_merge, gp)
         row["t_validate"], _ = _timed(_validate_global_plan, gp, md)
         del deduped, gp, md, merged, cleaned
-        cache = PlanCache()
+        cache = SavePlanCache()
         planner = SafeSavePlanner(cache=cache)
         row["t_plan"], (global_plans, metadata) = _timed(planner.create_global_plan, plans)
         storage = Storage(root)
@@ -534,7 +534,7 @@ def run_sizing(args) -> None:
           f"persist = bytes per node / node bandwidth; job MTBF = {args.node_mtbf_hours:g} h per "
           f"node / nodes; recommended interval = ckpt.cadence.policies.optimal_interval(delta=stall, "
           f"mtbf=job MTBF, persist_seconds=persist at 5 GB/s per node), no overhead budget.\n")
-    print(f"Two tiers (last three columns, ckpt.cadence.plan.make_tier_plans as `ckpt plan "
+    print(f"Two tiers (last three columns, ckpt.cadence.plan.make_tier_cadence_plans as `ckpt plan "
           f"--local-bandwidth` computes them): a local tier at {args.local_gbps:g} GB/s per node, "
           f"saved at every failure's MTBF; the durable tier at {args.durable_gbps:g} GB/s per "
           f"node, saved at the "
@@ -563,10 +563,11 @@ def run_sizing(args) -> None:
             persist = {bw: per_node / (bw * 1e9) for bw in (1, 5, 20)}
             mtbf_s = args.node_mtbf_hours * 3600.0 / nodes
             interval, bound = optimal_interval(stall, mtbf_s, persist_seconds=persist[5])
-            tiers = make_tier_plans(int(per_node), args.durable_gbps * 1e9, args.local_gbps * 1e9,
+            tiers = make_tier_cadence_plans(int(per_node), args.durable_gbps * 1e9,
+                                            args.local_gbps * 1e9,
                                     node_mtbf_seconds=mtbf_s / args.node_loss_share,
                                     mtbf_seconds=mtbf_s, stall_seconds=stall)
-            copied = make_tier_plans(int(per_node), args.durable_gbps * 1e9,
+            copied = make_tier_cadence_plans(int(per_node), args.durable_gbps * 1e9,
                                      args.local_gbps * 1e9,
                                      node_mtbf_seconds=mtbf_s / args.node_loss_share,
                                      mtbf_seconds=mtbf_s, stall_seconds=stall, replicas=2,

@@ -25,7 +25,7 @@ from trainer.determinism import apply_determinism
 from trainer.distributed import EXIT_CONFIG, EXIT_FAILED, init_distributed, shutdown
 from trainer.faults import Preemption
 from trainer.ft import LighthouseUnreachable, check_reachable, serve
-from trainer.layout_plan import add_plan_arguments, run_plan
+from trainer.layout_plan import add_layout_plan_arguments, run_layout_plan
 from trainer.slurm import export_torch_env
 from trainer.train import run
 
@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "plan":
         parser = OneLineArgumentParser(prog="python -m trainer plan",
                                        description="Estimate per-GPU memory and pick a layout")
-        add_plan_arguments(parser)
+        add_layout_plan_arguments(parser)
         args = parser.parse_args(argv[1:])
         try:
-            return run_plan(args)
+            return run_layout_plan(args)
         except Exception as exc:  # noqa: BLE001 - one line, not a traceback
             return _fail("python -m trainer plan", exc, debug, 2)
     if argv and argv[0] in ("lighthouse", "ft-local"):

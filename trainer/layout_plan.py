@@ -15,8 +15,9 @@ layout fits with the workload's activation checkpointing and it is not 'full', t
 is the simplest layout that fits with every block recomputed (warning ``recompute-needed``;
 its flags carry ``--training.activation_checkpointing=full``).
 
-``python -m trainer plan`` wires :func:`add_plan_arguments` and :func:`run_plan`. The formulas
-and their sources are in docs/layout-planner.md; memory is reported in GiB (2**30 bytes).
+``python -m trainer plan`` wires :func:`add_layout_plan_arguments` and :func:`run_layout_plan`.
+The formulas and their sources are in docs/layout-planner.md; memory is reported in GiB
+(2**30 bytes).
 
 Size: the planner's ranking and its report/CLI, one concept (the memory model itself is
 :mod:`trainer.memory_model`).
@@ -47,7 +48,7 @@ from trainer.memory_model import (
 )
 
 __all__ = ["LayoutAdvice", "parse_count", "candidate_layouts", "plan_layout",
-           "add_plan_arguments", "run_plan"]
+           "add_layout_plan_arguments", "run_layout_plan"]
 
 BUBBLE_WARN_FRACTION = 0.10
 """Warn when the pipeline bubble exceeds this fraction of step time."""
@@ -107,7 +108,7 @@ class LayoutAdvice:
     """What :func:`plan_layout` advises: every candidate layout with its memory estimate
     (``rows``), the recommended one, the requested one evaluated, and ``warnings`` as
     ``(code, message)`` pairs. (A layout recommendation, not a checkpoint cadence plan like
-    :class:`ckpt.cadence.Plan`.)"""
+    :class:`ckpt.cadence.CadencePlan`.)"""
 
     work: Workload
     num_gpus: int
@@ -276,7 +277,7 @@ def plan_layout(work: Workload, num_gpus: int, gpus_per_node: int, usable_bytes:
 # ------------------------------------------------------------------------------------ CLI
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+def add_layout_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's flags to ``parser`` (used by ``python -m trainer plan``)."""
     g = parser.add_argument_group("model (one of --params, --dim/--layers/--heads, --config; "
                                   "the flags override --config's keys)")
@@ -473,7 +474,7 @@ def _report(advice: LayoutAdvice, gpu_name: str, nodes: int, show_all: bool) -> 
     return "\n".join(lines)
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_layout_plan(args: argparse.Namespace) -> int:
     """Print the advice (text, or JSON with ``--json``). Returns 0 when a layout fits (and the
     requested one, if any, fits), 1 when it does not, 2 for bad input."""
     try:

@@ -19,7 +19,12 @@ from ckpt.cadence.history import (
     write_history,
 )
 from ckpt.cadence.interval import Interval
-from ckpt.cadence.plan import Plan, TierPlans, make_plan, make_tier_plans
+from ckpt.cadence.plan import (
+    CadencePlan,
+    TierCadencePlans,
+    make_cadence_plan,
+    make_tier_cadence_plans,
+)
 from ckpt.cadence.policies import CadencePolicy, parse_interval
 from ckpt.cadence.steptime import StepTimes
 from ckpt.cadence.young_daly import FailureHistory
@@ -27,6 +32,6 @@ from ckpt.cadence.young_daly import FailureHistory
 __all__ = [
     "CadencePolicy", "parse_interval", "Interval", "FailureHistory", "HISTORY_NAME",
     "load_history", "load_job_history", "write_history", "GoodputLedger", "GOODPUT_CATEGORIES",
-    "load_goodput", "StepTimes", "measure_bandwidth", "Plan", "TierPlans", "make_plan",
-    "make_tier_plans",
+    "load_goodput", "StepTimes", "measure_bandwidth", "CadencePlan", "TierCadencePlans",
+    "make_cadence_plan", "make_tier_cadence_plans",
 ]

@@ -1,8 +1,8 @@
 """Interval advice: how often to checkpoint, given size, bandwidth, stall and failure rate.
 
-:func:`make_plan` (one tier) and :func:`make_tier_plans` (a local tier under the durable
-one) are pure; ``ckpt plan`` (:mod:`ckpt.cli._plan`) prints them, measuring the bandwidth
-first when asked (:mod:`ckpt.cadence.bandwidth`). Formulas: docs/cadence.md.
+:func:`make_cadence_plan` (one tier) and :func:`make_tier_cadence_plans` (a local tier
+under the durable one) are pure; ``ckpt plan`` (:mod:`ckpt.cli._plan`) prints them,
+measuring the bandwidth first when asked (:mod:`ckpt.cadence.bandwidth`). Formulas: docs/cadence.md.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from ckpt.cadence.bandwidth import BandwidthMeasurement
 from ckpt.cadence.young_daly import optimal_interval, young_daly_interval
 
 __all__ = [
-    "Plan",
-    "make_plan",
-    "TierPlans",
-    "make_tier_plans",
+    "CadencePlan",
+    "make_cadence_plan",
+    "TierCadencePlans",
+    "make_tier_cadence_plans",
     "HOST_COPY_BYTES_PER_SECOND",
 ]
 
@@ -28,7 +28,7 @@ given: a conservative figure for one GPU's copy into pinned host memory over PCI
 
 
 @dataclass(frozen=True)
-class Plan:
+class CadencePlan:
     """A recommended cadence and what it costs; all times in seconds, JSON-safe."""
 
     size_bytes: int
@@ -64,7 +64,7 @@ class Plan:
     lost work; 0 unless given: ``ckpt plan`` folds it into ``--restart``)."""
 
 
-def make_plan(
+def make_cadence_plan(
     size_bytes: int,
     bandwidth_bytes_per_second: float,
     *,
@@ -76,7 +76,7 @@ def make_plan(
     measurement: BandwidthMeasurement | None = None,
     load_seconds: float = 0.0,
     interval_seconds: float | None = None,
-) -> Plan:
+) -> CadencePlan:
     """The cadence ``Auto`` would settle on for these inputs, with its expected costs.
 
     ``load_seconds``: reading the checkpoint back after a restart, lost with the restart.
@@ -104,7 +104,7 @@ def make_plan(
     rework = (tau + delta) / 2 + persist
     lost = rework + restart_seconds + load_seconds
     goodput = max(0.0, 1.0 - overhead - lost / mtbf_seconds)
-    return Plan(
+    return CadencePlan(
         size_bytes=int(size_bytes),
         bandwidth_bytes_per_second=float(bandwidth_bytes_per_second),
         bandwidth_source="measured" if measurement else "given",
@@ -129,12 +129,12 @@ def make_plan(
 
 
 @dataclass(frozen=True)
-class TierPlans:
+class TierCadencePlans:
     """Advice for two tiers (``ckpt.job.tiers``): each tier's plan and the goodput of both."""
 
-    local: Plan
+    local: CadencePlan
     """The local tier: its own bandwidth, every failure's MTBF."""
-    durable: Plan
+    durable: CadencePlan
     """The durable tier: its bandwidth, the MTBF of the failures the local tier does not
     survive (node losses; with ``copies=2``, losses of a node's neighbour soon after the
     node: see ``second_loss_probability``); its interval a whole multiple of the local one
@@ -165,11 +165,11 @@ class TierPlans:
     share of node losses the local tier does not survive."""
 
 
-def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
+def make_tier_cadence_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                     local_bandwidth_bytes_per_second: float, *,
                     node_mtbf_seconds: float | None = None, mtbf_seconds: float = 86400.0,
                     copies: int = 1, num_nodes: int | None = None,
-                    **options: Any) -> TierPlans:
+                    **options: Any) -> TierCadencePlans:
     """Both tiers' intervals, as their ``Auto`` would settle (docs/cadence.md#two-tiers).
 
     ``node_mtbf_seconds``: mean time between failures that lose a node's local tier (None:
@@ -177,8 +177,8 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
     ``copies``: copies of each node's local checkpoints (1, or 2: also on the next node,
     ``checkpoint.local_copies``); with 2 the local tier survives a node loss unless a
     neighbour of the node is lost too before its part is on two nodes again, which needs
-    ``num_nodes`` (>= 2; ``TierPlans.second_loss_probability`` says how). Other
-    ``options`` as for :func:`make_plan`, for both tiers."""
+    ``num_nodes`` (>= 2; ``TierCadencePlans.second_loss_probability`` says how). Other
+    ``options`` as for :func:`make_cadence_plan`, for both tiers."""
     node_mtbf = mtbf_seconds if node_mtbf_seconds is None else float(node_mtbf_seconds)
     if not node_mtbf >= mtbf_seconds:
         raise ValueError(f"node MTBF {node_mtbf!r} s is below the job's MTBF {mtbf_seconds!r} s, "
@@ -193,7 +193,7 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
                          f"lost too depends on how many nodes share the losses")
     measurement = options.pop("measurement", None)
     local_bw, durable_bw = local_bandwidth_bytes_per_second, bandwidth_bytes_per_second
-    local = make_plan(size_bytes, local_bw, mtbf_seconds=mtbf_seconds,
+    local = make_cadence_plan(size_bytes, local_bw, mtbf_seconds=mtbf_seconds,
                       load_seconds=size_bytes / local_bw, **options)
     # The failures the local tier does not survive: every node loss, or with a copy on the
     # next node a node loss followed, within the window, by the loss of a neighbour.
@@ -204,21 +204,21 @@ def make_tier_plans(size_bytes: int, bandwidth_bytes_per_second: float,
         neighbours = min(2, num_nodes - 1)
         second = -math.expm1(-neighbours * window / (num_nodes * node_mtbf))
         lost_mtbf = node_mtbf / second  # window > 0: the local interval at least
-    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
+    durable = make_cadence_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
                         load_seconds=size_bytes / durable_bw, measurement=measurement,
                         **options)
     # The durable interval a whole multiple of the local one: each durable save is a step
     # the local tier saves too, staged once (ckpt.job.tiers), so it adds no stall of its own.
     multiple = max(1, round(durable.interval_seconds / local.interval_seconds))
-    durable = make_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
+    durable = make_cadence_plan(size_bytes, durable_bw, mtbf_seconds=lost_mtbf,
                         load_seconds=size_bytes / durable_bw, measurement=measurement,
                         interval_seconds=multiple * local.interval_seconds, **options)
     survived_rate = 1.0 / mtbf_seconds - 1.0 / lost_mtbf
     goodput = (1.0 - local.overhead_fraction
                - survived_rate * local.lost_seconds_per_failure
                - durable.lost_seconds_per_failure / lost_mtbf)
-    alone = make_plan(size_bytes, durable_bw, mtbf_seconds=mtbf_seconds,
+    alone = make_cadence_plan(size_bytes, durable_bw, mtbf_seconds=mtbf_seconds,
                       load_seconds=size_bytes / durable_bw, **options)
-    return TierPlans(local, durable, max(0.0, goodput), alone.goodput, copies=copies,
+    return TierCadencePlans(local, durable, max(0.0, goodput), alone.goodput, copies=copies,
                      num_nodes=num_nodes if copies == 2 else None,
                      vulnerable_seconds=window, second_loss_probability=second)

@@ -60,7 +60,7 @@ from typing import Sequence
 
 from ckpt.cli._admin import cmd_gc, cmd_pin, cmd_restore, cmd_rollback
 from ckpt.cli._common import UsageError, arg_type, parse_step
-from ckpt.cli._plan import add_plan_arguments, run_plan
+from ckpt.cli._plan import add_cadence_plan_arguments, run_cadence_plan
 from ckpt.cli._read import cmd_diff, cmd_export, cmd_history, cmd_list, cmd_show, cmd_verify
 from ckpt.errors import (
     CheckpointNotFoundError,
@@ -193,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="print a JSON object")
     sp.set_defaults(fn=cmd_gc)
     sp = add("plan", "recommend a checkpoint interval")
-    add_plan_arguments(sp)
-    sp.set_defaults(fn=run_plan)
+    add_cadence_plan_arguments(sp)
+    sp.set_defaults(fn=run_cadence_plan)
     return p
 
 

@@ -13,14 +13,21 @@ import sys
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from ckpt.cadence import Plan, TierPlans, make_plan, make_tier_plans, measure_bandwidth
+from ckpt.cadence import (
+    CadencePlan,
+    TierCadencePlans,
+    make_cadence_plan,
+    make_tier_cadence_plans,
+    measure_bandwidth,
+)
 from ckpt.cli._common import arg_type, with_unit
 from ckpt.units import parse_bandwidth, parse_duration, parse_fraction, parse_size
 
-__all__ = ["add_plan_arguments", "run_plan", "format_plan", "format_tiers", "main"]
+__all__ = ["add_cadence_plan_arguments", "run_cadence_plan", "format_cadence_plan",
+           "format_tier_cadence_plans", "main"]
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+def add_cadence_plan_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``ckpt plan``'s options to ``parser`` (a subcommand parser)."""
     parser.add_argument("--size", type=arg_type(with_unit(parse_size, "GB")), required=True,
                         help="checkpoint size, all ranks together, e.g. 14GB or 800GiB")
@@ -60,7 +67,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_cadence_plan(args: argparse.Namespace) -> int:
     """Run ``ckpt plan`` for parsed ``args``: print the plan, return the exit status
     (0 ok, 1 bandwidth measurement failed, 2 invalid input)."""
     measurement = None
@@ -85,21 +92,22 @@ def run_plan(args: argparse.Namespace) -> int:
                              "a neighbour of a lost node is lost too, and how likely that is "
                              "depends on the number of nodes")
         if args.local_bandwidth is not None:
-            tiers = make_tier_plans(args.size, bandwidth, args.local_bandwidth,
+            tiers = make_tier_cadence_plans(args.size, bandwidth, args.local_bandwidth,
                                     node_mtbf_seconds=args.node_mtbf,
                                     copies=args.local_copies,
                                     num_nodes=args.nodes if args.local_copies == 2 else None,
                                     **options)
-            print(json.dumps(asdict(tiers), indent=2) if args.json else format_tiers(tiers))
+            print(json.dumps(asdict(tiers), indent=2) if args.json
+                  else format_tier_cadence_plans(tiers))
             return 0
-        plan = make_plan(args.size, bandwidth, **options)
+        plan = make_cadence_plan(args.size, bandwidth, **options)
     except ValueError as exc:
         print(f"ckpt plan: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"ckpt plan: measuring bandwidth at {args.measure!r} failed: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(asdict(plan), indent=2) if args.json else format_plan(plan))
+    print(json.dumps(asdict(plan), indent=2) if args.json else format_cadence_plan(plan))
     return 0
 
 
@@ -118,7 +126,7 @@ def _secs(s: float) -> str:
     return f"{s:.2f} s"
 
 
-def format_plan(plan: Plan) -> str:
+def format_cadence_plan(plan: CadencePlan) -> str:
     """The human table ``ckpt plan`` prints."""
     bw = f"{_bytes(plan.bandwidth_bytes_per_second)}/s ({plan.bandwidth_source})"
     rows = [("checkpoint size", _bytes(plan.size_bytes)), ("storage bandwidth", bw)]
@@ -144,9 +152,9 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def format_tiers(tiers: TierPlans) -> str:
+def format_tier_cadence_plans(tiers: TierCadencePlans) -> str:
     """Both tiers' tables, then the interval settings and the goodput of both together."""
-    def setting(plan: Plan) -> str:
+    def setting(plan: CadencePlan) -> str:
         if plan.interval_steps is not None:
             return f'"{plan.interval_steps}"'
         return f'"{max(1, math.ceil(plan.interval_seconds))}s"'
@@ -160,8 +168,8 @@ def format_tiers(tiers: TierPlans) -> str:
                   "checkpoint.local_copies = 2"]
     else:
         durable, copies = "durable tier (node losses)", []
-    out = ["local tier (all failures)", format_plan(tiers.local), "",
-           durable, format_plan(tiers.durable), "", *copies,
+    out = ["local tier (all failures)", format_cadence_plan(tiers.local), "",
+           durable, format_cadence_plan(tiers.durable), "", *copies,
            f"checkpoint.local_interval = {setting(tiers.local)}",
            f"checkpoint.interval = {setting(tiers.durable)}",
            f"expected goodput, both tiers: {100 * tiers.goodput:.2f} % (durable tier alone: "
@@ -184,8 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ckpt.cli._plan``: the same as ``ckpt plan``."""
     parser = argparse.ArgumentParser(prog="ckpt plan",
                                      description="recommend a checkpoint interval")
-    add_plan_arguments(parser)
-    return run_plan(parser.parse_args(argv))
+    add_cadence_plan_arguments(parser)
+    return run_cadence_plan(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -23,13 +23,13 @@ from ckpt.dcp.attachments import (
     read_from,
 )
 from ckpt.dcp.optim_state import pack_optimizer_state, saved_groups, unpack_optimizer_state
-from ckpt.dcp.plancache import PlanCache
+from ckpt.dcp.plancache import SavePlanCache
 from ckpt.dcp.savecost import SaveCost
 from ckpt.dcp.staging import StagingBuffers
 from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer_state, rank_key
 
 __all__ = [
-    "save", "SaveRequest", "load", "load_latest", "PlanCache", "StagingBuffers", "ModelState",
+    "save", "SaveRequest", "load", "load_latest", "SavePlanCache", "StagingBuffers", "ModelState",
     "RNGState", "PerRankState", "rank_key", "init_optimizer_state", "pack_optimizer_state",
     "unpack_optimizer_state", "saved_groups", "check_attachments", "read_attachment",
     "list_attachments", "read_from", "SaveCost",

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt._version import __version__
 from ckpt.dcp.attachments import check_attachments
-from ckpt.dcp.plancache import PlanCache, Replan
+from ckpt.dcp.plancache import SavePlanCache, Replan
 from ckpt.dcp.planners import SafeLoadPlanner, SafeSavePlanner
 from ckpt.dcp.reader import CkptReader
 from ckpt.dcp.savecost import SaveCost
@@ -214,7 +214,7 @@ class SaveRequest:
     DCP's first collective): raising there fails the save on every rank alike, with no
     collective of its own; ``before_commit``: on the coordinator, right before the commit.
     ``cost``: a :class:`ckpt.dcp.savecost.SaveCost` to add this save's phases to (created
-    on this thread). ``plan_cache``: a :class:`ckpt.dcp.plancache.PlanCache` kept by the
+    on this thread). ``save_plan_cache``: a :class:`ckpt.dcp.plancache.SavePlanCache` kept by the
     caller across its saves (every rank its own, each save of the group with one): while the
     state's layout does not change, the save is not planned again (None: every save plans in
     full). ``host_window_bytes``: device
@@ -232,7 +232,7 @@ class SaveRequest:
     before_write: Callable[[], None] | None = None
     before_commit: Callable[[], None] | None = None
     cost: SaveCost | None = None
-    plan_cache: PlanCache | None = None
+    save_plan_cache: SavePlanCache | None = None
     host_window_bytes: int | None = None
 
 
@@ -244,7 +244,7 @@ def save_with(state: dict[str, Any], storage: Storage, step: int, request: SaveR
     as ``request`` says. Collective over ``process_group``, as :func:`save`, whose engine it
     is; it takes no lease of its own (``request.lifecycle`` holds one, or none is used)."""
     group = cpu_group(process_group)  # first: it may make the group, with every rank
-    span, plan_cache = request.span, request.plan_cache
+    span, save_plan_cache = request.span, request.save_plan_cache
     if span is not None:
         ranks, job_size = _job_ranks(group)
         if not span.matches(ranks, job_size):
@@ -265,7 +265,7 @@ def save_with(state: dict[str, Any], storage: Storage, step: int, request: SaveR
                         host_window_bytes=request.host_window_bytes)
 
     def run(replan: bool) -> None:
-        planner = SafeSavePlanner(cost=writer.cost, cache=plan_cache, replan=replan,
+        planner = SafeSavePlanner(cost=writer.cost, cache=save_plan_cache, replan=replan,
                                   partial=span is not None)
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=not distributed)
@@ -279,9 +279,9 @@ def save_with(state: dict[str, Any], storage: Storage, step: int, request: SaveR
                 # The coordinator could not use the cached plan (a rank's layout changed,
                 # replicas differ): every rank got this alike, and every rank plans again.
                 # Nothing was written yet (the attempt begins after the global plan).
-                if plan_cache is None or not _all_replan(exc):
+                if save_plan_cache is None or not _all_replan(exc):
                     raise
-                plan_cache.num_replans += 1
+                save_plan_cache.num_replans += 1
                 run(replan=True)
     except CheckpointException as exc:
         raise unwrap_dcp_error(exc) from exc

@@ -3,8 +3,8 @@
 Planning a save (every rank lists its write items, the coordinator gathers them all,
 deduplicates replicas, builds the global plan and its metadata) costs the same at every
 save of a run, because a run's layout does not change: only the values do. A
-:class:`PlanCache` keeps what that planning produced, for its owner (a
-``CheckpointManager``, one per tier; a ``SaveRequest(plan_cache=...)`` of
+:class:`SavePlanCache` keeps what that planning produced, for its owner (a
+``CheckpointManager``, one per tier; a ``SaveRequest(save_plan_cache=...)`` of
 :func:`ckpt.dcp.api.save_with` for a caller's own saves), and the save planner (:class:`ckpt.dcp.planners.SafeSavePlanner`) reuses it:
 
 ========================== ===============================================================
@@ -57,7 +57,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-__all__ = ["PlanCache", "Replan", "layout_signature", "holder_sets", "replica_digest"]
+__all__ = ["SavePlanCache", "Replan", "layout_signature", "holder_sets", "replica_digest"]
 
 
 class Replan(Exception):
@@ -88,7 +88,7 @@ class GlobalPlan:
     sets_of_rank: list[tuple[int, ...]]
 
 
-class PlanCache:
+class SavePlanCache:
     """The plans of one owner's saves (see the module docstring). Counters, for tests and
     benchmarks: ``num_full_plans`` (this rank built its full local plan),
     ``num_cached_plans`` (it reused its cached one), ``num_replans`` (saves planned twice

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 
 from ckpt.dcp.plancache import (
     GlobalPlan,
-    PlanCache,
+    SavePlanCache,
     RankPlan,
     Replan,
     holder_sets,
@@ -79,7 +79,7 @@ class SafeSavePlanner(DefaultSavePlanner):
     key's checksums differ between ranks. Checksums travel in the plans DCP already gathers
     on the save's process group: no collective of its own.
 
-    ``cache``: a :class:`ckpt.dcp.plancache.PlanCache` (its module docstring has the
+    ``cache``: a :class:`ckpt.dcp.plancache.SavePlanCache` (its module docstring has the
     protocol): a rank whose layout did not change since the cached plan sends an empty plan
     with one digest per holder set instead, and the coordinator compares those (a mismatch
     makes the save plan again in full, which names the key). ``replan``: plan in full
@@ -98,7 +98,7 @@ class SafeSavePlanner(DefaultSavePlanner):
 
     known_crcs: dict[str, int]
 
-    def __init__(self, *args, cost=None, cache: PlanCache | None = None, replan: bool = False,
+    def __init__(self, *args, cost=None, cache: SavePlanCache | None = None, replan: bool = False,
                  partial: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.cost = cost if cost is not None else SaveCost()  # see ckpt.dcp.savecost
@@ -275,7 +275,7 @@ class SafeSavePlanner(DefaultSavePlanner):
                              + (f" and {len(problems) - 10} more" if len(problems) > 10
                                 else ""))
         if self.cache is not None:
-            plan_id = PlanCache.new_id()
+            plan_id = SavePlanCache.new_id()
             set_ranks, sets = holder_sets(all_plans)
             self.cache.global_plan = GlobalPlan(plan_id, metadata, set_ranks,
                                                 [tuple(sorted(s)) for s in sets])

@@ -554,7 +554,7 @@ class _Writer:
         return reply["value"]
 
     def serve(self) -> None:
-        from ckpt.dcp import PlanCache
+        from ckpt.dcp import SavePlanCache
         from ckpt.dcp._shm import SharedBlocks
         from ckpt.storage import Storage
 
@@ -564,7 +564,7 @@ class _Writer:
         self.config = init
         self.storage = Storage(init["url"], init["storage_options"])
         self.life = _Attempts(self.storage, self.send)
-        self.plan_cache = PlanCache()
+        self.save_plan_cache = SavePlanCache()
         self.blocks = SharedBlocks()
         while True:
             job = self.jobs.get()
@@ -634,7 +634,7 @@ class _Writer:
             return {"committed": False, "error": _error_json(exc), "attempts": 1}
         persister = Persister(
             SaveRequest(self.life, layout=config["layout"], num_threads=config["num_threads"],
-                        plan_cache=self.plan_cache),
+                        save_plan_cache=self.save_plan_cache),
             _Forwarded(self.send, config["event_rank"]), group,
             rank=config["rank"], max_attempts=config["max_attempts"],
             retry_backoff_seconds=config["retry_backoff_seconds"], abandon=self.abandon)

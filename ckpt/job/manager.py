@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from ckpt.cadence import CadencePolicy, FailureHistory, StepTimes, parse_interval
-from ckpt.dcp import PlanCache, SaveRequest, StagingBuffers, api, check_attachments
+from ckpt.dcp import SavePlanCache, SaveRequest, StagingBuffers, api, check_attachments
 from ckpt.errors import CheckpointError, LeaseLostError
 from ckpt.events import EventBus
 from ckpt.format import Lineage, Manifest, Span, new_run_id, parent_of, step_dirname
@@ -135,11 +135,11 @@ class CheckpointManager(Checkpointer):
         self._ctl = Agreement(self._ctl_group)  # the calling (training) thread only
         # This manager's own save plans, reused while the state's layout does not change
         # (ckpt.dcp.plancache); another manager in the process (the other tier) has its own.
-        self.plan_cache = PlanCache()
+        self.save_plan_cache = SavePlanCache()
         self._persister = Persister(
             SaveRequest(self.life, layout=dict(options.layout or {}),
                         span=tier.span if tier is not None else None,
-                        num_threads=options.num_threads, plan_cache=self.plan_cache),
+                        num_threads=options.num_threads, save_plan_cache=self.save_plan_cache),
             self.events, self._bg_group, rank=self.rank, max_attempts=options.max_attempts,
             retry_backoff_seconds=options.retry_backoff_seconds, abandon=self._abandon)
         if options.writer == "process":  # the same saves, in a writer process

@@ -130,9 +130,9 @@ def test_help_has_no_rst_markup():
     import argparse
 
     import trainer.__main__ as entry
-    from trainer.layout_plan import add_plan_arguments
+    from trainer.layout_plan import add_layout_plan_arguments
 
     assert "``" not in entry.__doc__ and "--debug" in entry.__doc__
     parser = argparse.ArgumentParser(prog="python -m trainer plan")
-    add_plan_arguments(parser)
+    add_layout_plan_arguments(parser)
     assert "``" not in parser.format_help()

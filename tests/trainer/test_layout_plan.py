@@ -11,11 +11,11 @@ import pytest
 from trainer.config import ModelConfig, ParallelConfig, load_config
 from trainer.hardware import GIB, GPU_PRESETS, PRECISIONS, get_gpu
 from trainer.layout_plan import (
-    add_plan_arguments,
+    add_layout_plan_arguments,
     candidate_layouts,
     parse_count,
     plan_layout,
-    run_plan,
+    run_layout_plan,
 )
 from trainer.memory_model import (
     Candidate,
@@ -40,8 +40,8 @@ def _codes(plan) -> set[str]:
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    rc = run_plan(parser.parse_args(list(argv)))
+    add_layout_plan_arguments(parser)
+    rc = run_layout_plan(parser.parse_args(list(argv)))
     return rc, capsys.readouterr().out
 
 
@@ -200,10 +200,10 @@ def test_cli_from_config(capsys):
 
 def test_cli_bad_input_exits_2(capsys):
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    assert run_plan(parser.parse_args([])) == 2
-    assert run_plan(parser.parse_args(["--dim", "64"])) == 2
-    assert run_plan(parser.parse_args(["--params", "7B", "--gpu", "tpu"])) == 2
+    add_layout_plan_arguments(parser)
+    assert run_layout_plan(parser.parse_args([])) == 2
+    assert run_layout_plan(parser.parse_args(["--dim", "64"])) == 2
+    assert run_layout_plan(parser.parse_args(["--params", "7B", "--gpu", "tpu"])) == 2
     assert "did you mean" not in capsys.readouterr().out
 
 
@@ -228,8 +228,8 @@ def test_candidates_are_trainer_layouts():
 
 def test_cli_bad_layout_names_the_field(capsys):
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    assert run_plan(parser.parse_args(["--params", "7B", "--dp", "-3"])) == 2
+    add_layout_plan_arguments(parser)
+    assert run_layout_plan(parser.parse_args(["--params", "7B", "--dp", "-3"])) == 2
     assert "plan: error: parallel.dp: must be >= 1 or -1, got -3" in capsys.readouterr().err
 
 
@@ -285,8 +285,8 @@ def test_cli_hsdp_layout_and_its_flags(capsys):
     par = load_config(None, flags).parallel
     assert (par.dp, par.dp_replicate, par.dp_shard, par.dp_mode) == (16, 2, 8, "fsdp")
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    assert run_plan(parser.parse_args(["--params", "7B", "--nodes", "2", "--dp", "16",
+    add_layout_plan_arguments(parser)
+    assert run_layout_plan(parser.parse_args(["--params", "7B", "--nodes", "2", "--dp", "16",
                                        "--dp-replicate", "3"])) == 2
     assert "plan: error: --dp-replicate: 3 does not divide dp=16" in capsys.readouterr().err
 
@@ -340,8 +340,8 @@ def test_grouped_query_attention_counts_kv_dim(capsys, tmp_path):
     # TP must divide the key/value heads too (as ParallelConfig.check says).
     assert {c.tp for c in candidate_layouts(8, 8, shape)} == {1, 2, 4}
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    assert run_plan(parser.parse_args(["--dim", "1024", "--layers", "8", "--heads", "16",
+    add_layout_plan_arguments(parser)
+    assert run_layout_plan(parser.parse_args(["--dim", "1024", "--layers", "8", "--heads", "16",
                                        "--kv-heads", "3"])) == 2
     assert "plan: error: --kv-heads: 3 does not divide the 16" in capsys.readouterr().err
 
@@ -478,6 +478,6 @@ def test_cli_moe_report_and_json(capsys, tmp_path):
 ])
 def test_cli_bad_moe_input_exits_2(capsys, argv, fragment):
     parser = argparse.ArgumentParser()
-    add_plan_arguments(parser)
-    assert run_plan(parser.parse_args(argv)) == 2
+    add_layout_plan_arguments(parser)
+    assert run_layout_plan(parser.parse_args(argv)) == 2
     assert fragment in capsys.readouterr().err

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from ckpt.cadence import make_plan, measure_bandwidth
+from ckpt.cadence import make_cadence_plan, measure_bandwidth
 from ckpt.cadence.young_daly import young_daly_interval
 from ckpt.cadence.plan import HOST_COPY_BYTES_PER_SECOND
-from ckpt.cli._plan import add_plan_arguments, main, run_plan
+from ckpt.cli._plan import add_cadence_plan_arguments, main, run_cadence_plan
 from ckpt.units import parse_bandwidth, parse_size
 
 FIELDS = {
@@ -52,7 +52,8 @@ def test_parse_bandwidth():
 
 
 def test_make_plan_hand_computed():
-    plan = make_plan(14 * 10**9, 2e9, mtbf_seconds=86400.0, restart_seconds=60.0, step_seconds=1.2)
+    plan = make_cadence_plan(14 * 10**9, 2e9, mtbf_seconds=86400.0, restart_seconds=60.0,
+                             step_seconds=1.2)
     delta = 14e9 / HOST_COPY_BYTES_PER_SECOND  # 1.4 s default stall
     assert plan.stall_seconds == pytest.approx(1.4) == pytest.approx(delta)
     assert plan.persist_seconds == pytest.approx(7.0)
@@ -134,9 +135,10 @@ def test_plan_invalid_combination_returns_2(capsys):
 
 def test_add_plan_arguments_on_a_subcommand(capsys):
     parser = argparse.ArgumentParser(prog="ckpt")
-    add_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
+    add_cadence_plan_arguments(parser.add_subparsers(dest="command").add_parser("plan"))
     args = parser.parse_args(["plan", "--size", "1GB", "--bandwidth", "1GB/s", "--json"])
-    assert run_plan(args) == 0 and json.loads(capsys.readouterr().out)["persist_seconds"] == 1.0
+    assert run_cadence_plan(args) == 0
+    assert json.loads(capsys.readouterr().out)["persist_seconds"] == 1.0
 
 
 def test_measure_local_dir_writes_reads_and_cleans_up(tmp_path, capsys):
@@ -206,10 +208,10 @@ def test_plan_duration_error_names_value_and_forms(capsys):
 
 
 def test_tier_plans_share_the_stall_and_count_each_tiers_load():
-    from ckpt.cadence import make_tier_plans
+    from ckpt.cadence import make_tier_cadence_plans
 
     m, m_node = 4 * 3600.0, 48 * 3600.0
-    t = make_tier_plans(10**12, 2e9, 100e9, node_mtbf_seconds=m_node, mtbf_seconds=m,
+    t = make_tier_cadence_plans(10**12, 2e9, 100e9, node_mtbf_seconds=m_node, mtbf_seconds=m,
                         stall_seconds=10.0, step_seconds=5.0)
     # Every durable save falls on a local save's step: one stall for both.
     assert t.durable.interval_steps % t.local.interval_steps == 0
@@ -223,7 +225,7 @@ def test_tier_plans_share_the_stall_and_count_each_tiers_load():
                                       - t.durable.lost_seconds_per_failure / m_node)
     assert t.goodput > t.durable_only_goodput + 0.05  # a long durable persist and load
     # A small checkpoint whose cost is the stall: the local tier does not pay.
-    small = make_tier_plans(14 * 10**9, 2e9, 40e9, node_mtbf_seconds=48 * 3600.0,
+    small = make_tier_cadence_plans(14 * 10**9, 2e9, 40e9, node_mtbf_seconds=48 * 3600.0,
                             mtbf_seconds=6 * 3600.0, step_seconds=1.2)
     assert small.goodput < small.durable_only_goodput
 
@@ -231,13 +233,13 @@ def test_tier_plans_share_the_stall_and_count_each_tiers_load():
 def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighbours():
     import math
 
-    from ckpt.cadence import make_tier_plans
+    from ckpt.cadence import make_tier_cadence_plans
 
     m, m_node = 4 * 3600.0, 48 * 3600.0
     args = (10**12, 2e9, 100e9)
     kw = dict(node_mtbf_seconds=m_node, mtbf_seconds=m, stall_seconds=10.0, step_seconds=5.0)
-    one = make_tier_plans(*args, **kw)
-    two = make_tier_plans(*args, copies=2, num_nodes=16, **kw)
+    one = make_tier_cadence_plans(*args, **kw)
+    two = make_tier_cadence_plans(*args, copies=2, num_nodes=16, **kw)
     local = two.local
     assert local == one.local  # the local tier's own plan does not change
     # A node loss takes the local tier down only if one of its 2 neighbours is lost within
@@ -254,7 +256,7 @@ def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighb
                                         - two.durable.lost_seconds_per_failure * p / m_node)
     assert two.goodput > one.goodput and two.durable_only_goodput == one.durable_only_goodput
     # Two nodes: each has one neighbour.
-    pair = make_tier_plans(*args, copies=2, num_nodes=2, **kw)
+    pair = make_tier_cadence_plans(*args, copies=2, num_nodes=2, **kw)
     assert pair.second_loss_probability == pytest.approx(1 - math.exp(-window / (2 * m_node)))
     assert one.copies == 1 and one.second_loss_probability is None
 
@@ -265,7 +267,7 @@ def test_copies_on_the_next_node_leave_the_durable_tier_the_losses_of_two_neighb
     (dict(copies=2, num_nodes=1), "copies=2 needs the number of nodes .* got 1"),
 ])
 def test_tier_plans_refuse_bad_replicas(kw, message):
-    from ckpt.cadence import make_tier_plans
+    from ckpt.cadence import make_tier_cadence_plans
 
     with pytest.raises(ValueError, match=message):
-        make_tier_plans(10**9, 1e9, 1e10, **kw)
+        make_tier_cadence_plans(10**9, 1e9, 1e10, **kw)

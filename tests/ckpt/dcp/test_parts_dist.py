@@ -60,7 +60,7 @@ def _body(rank: int, world: int, root: str, cached: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import ckpt
-    from ckpt.dcp import PlanCache, SaveRequest
+    from ckpt.dcp import SavePlanCache, SaveRequest
     from ckpt.dcp.api import save_with
     from ckpt.dcp.api import resolve_state
     from tests.ckpt._helpers import assert_same, snapshot
@@ -68,11 +68,12 @@ def _body(rank: int, world: int, root: str, cached: bool) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     saved = _state(rank, mesh, seed=7)
-    cache = PlanCache() if cached else None
+    cache = SavePlanCache() if cached else None
     if cached:
         save_with(resolve_state(_state(rank, mesh, seed=5)), RecordingStorage(root), STEP - 1,
-                  SaveRequest(plan_cache=cache))
-    save_with(resolve_state(saved), RecordingStorage(root), STEP, SaveRequest(plan_cache=cache))
+                  SaveRequest(save_plan_cache=cache))
+    save_with(resolve_state(saved), RecordingStorage(root), STEP,
+              SaveRequest(save_plan_cache=cache))
     if cached:
         assert (cache.num_full_plans, cache.num_cached_plans, cache.num_replans) == (1, 1, 0)
     dist.barrier()

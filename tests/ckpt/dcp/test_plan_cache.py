@@ -49,10 +49,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _save(state, root: str, step: int, cache) -> None:
-    """A loop's own save that keeps its plans (``ckpt.dcp.save_with`` with a ``PlanCache``),
+    """A loop's own save that keeps its plans (``ckpt.dcp.save_with`` with a ``SavePlanCache``),
     with no lease and nothing synced: what these tests measure is the planning."""
     save_with(resolve_state(state), Storage(root), step,
-              SaveRequest(plan_cache=cache, durable=False))
+              SaveRequest(save_plan_cache=cache, durable=False))
 
 
 def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -67,7 +67,7 @@ def _model(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 def _drift_body(rank: int, world: int, root: str) -> dict:
     """50 cached saves of a replicated model, then one rank's replicated values differ."""
     import ckpt
-    from ckpt.dcp import ModelState, PerRankState, PlanCache
+    from ckpt.dcp import ModelState, PerRankState, SavePlanCache
     from ckpt.root import CheckpointStore
 
     class Counter:
@@ -81,7 +81,7 @@ def _drift_body(rank: int, world: int, root: str) -> dict:
             self.n = sd["n"]
 
     model, optim = _model()  # the same on every rank: replicas
-    cache = PlanCache()
+    cache = SavePlanCache()
     counter = Counter()
     state = {"app": ModelState(model, optim), "cfg": {"lr": 0.1, "name": "x"},
              "mine": PerRankState(counter)}
@@ -147,10 +147,10 @@ def _layout_body(rank: int, world: int, root: str) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import ckpt
-    from ckpt.dcp import PlanCache
+    from ckpt.dcp import SavePlanCache
 
     mesh = init_device_mesh("cpu", (world,))
-    cache = PlanCache()
+    cache = SavePlanCache()
     state = {"w": {"a": torch.ones(4)}, "n": 1,
              "d": distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])}
     counts = []
@@ -241,9 +241,9 @@ def _manager_body(rank: int, world: int, root: str) -> dict:
             model_b.bias.add_(1.0)
         a.save(step, state_a)
         b.save(step, state_b)
-    counts = {name: (m.plan_cache.num_full_plans, m.plan_cache.num_cached_plans)
+    counts = {name: (m.save_plan_cache.num_full_plans, m.save_plan_cache.num_cached_plans)
               for name, m in (("a", a), ("b", b))}
-    assert a.plan_cache is not b.plan_cache
+    assert a.save_plan_cache is not b.save_plan_cache
     fresh_a, fresh_optim_a = _model(seed=9)
     loaded_a = {"app": ModelState(fresh_a, fresh_optim_a), "step": 0}
     torch.manual_seed(3)

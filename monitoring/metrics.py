@@ -68,8 +68,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from ckpt import Event, EventBus
 from ckpt.cadence import GOODPUT_CATEGORIES, GoodputLedger
-from ckpt.events import COMM_KINDS, SAVE_COST_PHASES, Event, EventBus, tier_of
+from ckpt.events import COMM_KINDS, SAVE_COST_PHASES, tier_of
 from monitoring.hardware import GpuSource, HardwareCollector
 
 __all__ = ["Metrics", "local_port", "DEFAULT_HOST", "SAVE_OUTCOMES", "FAILURE_KINDS", "TIERS",

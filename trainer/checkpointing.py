@@ -13,23 +13,25 @@ import logging
 import os
 from typing import Any
 
-from ckpt.cadence import parse_interval
-from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
-from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
-from ckpt.events import EventBus
-from ckpt.format import step_dirname
-from ckpt.job import (
-    CheckpointManager,
+from ckpt import (
     Checkpointer,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    EventBus,
     KeepEvery,
     KeepLast,
     LocalTierOptions,
     ManagerOptions,
+    StateMismatchError,
+    Storage,
     TieredCheckpointManager,
-    node_local_root,
+    parse_interval,
 )
-from ckpt.root import CheckpointStore
-from ckpt.storage import Storage
+from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
+from ckpt.format import step_dirname
+from ckpt.job import node_local_root
 from trainer.config import Config, ConfigError, ParallelConfig, TrainingConfig, config_to_dict
 from trainer.slurm import SlurmJob
 

@@ -21,7 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ckpt import ranks
+import ckpt
 
 __all__ = ["DistEnv", "init_distributed", "shutdown", "EXIT_OK", "EXIT_FAILED", "EXIT_CONFIG",
            "EXIT_PREEMPTED", "EXIT_HANG", "EXIT_NOT_CHECKPOINTED", "EXIT_LEASE_LOST"]
@@ -69,8 +69,8 @@ def init_distributed(device: str = "auto", *, timeout_seconds: float) -> DistEnv
     if world <= 1 and "MASTER_ADDR" not in os.environ:
         return DistEnv(0, 1, 0, dev, None, restart)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    ranks.init_distributed(backend, timeout_seconds=timeout_seconds,
-                           device_id=dev if dev.type == "cuda" else None)
+    ckpt.init_distributed(backend, timeout_seconds=timeout_seconds,
+                          device_id=dev if dev.type == "cuda" else None)
     if (dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             and _env_int("GROUP_WORLD_SIZE") > 1 and _env_int("TORCHELASTIC_MAX_RESTARTS") > 0):
         log.warning("a multi-node job with restarts shares the agents' store: a node that "

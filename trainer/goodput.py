@@ -27,10 +27,8 @@ import threading
 import time
 from typing import Any
 
+from ckpt import Checkpointer, EventBus, Storage
 from ckpt.cadence import GoodputLedger, load_history
-from ckpt.events import EventBus
-from ckpt.job import Checkpointer
-from ckpt.storage import Storage
 
 __all__ = ["GoodputRecorder", "RECORD_SECONDS", "process_start_unix"]
 

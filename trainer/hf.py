@@ -52,12 +52,11 @@ from typing import Any, Mapping
 
 import torch
 
+from ckpt import HFLoadReport, Manifest, Storage, load_hf
 from ckpt.dcp import read_from
 from ckpt.export import HF_CONFIG_NAME, HF_EXPORT_NAME
-from ckpt.format import Manifest
-from ckpt.hf import HFFolder, HFLoadReport, load_hf
+from ckpt.hf import HFFolder
 from ckpt.ranks import Agreement, cpu_group
-from ckpt.storage import Storage
 from trainer.config import ConfigError, ModelConfig
 from trainer.model import Transformer
 

@@ -33,23 +33,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt.dcp import RNGState, init_optimizer_state
-from ckpt.errors import (
+from ckpt import (
     AllCheckpointsDamagedError,
-    LeaseHeldError,
-    LeaseLostError,
-    StateMismatchError,
-)
-from ckpt.events import EventBus, JsonlEventLog
-from ckpt.job import (
     Checkpointer,
     CheckpointReader,
+    CheckpointStore,
+    EventBus,
+    JsonlEventLog,
+    LeaseHeldError,
+    LeaseLostError,
     ManagerOptions,
     ReadOnlyCheckpointer,
+    RNGState,
+    StateMismatchError,
+    Storage,
 )
+from ckpt.dcp import init_optimizer_state
 from ckpt.ranks import Agreement
-from ckpt.root import CheckpointStore
-from ckpt.storage import Storage
 from monitoring import Metrics
 from trainer.checkpointing import (
     ListState,

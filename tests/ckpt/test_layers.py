@@ -9,7 +9,9 @@ those inside functions included, ``from ckpt import X`` resolved to what ``X`` i
 * no module but a package face imports a name only to hand it on (listed in ``__all__``,
   or never used);
 * at most 8 modules at ``ckpt``'s top level; no imports of project modules inside
-  functions in ``ckpt`` (they hide the graph this test reads).
+  functions in ``ckpt`` (they hide the graph this test reads);
+* ``trainer`` and ``monitoring`` import the ``ckpt`` face for every name it carries, and
+  otherwise only the sub-packages ``trainer/__init__.py`` lists (never ``ckpt.cli``).
 """
 
 from __future__ import annotations
@@ -218,3 +220,46 @@ def test_private_modules_are_imported_only_inside_their_package():
             if not (name == owner or name.startswith(owner + ".")) and dep != "ckpt._version":
                 wrong.append(f"{name} imports {dep}")
     assert not wrong, wrong
+
+
+def _trainer_ckpt_packages() -> set[str]:
+    """The ``ckpt`` sub-packages ``trainer`` and ``monitoring`` may import: the ``* ``ckpt.X``:``
+    items of ``trainer/__init__.py``'s docstring (the one place they are listed, with why)."""
+    doc = ast.get_docstring(TREES["trainer"]) or ""
+    return {name for line in doc.splitlines() if line.startswith("* ")
+            for name in re.findall(r"``ckpt\.(\w+)``", line.split(":")[0])}
+
+
+def _beyond_the_face(name: str, tree: ast.Module) -> list[str]:
+    """What module ``name`` imports of ``ckpt`` beyond its face and the listed sub-packages,
+    and the names it imports from a sub-package although the face carries them."""
+    allowed, wrong = _trainer_ckpt_packages(), []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        for dep in sorted(_resolve(name, node)):
+            parts = dep.split(".")
+            if parts[0] == "ckpt" and len(parts) > 1 and parts[1] not in allowed:
+                wrong.append(f"{name}:{node.lineno} imports {dep} (not listed in "
+                             f"trainer/__init__.py)")
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckpt."):
+            face = [a.name for a in node.names if a.name in ckpt.__all__]
+            if face:
+                wrong.append(f"{name}:{node.lineno} imports {face} from {node.module}: "
+                             f"import them from ckpt")
+    return wrong
+
+
+def test_trainer_and_monitoring_use_the_ckpt_face_and_the_listed_sub_packages():
+    allowed = _trainer_ckpt_packages()
+    assert allowed and "cli" not in allowed
+    assert allowed <= {d.split(".")[1] for d in MODULES if d.startswith("ckpt.")}, allowed
+    wrong = [w for name, tree in TREES.items() if name.split(".")[0] in ("trainer", "monitoring")
+             for w in _beyond_the_face(name, tree)]
+    assert not wrong, wrong
+    # What it catches: the CLI, a sub-package not listed, a face name from a sub-package.
+    caught = _beyond_the_face("trainer.train", ast.parse(
+        "from ckpt.cli import main\nfrom ckpt import storage\n"
+        "def f():\n    from ckpt.job import CheckpointManager\n"))
+    assert [w.split(" ")[2] for w in caught] == ["ckpt.cli", "ckpt.storage",
+                                                 "['CheckpointManager']"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ckpt import Storage
 from ckpt.cadence import Interval
-from ckpt.storage import Storage
 from trainer.config._section import Section, config_field as _f
 
 __all__ = ["CheckpointConfig"]

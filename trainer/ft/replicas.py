@@ -44,7 +44,7 @@ import torch.distributed as dist
 os.environ.setdefault("RUST_LOG", "warn")
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
 
-from ckpt.events import EventBus
+from ckpt import EventBus
 from ckpt.ranks import Agreement
 from trainer.config import Config
 from trainer.ft.lighthouse import LighthouseWatch

@@ -32,12 +32,9 @@ import logging
 import time
 from typing import Callable
 
-from ckpt.errors import CheckpointError, LeaseHeldError
-from ckpt.events import EventBus
-from ckpt.job import Checkpointer
+from ckpt import Checkpointer, CheckpointError, CheckpointStore, EventBus, LeaseHeldError, Storage
 from ckpt.ranks import Agreement
-from ckpt.root import CheckpointStore, Fence, Lease, read_lease
-from ckpt.storage import Storage
+from ckpt.root import Fence, Lease, read_lease
 
 __all__ = ["WriterRole"]
 

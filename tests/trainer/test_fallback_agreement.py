@@ -40,7 +40,7 @@ def _fallback_job(rank: int, world: int, root: str, metrics_port: int) -> dict:
     import torch.distributed as dist
 
     from ckpt.format import step_dirname
-    from ckpt.root import CheckpointStore
+    from ckpt.root import Lifecycle
     from monitoring import Metrics
     from tests.ckpt._helpers import flip_byte
 
@@ -51,12 +51,12 @@ def _fallback_job(rank: int, world: int, root: str, metrics_port: int) -> dict:
         for name in os.listdir(folder):
             if name.endswith(".bin"):
                 flip_byte(os.path.join(folder, name), 0)
-        slow = CheckpointStore.uncommit_newer
+        slow = Lifecycle.uncommit_newer
 
         def uncommit_slowly(self, step):
             time.sleep(UNCOMMIT_DELAY)
-            yield from slow(self, step)
-        CheckpointStore.uncommit_newer = uncommit_slowly
+            return slow(self, step)
+        Lifecycle.uncommit_newer = uncommit_slowly
     dist.barrier()
     newest: list[float] = []
     observe = Metrics.observe_store

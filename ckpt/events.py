@@ -181,7 +181,25 @@ class EventBus:
             self._subs.append(fn)
 
     def emit(self, kind: str, step: int | None = None, **fields: Any) -> Event:
-        ev = Event(kind, step, fields, rank=self.rank)
+        return self._publish(Event(kind, step, fields, rank=self.rank))
+
+    def forward(self, kind: str, step: int | None, fields: dict[str, Any]) -> Event:
+        """Emit an event another process emitted (a manager's writer process: its kinds
+        come from the ``emit`` calls tests/ckpt/test_events.py reads, this is the one place
+        they cross over). ``ValueError`` naming the kind or field when it is not in
+        :data:`KINDS` (a writer of another version), so nothing unlisted reaches a
+        subscriber."""
+        if not isinstance(kind, str) or tier_of(kind)[1] not in KINDS:
+            raise ValueError(f"forwarded event kind {kind!r} is not in ckpt.events.KINDS "
+                             f"(a writer process of another version?)")
+        unknown = sorted(set(fields) - set(KINDS[tier_of(kind)[1]]) - {"tier"})
+        if unknown:
+            raise ValueError(f"forwarded event {kind!r}: fields {unknown} are not in "
+                             f"ckpt.events.KINDS[{tier_of(kind)[1]!r}]")
+        return self._publish(Event(kind, step, dict(fields), rank=self.rank))
+
+    def _publish(self, ev: Event) -> Event:
+        kind = ev.kind
         with self._lock:
             self.recent.append(ev)
             del self.recent[:-self._keep]

@@ -21,14 +21,16 @@ Protocol: one socket pair per writer; every message is one JSON object (``send_b
 
 =====================  ===========================================================
 training -> writer     ``init`` (once: storage, rank, group rendezvous, retry settings),
-                       ``save`` (a staged copy as :func:`ckpt.dcp._shm.describe_staged`
+                       ``save`` (a staged copy as :meth:`ckpt.dcp.StagingBuffers.handoff`
                        describes it, step, metadata, lineage, lease identity),
                        ``abandon`` (``close(flush=False)`` during a save), ``reply`` (to a
                        lease call), ``exit``
-writer -> training     ``event`` (re-emitted on the manager's bus), ``lease`` (a call on
-                       the lease, answered by ``reply``), ``committed_id`` (a commit the
-                       lease renewal proved), ``attempt`` (an attempt's save id, written
-                       before its marker), ``done`` (the save's outcome)
+writer -> training     ``event`` (re-emitted on the manager's bus by ``EventBus.forward``,
+                       which refuses a kind or field not in ``ckpt.events.KINDS``),
+                       ``lease`` (a call on the lease, answered by ``reply``),
+                       ``committed_id`` (a commit the lease renewal proved), ``attempt``
+                       (an attempt's save id, written before its marker), ``done`` (the
+                       save's outcome)
 =====================  ===========================================================
 
 Same guarantees as the persist thread: the writer runs the same ``Persister`` (attempts,
@@ -75,8 +77,12 @@ import sys
 import threading
 import time
 import uuid
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
 
 from ckpt.errors import (
     CheckpointError,
@@ -86,11 +92,12 @@ from ckpt.errors import (
     SaveAbandoned,
     StorageUnavailableError,
 )
-from ckpt.dcp import SaveCost, SaveRequest
+from ckpt.dcp import SaveCost, SavePlanCache, SaveRequest, SharedBlocks, rebuild_staged
 from ckpt.events import EventBus
-from ckpt.format import Manifest
+from ckpt.format import Manifest, parse_lineage
 from ckpt.job.persist import PersistOutcome, Persister
 from ckpt.root import Lifecycle
+from ckpt.storage import Storage
 
 __all__ = ["WriterProcess", "WRITER_MODES", "check_writer_mode", "main"]
 
@@ -172,7 +179,7 @@ class WriterProcess:
                              "use writer='thread'")
         if staging.shared_path is not None or staging.arena_bytes:
             raise AssertionError("the staging buffers were allocated before the writer")
-        staging.shared = True  # the writer process maps them (ckpt.dcp._shm)
+        staging.shared = True  # the writer process maps them (ckpt.dcp.SharedBlocks)
         self.life, self.events, self.staging = life, events, staging
         self.rank, self.world_size = rank, world_size
         self.abandon = persister.abandon
@@ -334,7 +341,10 @@ class WriterProcess:
                 return self._died(step, attempts, nbytes, stall, t0)
             op = message.get("op")
             if op == "event":
-                self.events.emit(message["kind"], message.get("step"), **message["fields"])
+                try:
+                    self.events.forward(message["kind"], message.get("step"), message["fields"])
+                except ValueError as exc:
+                    log.warning("writer process %s: %s (dropped)", self.pid, exc)
             elif op == "lease":
                 self._answer(conn, message)
             elif op == "committed_id":
@@ -554,10 +564,6 @@ class _Writer:
         return reply["value"]
 
     def serve(self) -> None:
-        from ckpt.dcp import SavePlanCache
-        from ckpt.dcp._shm import SharedBlocks
-        from ckpt.storage import Storage
-
         init = self.jobs.get()
         if init is None:
             return
@@ -575,13 +581,9 @@ class _Writer:
     def _group(self, seq: int) -> Any:
         """The writers' group for save ``seq`` (module docstring: kept while every writer is
         in it, else a new one named after this save); None for one rank."""
-        import torch.distributed as dist
-
         rendezvous, world = self.config["rendezvous"], self.config["world_size"]
         if rendezvous is None:
             return None
-        from datetime import timedelta
-
         if self.store is None:
             self.store = dist.TCPStore(rendezvous["host"], rendezvous["port"], is_master=False,
                                        timeout=timedelta(minutes=10))
@@ -611,9 +613,6 @@ class _Writer:
         return dist.group.WORLD
 
     def save(self, job: dict[str, Any]) -> dict[str, Any]:
-        from ckpt.dcp._shm import rebuild_staged
-        from ckpt.format import parse_lineage
-
         config, step = self.config, job["step"]
         if job.get("abandon"):
             self.abandon.set()
@@ -653,8 +652,6 @@ class _Writer:
 def main(fd: int) -> None:
     """The writer process's program (``python -c``): serve the training process on the
     socket ``fd`` until it says ``exit`` or goes away."""
-    import torch
-
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING,
                         format="%(asctime)s ckpt-writer %(levelname)s %(name)s: %(message)s")

@@ -1,10 +1,14 @@
 """``ckpt.events.KINDS`` is the list of every event kind, true and complete: read from every
-``emit`` call in ``ckpt/`` and ``trainer/`` (ast), and from every kind ``monitoring/`` reads."""
+``emit`` call in ``ckpt/`` and ``trainer/`` (ast), and from every kind ``monitoring/`` reads.
+Events that cross from a writer process go through ``EventBus.forward``, in one place, which
+refuses what ``KINDS`` does not list."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import ckpt
 from ckpt.cadence import parse_interval
@@ -79,6 +83,31 @@ def test_every_documented_kind_and_field_is_emitted():
 def test_the_local_tier_is_forwarded_in_one_place():
     forwards = [where for where, call in _emits() if _is_local_forward(call.args[0])]
     assert len(forwards) == 1 and forwards[0].startswith("ckpt/job/tiers.py"), forwards
+
+
+def test_a_writer_process_is_forwarded_in_one_place():
+    forwards = []
+    for pkg in ("ckpt", "trainer"):
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr == "forward" and "events" in ast.unparse(node.func):
+                    forwards.append(str(path.relative_to(REPO)))
+    assert forwards == ["ckpt/job/_writer_process.py"], forwards
+
+
+def test_forward_refuses_what_kinds_does_not_list():
+    bus = EventBus(rank=3)
+    got = []
+    bus.subscribe(got.append)
+    ev = bus.forward("save_committed", 7, {"bytes": 10})
+    assert (ev.kind, ev.step, ev.fields, ev.rank) == ("save_committed", 7, {"bytes": 10}, 3)
+    bus.forward(LOCAL_PREFIX + "save_staged", 7, {"tier": "local"})
+    with pytest.raises(ValueError, match="'save_comitted' is not in ckpt.events.KINDS"):
+        bus.forward("save_comitted", 7, {})
+    with pytest.raises(ValueError, match=r"fields \['nbytes'\] are not in"):
+        bus.forward("save_committed", 7, {"nbytes": 10})
+    assert [e.kind for e in got] == ["save_committed", "local_save_staged"]
 
 
 def test_monitoring_reads_only_documented_kinds():

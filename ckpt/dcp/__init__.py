@@ -9,7 +9,9 @@ layout stays). ``writer`` and ``reader``: where the bytes go and how they come b
 verified (``layout``: a data file's bytes; ``_shards``: which chunks go in a rank's part,
 which it refers to, and whether the parts a loading rank read cover it; ``_coop``: a byte
 several loading ranks need read by one of them and sent to the others). ``staging``: the
-host copy that is a save's only stall (``_host_arena``: one pinned allocation; ``_shm``: a
+host copy that is a save's only stall (``_host_arena``: one pinned allocation, or a shared
+one, whose blocks that killed processes left behind :func:`remove_stale_shared_blocks`
+removes; ``_shm``: a
 staged copy handed to a writer process, rebuilt there over the shared block:
 :class:`SharedBlocks`, :func:`rebuild_staged`).
 ``stateful``: models, optimizers, RNG and per-rank state as state dicts (``optim_state``:
@@ -17,6 +19,7 @@ an optimizer's replicated values once per param group). ``attachments``: small f
 with a checkpoint. ``savecost``: what one save costs in the background, by phase.
 """
 
+from ckpt.dcp._host_arena import remove_stale_shared_blocks
 from ckpt.dcp._shm import SharedBlocks, rebuild_staged
 from ckpt.dcp.api import SaveRequest, load, load_latest, save
 from ckpt.dcp.attachments import (
@@ -36,4 +39,5 @@ __all__ = [
     "RNGState", "PerRankState", "rank_key", "init_optimizer_state", "pack_optimizer_state",
     "unpack_optimizer_state", "saved_groups", "check_attachments", "read_attachment",
     "list_attachments", "read_from", "SaveCost", "SharedBlocks", "rebuild_staged",
+    "remove_stale_shared_blocks",
 ]

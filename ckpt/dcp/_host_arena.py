@@ -29,14 +29,21 @@ there is none), mapped into this process, so that another process (the manager's
 process, :mod:`ckpt.job._writer_process`) maps the same pages by its name (``path``) and
 reads what was staged without a copy. Its pages are reserved when it is made
 (``posix_fallocate``: a full ``/dev/shm`` is an error here, never a SIGBUS at a later
-touch); ``release()`` removes the name, and the pages go with the last mapping.
+touch); ``release()`` removes the name, and the pages go with the last mapping. Its name
+carries its owner's pid (``ckpt-staging-<pid>-<random>``) and its owner holds a shared
+``flock`` on it while the arena lives, so that a block a killed process left behind (a
+SIGKILL skips ``release()``) is told apart from a live one and removed by
+:func:`remove_stale_shared_blocks`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
+import stat
 import tempfile
 import warnings
 import weakref
@@ -44,7 +51,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["HostArena", "ALIGN_BYTES", "aligned_bytes", "release_host_cache", "map_shared"]
+__all__ = ["HostArena", "ALIGN_BYTES", "aligned_bytes", "release_host_cache", "map_shared",
+           "remove_stale_shared_blocks"]
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +83,22 @@ def release_host_cache(device: torch.device) -> None:
             log.debug("emptying the host cache failed: %s", exc)
 
 
-def _shared_block(nbytes: int) -> tuple[torch.Tensor, str]:
-    """``nbytes`` of shared memory (a file in ``/dev/shm``, mapped): the block as bytes, and
-    the file's path (another process maps it with :func:`map_shared`)."""
-    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix="ckpt-staging-", dir=directory)
+_SHARED_PREFIX = "ckpt-staging-"
+_SHARED_NAME = re.compile(rf"{_SHARED_PREFIX}(\d+)-[A-Za-z0-9_]+")
+
+
+def _shared_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _shared_block(nbytes: int) -> tuple[torch.Tensor, str, int]:
+    """``nbytes`` of shared memory (a file in ``/dev/shm``, mapped): the block as bytes, the
+    file's path (another process maps it with :func:`map_shared`) and an open descriptor of
+    it holding a shared ``flock`` (the block's owner is alive: close it with the block)."""
+    directory = _shared_directory()
+    fd, path = tempfile.mkstemp(prefix=f"{_SHARED_PREFIX}{os.getpid()}-", dir=directory)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
@@ -89,16 +107,74 @@ def _shared_block(nbytes: int) -> tuple[torch.Tensor, str]:
                           f"in {directory} ({exc.strerror}): make it larger (a container's "
                           f"--shm-size) or save with writer='thread'") from None
         block = mmap.mmap(fd, nbytes)
-    finally:
+    except BaseException:
         os.close(fd)
-    return torch.frombuffer(block, dtype=torch.uint8), path
+        raise
+    return torch.frombuffer(block, dtype=torch.uint8), path, fd
 
 
-def _remove(path: str) -> None:
+def _remove(path: str, fd: int) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    os.close(fd)  # the flock goes with it
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def remove_stale_shared_blocks() -> list[str]:
+    """Remove the shared blocks (``shared=True`` arenas) that processes now gone left behind,
+    as a SIGKILL does; returns their paths, each logged.
+
+    A block is removed only when all of these hold: its name is ``ckpt-staging-<pid>-...``
+    in the shared directory, it is a regular file of this user, no process ``<pid>`` is
+    alive, and no process holds its ``flock`` (every live owner does: a pid of another pid
+    namespace sharing ``/dev/shm``, or a pid reused, is never taken for a dead owner on the
+    pid alone). Anything else, older names without a pid included, is left alone."""
+    directory, removed = _shared_directory(), []
+    try:
+        names = os.listdir(directory)
+    except OSError as exc:
+        log.warning("could not list %s for stale shared staging blocks: %s", directory, exc)
+        return removed
+    for name in sorted(names):
+        match = _SHARED_NAME.fullmatch(name)
+        if match is None or _process_alive(pid := int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, a link, or not ours to read
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner lives (in another pid namespace)
+            now = os.stat(path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                continue  # replaced since it was opened
+            os.unlink(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        log.warning("removed the shared staging block %s (%d MiB) of process %d, which is "
+                    "gone (killed before it could remove it)", path, st.st_size >> 20, pid)
+        removed.append(path)
+    return removed
 
 
 def map_shared(path: str, nbytes: int) -> torch.Tensor:
@@ -184,10 +260,11 @@ class HostArena:
             return torch.empty(0, dtype=torch.uint8)
         locked = aligned_bytes(self.nbytes, _PAGE_BYTES)  # whole pages: no neighbour's
         if self.shared:  # a mapping starts on a page
-            base, self.path = _shared_block(locked)
+            base, self.path, fd = _shared_block(locked)
             self._base = base
-            # Removed by release(), or at exit when never released (a SIGKILL leaves it).
-            self._unlink = weakref.finalize(self, _remove, self.path)
+            # Removed by release(), or at exit when never released (a SIGKILL leaves it,
+            # for remove_stale_shared_blocks).
+            self._unlink = weakref.finalize(self, _remove, self.path, fd)
         else:
             base = self._base = torch.empty(locked + _PAGE_BYTES, dtype=torch.uint8)
         start = -base.data_ptr() % _PAGE_BYTES

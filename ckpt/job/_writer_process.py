@@ -92,7 +92,14 @@ from ckpt.errors import (
     SaveAbandoned,
     StorageUnavailableError,
 )
-from ckpt.dcp import SaveCost, SavePlanCache, SaveRequest, SharedBlocks, rebuild_staged
+from ckpt.dcp import (
+    SaveCost,
+    SavePlanCache,
+    SaveRequest,
+    SharedBlocks,
+    rebuild_staged,
+    remove_stale_shared_blocks,
+)
 from ckpt.events import EventBus
 from ckpt.format import Manifest, parse_lineage
 from ckpt.job.persist import PersistOutcome, Persister
@@ -179,6 +186,9 @@ class WriterProcess:
                              "use writer='thread'")
         if staging.shared_path is not None or staging.arena_bytes:
             raise AssertionError("the staging buffers were allocated before the writer")
+        # Blocks of this host's training processes that were killed (SIGKILL skips their
+        # removal) would fill /dev/shm restart after restart: removed (and logged) here.
+        remove_stale_shared_blocks()
         staging.shared = True  # the writer process maps them (ckpt.dcp.SharedBlocks)
         self.life, self.events, self.staging = life, events, staging
         self.rank, self.world_size = rank, world_size

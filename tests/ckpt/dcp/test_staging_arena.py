@@ -9,14 +9,25 @@ path (and the page locking is checked against a stand-in for the CUDA runtime).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
+import logging
+import os
+import subprocess
+import uuid
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckpt.dcp import StagingBuffers
-from ckpt.dcp._host_arena import ALIGN_BYTES, HostArena, aligned_bytes
+from ckpt.dcp._host_arena import (
+    ALIGN_BYTES,
+    HostArena,
+    _shared_directory,
+    aligned_bytes,
+    remove_stale_shared_blocks,
+)
 from ckpt.job import CheckpointManager, ManagerOptions
 from tests.ckpt._helpers import assert_same
 
@@ -271,3 +282,38 @@ def test_an_arena_is_pinned_for_a_cuda_device_only(cudart):
     with pytest.raises(ValueError, match="pin_on=cpu"):
         HostArena([100], pin_on=torch.device("cpu"))
     assert not HostArena([100]).pinned and not cudart.calls
+
+
+def test_stale_shared_blocks_of_dead_processes_go_and_live_ones_stay(caplog):
+    """A shared block is named after its owner's pid, which holds its flock while it lives;
+    only a block of a dead pid that nobody holds, of this user, is removed."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    d, tag = _shared_directory(), uuid.uuid4().hex[:8]
+    stale = f"{d}/ckpt-staging-{dead.pid}-s{tag}"
+    of_live = f"{d}/ckpt-staging-{live.pid}-s{tag}"
+    held = f"{d}/ckpt-staging-{dead.pid}-h{tag}"  # a live owner in another pid namespace
+    unnamed = f"{d}/ckpt-staging-s{tag}"  # no pid in its name: never ours to judge
+    paths = [stale, of_live, held, unnamed]
+    for path in paths:
+        with open(path, "wb") as f:
+            f.write(b"x" * 100)
+    holder = os.open(held, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    arena = HostArena([4096], shared=True)
+    try:
+        assert os.path.basename(arena.path).startswith(f"ckpt-staging-{os.getpid()}-")
+        with caplog.at_level(logging.WARNING, logger="ckpt.dcp._host_arena"):
+            removed = remove_stale_shared_blocks()
+        assert stale in removed and not os.path.exists(stale)
+        assert all(os.path.exists(p) for p in (of_live, held, unnamed, arena.path)), removed
+        assert f"{stale} (0 MiB) of process {dead.pid}, which is gone" in caplog.text
+    finally:
+        os.close(holder)
+        live.kill()
+        live.wait()
+        arena.release()
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

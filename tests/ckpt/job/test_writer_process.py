@@ -12,9 +12,11 @@ one rank killed mid-save included, with the manifest a thread-mode save writes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.dcp._host_arena import _shared_directory
 from ckpt.errors import CheckpointError
 from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, Lifecycle
@@ -90,11 +93,21 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at):
+def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at, caplog):
     root = str(tmp_path / "root")
+    # A block a training process killed with SIGKILL left behind: removed when a manager
+    # in process mode starts, and said in the log.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"{_shared_directory()}/ckpt-staging-{gone.pid}-t{os.getpid()}"
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
     writer_at("kill_mid_write")
-    mgr = CheckpointManager(root, ManagerOptions(writer="process"), retention=[])
+    with caplog.at_level(logging.WARNING, logger="ckpt.dcp._host_arena"):
+        mgr = CheckpointManager(root, ManagerOptions(writer="process"), retention=[])
     try:
+        assert not os.path.exists(stale) and f"{stale} (0 MiB) of process {gone.pid}" \
+            in caplog.text
         # Killed half-way through its first data file: the save failed, as any failed save.
         assert mgr.save(1, _state(1))
         assert _wait(mgr) is None

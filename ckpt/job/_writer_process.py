@@ -13,8 +13,8 @@ States of one rank's writer, as its :class:`WriterProcess` (the training side) s
                        ^                     |
                        |                  died (EOF on its socket, its pidfd readable)
                        |                     v
-                       +-----run------- DEAD: the save is reported failed; the next save
-                                        starts a new writer first
+                       +----start------ DEAD: the save is reported failed and a new writer
+                                        is started at once (else by the next save)
 
 Protocol: one socket pair per writer; every message is one JSON object (``send_bytes`` of a
 ``multiprocessing.connection.Connection``: a length, then the bytes). Nothing is pickled.
@@ -40,7 +40,8 @@ the other's renewals as a takeover). A writer that dies is noticed by the traini
 once (its socket ends, its pidfd becomes readable: never a hang) and the save is reported as
 a failed one (a final ``save_failed`` event, ``wait()`` raises) unless the coordinator reads
 its manifest back committed (:meth:`ckpt.root.Lifecycle.committed_by`, as a failed attempt
-after its commit is). A training process that dies takes its writer along: the writer exits
+after its commit is); the other ranks, whose writers then failed the save, read that
+manifest back too and end the save as the coordinator does. A training process that dies takes its writer along: the writer exits
 when its socket ends, whatever it was doing.
 
 The writers' group: the job's rendezvous store (``MASTER_ADDR``/``MASTER_PORT``, the one
@@ -49,7 +50,10 @@ The writers' group: the job's rendezvous store (``MASTER_ADDR``/``MASTER_PORT``,
 (``gid``; a new writer is in none): when all ``world_size`` writers count under one id, the
 group is kept; otherwise (a writer was restarted) every writer joins a new group named after
 this save. Every writer sees the same counts, so all keep or all change together, whichever
-rank was restarted and whatever the others concluded about the previous save.
+rank was restarted and whatever the others concluded about the previous save. The wait at
+the rendezvous (the count, forming a group) is bounded by the lease TTL: a writer not there
+by then fails the save on the ranks that wait, which leave their group, and the next save
+forms a new one (the save's collectives wait as long as a thread-mode save's do).
 
 Not in the writer: retention (its policies are the caller's objects, which do not cross a
 process boundary without pickling) and the bookkeeping after a commit run on the training
@@ -83,6 +87,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from ckpt.errors import (
     CheckpointError,
@@ -125,6 +130,7 @@ def check_writer_mode(writer: str) -> str:
 
 
 _EXIT_SECONDS = 30.0  # a writer asked to exit (no save in flight) is killed after this
+_COLLECTIVE_SECONDS = 600.0  # a save's collectives wait for the slowest rank's writes
 _POLL_SECONDS = 0.2  # how often a waiting training side looks at the abandon flag
 _ERRORS = {cls.__name__: cls for cls in (
     CheckpointError, CorruptCheckpointError, FormatVersionError, LeaseLostError,
@@ -166,10 +172,13 @@ class WriterProcess:
     coordinator names the writers' rendezvous prefix. ``persister``: the manager's thread
     persister it stands in for (its life-cycle with the storage, lease and lineage, its
     events and retry settings); ``staging``: the manager's staging buffers, made shared here
-    (nothing may be allocated in them yet).
+    (nothing may be allocated in them yet); ``rendezvous_seconds``: how long a writer waits
+    for the others at a save's rendezvous (the manager's lease TTL: a writer not there by
+    then is taken for gone, as a lease holder silent that long is) before it fails the save.
     """
 
-    def __init__(self, persister: Persister, *, world_size: int, agreement, staging):
+    def __init__(self, persister: Persister, *, world_size: int, agreement, staging,
+                 rendezvous_seconds: float):
         life, events, rank = persister.life, persister.events, persister.rank
         storage = life.storage
         if storage.url.startswith("memory://"):
@@ -206,6 +215,7 @@ class WriterProcess:
         self._init = {"op": "init", "url": storage.url,
                       "storage_options": storage.storage_options or None,
                       "rank": rank, "world_size": world_size, "rendezvous": rendezvous,
+                      "rendezvous_seconds": float(rendezvous_seconds),
                       "max_attempts": persister.max_attempts,
                       "retry_backoff_seconds": persister.retry_backoff_seconds,
                       "num_threads": persister.request.num_threads,
@@ -310,7 +320,35 @@ class WriterProcess:
             return self._failed(step, CheckpointError(
                 f"the writer process of rank {self.rank} {how} before the save of step {step} "
                 f"was handed off"), nbytes, stall, t0, attempts=0)
-        return self._wait(step, nbytes, stall, t0)
+        outcome = self._wait(step, nbytes, stall, t0)
+        if self.rank != 0 and not outcome.committed and not outcome.already_committed \
+                and not self.abandon.is_set():
+            outcome = self._as_the_coordinator_ended(step, outcome)
+        return outcome
+
+    def _as_the_coordinator_ended(self, step: int, failed: PersistOutcome) -> PersistOutcome:
+        """Not the coordinator, the save of ``step`` failed: it may have failed because the
+        coordinator's writer died after creating the manifest, which the coordinator then
+        counts (read back, :meth:`_died`). Read back the same way: committed here too when
+        the manifest that counts at ``step`` (as readers read it) is this run's (its
+        lineage's run is this life-cycle's: this run commits a step once, through this
+        save's gate). Its writer had failed it first, so a final ``save_failed`` event
+        precedes the ``save_committed`` on this rank."""
+        run = self.life.lineage.run if self.life.lineage is not None else None
+        if run is None:
+            return failed
+        try:
+            manifest = self.life.read_committed(step)
+        except (CheckpointError, OSError):
+            return failed  # nothing counts at the step: failed on every rank
+        if manifest.lineage is None or manifest.lineage.run != run:
+            return failed
+        log.warning("checkpoint step %d: the save failed on rank %d (%s) but the "
+                    "coordinator's commit counts (read back): counted committed", step,
+                    self.rank, failed.error)
+        self.life.adopt_commit(manifest, proven=False)
+        return PersistOutcome(True, None, attempts=failed.attempts, retries=failed.retries,
+                              persist_seconds=failed.persist_seconds, cost=failed.cost)
 
     def _save_message(self, step: int, staged: dict[str, Any], nbytes: int, stall: float,
                       user_metadata: dict[str, Any],
@@ -441,10 +479,19 @@ class WriterProcess:
                 return PersistOutcome(True, landed, attempts=len(attempts),
                                       persist_seconds=time.monotonic() - t0,
                                       cost=self._cost)
-        return self._failed(step, CheckpointError(
+        outcome = self._failed(step, CheckpointError(
             f"the writer process of rank {self.rank} (pid {pid}) {how} while saving step "
-            f"{step}; the save is not committed and the next save starts a new writer"),
+            f"{step}; the save is not committed and a new writer is started"),
             nbytes, stall, t0, attempts=len(attempts))
+        if not self.abandon.is_set():
+            # Started now, its start-up overlaps training: at the next save the other
+            # ranks' writers do not wait for it at the rendezvous (bounded by the lease TTL).
+            try:
+                self._start()
+            except OSError as exc:  # the next save tries again
+                log.warning("could not start a writer process for rank %d: %s", self.rank, exc)
+                self._drop()
+        return outcome
 
     def _failed(self, step: int, exc: BaseException, nbytes: int, stall: float, t0: float, *,
                 attempts: int) -> PersistOutcome:
@@ -594,15 +641,29 @@ class _Writer:
         rendezvous, world = self.config["rendezvous"], self.config["world_size"]
         if rendezvous is None:
             return None
+        bound = timedelta(seconds=self.config["rendezvous_seconds"])
         if self.store is None:
             self.store = dist.TCPStore(rendezvous["host"], rendezvous["port"], is_master=False,
-                                       timeout=timedelta(minutes=10))
+                                       timeout=bound)
         key = f"{rendezvous['prefix']}/{seq}"
         store = self.store
         store.add(f"{key}/gid/{self.gid}", 1)
         if store.add(f"{key}/n", 1) == world:
             store.set(f"{key}/all", "1")
-        store.wait([f"{key}/all"])
+        try:
+            store.wait([f"{key}/all"], bound)
+        except RuntimeError as exc:  # DistStoreError: the others are not all there
+            arrived = store.add(f"{key}/n", 0)
+            # Out of the group: a writer arriving late and going on in it alone finds its
+            # connections closed at its first collective, never a wait of its own.
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.gid = f"new-{uuid.uuid4().hex}"
+            raise CheckpointError(
+                f"the writers' rendezvous of save {seq}: {arrived} of {world} writers arrived "
+                f"within {bound.total_seconds():g} s (the lease TTL); a writer died or its "
+                f"rank is behind: this save fails on every rank and the next one forms a new "
+                f"group") from exc
         # Every writer is past the previous save's check: its keys go (a dead writer's
         # count key stays, one per restart).
         if self.counted is not None:
@@ -616,9 +677,13 @@ class _Writer:
             return dist.group.WORLD
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.gid = f"new-{uuid.uuid4().hex}"  # in no group until this one is formed
+        # Forming the group waits for every writer's address: bounded like the count (a
+        # writer that died after counting); its collectives then wait for the slowest
+        # rank's writes, as long as a thread-mode save's group does.
         dist.init_process_group("gloo", store=dist.PrefixStore(f"{key}/group", store),
-                                rank=self.config["rank"], world_size=world,
-                                timeout=timedelta(minutes=10))
+                                rank=self.config["rank"], world_size=world, timeout=bound)
+        _set_pg_timeout(timedelta(seconds=_COLLECTIVE_SECONDS), dist.group.WORLD)
         self.gid = f"save-{seq}"
         return dist.group.WORLD
 

@@ -144,7 +144,8 @@ class CheckpointManager(Checkpointer):
             retry_backoff_seconds=options.retry_backoff_seconds, abandon=self._abandon)
         if options.writer == "process":  # the same saves, in a writer process
             self._persister = WriterProcess(self._persister, world_size=self.world_size,
-                                            agreement=self._ctl, staging=self.staging)
+                                            agreement=self._ctl, staging=self.staging,
+                                            rendezvous_seconds=options.lease_ttl_seconds)
         if self.distributed:
             free_at_exit(self._free_groups)  # freed at exit if close() is never called
         self.last_staged: StagedCopy | None = None  # the newest copy this manager staged

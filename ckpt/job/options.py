@@ -84,7 +84,8 @@ class ManagerOptions:
     use_lease: bool = True
     """Hold the root's write lease, fencing off any other writer (default True)."""
     lease_ttl_seconds: float = DEFAULT_LEASE_TTL_SECONDS
-    """How long the lease outlives its last heartbeat (``ckpt.root.lease``; > 0)."""
+    """How long the lease outlives its last heartbeat (``ckpt.root.lease``; > 0); with
+    ``writer="process"`` also how long a writer waits for the others at a save's rendezvous."""
     raise_on_failure: bool = False
     """Re-raise a background save's failure at the next call (default: report it through
     events, logs and ``wait()`` only)."""

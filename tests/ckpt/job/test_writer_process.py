@@ -5,8 +5,10 @@ Real writer processes, killed or stopped at precise points by tests/ckpt/job/_wr
 fails that save as a failed save is reported (the final ``save_failed`` event, ``wait()``
 raises, never a hang), or counts it committed when its manifest landed, and the next save
 starts a new writer and commits; a writer whose lease was taken over while it was stopped
-in the middle of a save does not commit; two ranks save DTensor shards bit for bit, a writer of
-one rank killed mid-save included, with the manifest a thread-mode save writes.
+in the middle of a save does not commit; two ranks save DTensor shards bit for bit, writers of
+one rank killed at a save's rendezvous (the other rank's fails the save within the lease
+TTL) and mid-save, and the coordinator's killed right after its commit (every rank counts
+it) included, with the manifest a thread-mode save writes.
 """
 
 from __future__ import annotations
@@ -108,6 +110,9 @@ def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at, 
     try:
         assert not os.path.exists(stale) and f"{stale} (0 MiB) of process {gone.pid}" \
             in caplog.text
+        # A dead writer's successor starts at once: each point is set for the next writer
+        # before the save whose writer dies.
+        writer_at("kill_before_commit")
         # Killed half-way through its first data file: the save failed, as any failed save.
         assert mgr.save(1, _state(1))
         assert _wait(mgr) is None
@@ -116,18 +121,17 @@ def test_a_writer_killed_at_each_phase_and_the_saves_after(tmp_path, writer_at, 
         assert "writer process" in failed.fields["error"] and "signal 9" in failed.fields["error"]
         with pytest.raises(CheckpointError, match="writer process of rank 0"):
             mgr.wait()
-        # Killed right before its commit: failed too; the next save starts another writer.
-        writer_at("kill_before_commit")
+        # Killed right before its commit: failed too; another writer is started.
+        writer_at("kill_after_commit")
         assert mgr.save(2, _state(2))
         assert _wait(mgr) is None and mgr.events.of_kind("save_failed")[-1].step == 2
         # Killed after its manifest landed: committed after all (read back), as the
         # persist thread counts an attempt that failed after its commit.
-        writer_at("kill_after_commit")
+        writer_at(None)
         assert mgr.save(3, _state(3))
         committed3 = _wait(mgr)
         assert committed3 is not None and committed3.step == 3
         assert mgr.events.of_kind("save_committed")[-1].step == 3
-        writer_at(None)
         path = None
         for step in (4, 5):  # one writer for both, one shared block for every save
             assert mgr.save(step, _state(step))
@@ -207,6 +211,9 @@ def test_bad_writer_options_are_refused_naming_them(tmp_path):
                           ManagerOptions(writer="process", use_lease=False))
 
 
+_TTL = 10.0
+
+
 def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -219,28 +226,48 @@ def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
                           "r": torch.linspace(0, step, 7)},
                 "extra": {"step": step}, f"own{rank}": torch.full((4,), float(rank + step))}
 
-    if rank == 1:  # this rank's first writer dies half-way through its first data file
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
-            hooks, os.environ.get("PYTHONPATH")]))
-        os.environ["CKPT_TEST_WRITER_AT"] = "kill_mid_write"
-    mgr = CheckpointManager(f"{root}/process", ManagerOptions(writer="process"), retention=[])
-    os.environ.pop("CKPT_TEST_WRITER_AT", None)  # the writers after it do not
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+        hooks, os.environ.get("PYTHONPATH")]))
+    if rank == 1:  # this rank's first writer dies as it comes to the rendezvous
+        os.environ["CKPT_TEST_WRITER_AT"] = "kill_at_rendezvous"
+    else:  # the coordinator's first writer dies right after its commit of step 3
+        os.environ["CKPT_TEST_WRITER_AT"] = "kill_after_commit"
+        os.environ["CKPT_TEST_WRITER_STEP"] = "3"
+    # The lease TTL bounds the writers' rendezvous (a writer not there by then is gone).
+    mgr = CheckpointManager(f"{root}/process",
+                            ManagerOptions(writer="process", lease_ttl_seconds=_TTL),
+                            retention=[])
+    os.environ.pop("CKPT_TEST_WRITER_AT", None)
+    os.environ.pop("CKPT_TEST_WRITER_STEP", None)
     out = {}
     try:
+        if rank == 1:  # its second (started when the first dies) half-way through a file
+            os.environ["CKPT_TEST_WRITER_AT"] = "kill_mid_write"
+        t0 = time.monotonic()
         mgr.save(1, state(1))
+        out["rendezvous_failed"] = mgr.wait(raise_errors=False) is None and \
+            mgr.events.of_kind("save_failed")[-1].fields["final"]
+        out["rendezvous_seconds"] = time.monotonic() - t0
+        out["rendezvous_error"] = mgr.events.of_kind("save_failed")[-1].fields["error"]
+        os.environ.pop("CKPT_TEST_WRITER_AT", None)  # the writers after the second do not
+        # Step 3: the coordinator's writer dies between its manifest and telling the others:
+        # every rank counts it committed (the others read it back as the coordinator does).
+        mgr.save(2, state(2))
         out["first"] = mgr.wait(raise_errors=False) is None and \
             mgr.events.of_kind("save_failed")[-1].fields["final"]
-        for step in (2, 3):
+        for step in (3, 4):
             mgr.save(step, state(step))
             m = mgr.wait()
             out[f"committed{step}"] = mgr.newest_committed_step == step
             if rank == 0:
                 out["manifest"] = m
+        out["writer_failed3"] = any(e.step == 3 and e.fields["final"]
+                                    for e in mgr.events.of_kind("save_failed"))
     finally:
         mgr.close()
     thread = CheckpointManager(f"{root}/thread", retention=[])
     try:
-        thread.save(3, state(3), block=True)
+        thread.save(4, state(4), block=True)
         expected = thread.last_committed
     finally:
         thread.close()
@@ -248,9 +275,9 @@ def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
     loaded["model"]["w"].to_local().zero_()
     ckpt.load_latest(loaded, f"{root}/process")
     out["bit_exact"] = all(torch.equal(a, b) for a, b in (
-        (loaded["model"]["w"].full_tensor(), state(3)["model"]["w"].full_tensor()),
-        (loaded["model"]["r"], state(3)["model"]["r"]),
-        (loaded[f"own{rank}"], state(3)[f"own{rank}"]))) and loaded["extra"] == {"step": 3}
+        (loaded["model"]["w"].full_tensor(), state(4)["model"]["w"].full_tensor()),
+        (loaded["model"]["r"], state(4)["model"]["r"]),
+        (loaded[f"own{rank}"], state(4)[f"own{rank}"]))) and loaded["extra"] == {"step": 4}
     if rank == 0:
         got = out.pop("manifest")
         out["same_manifest"] = (got.tensors.keys() == expected.tensors.keys()
@@ -263,9 +290,16 @@ def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
     return out
 
 
-def test_two_ranks_save_shards_bit_for_bit_through_a_killed_writer(tmp_path):
-    results = run_ranks(_two_ranks, 2, str(tmp_path), HOOKS, timeout=240)
+def test_two_ranks_save_shards_bit_for_bit_through_killed_writers(tmp_path):
+    results = run_ranks(_two_ranks, 2, str(tmp_path), HOOKS, timeout=150)
     for rank, out in enumerate(results):
+        # Rank 1's writer died at the rendezvous: the save failed on both ranks, rank 0's
+        # writer waiting no longer than the lease TTL (not the store's 10 minutes).
+        assert out["rendezvous_failed"], (rank, out)
         assert out["first"], (rank, out)  # every rank reports the save its writer lost
-        assert out["committed2"] and out["committed3"] and out["bit_exact"], (rank, out)
+        assert out["committed3"] and out["committed4"] and out["bit_exact"], (rank, out)
+    assert results[1]["writer_failed3"], results[1]  # its writer lost step 3, it counts it
+    assert "rendezvous of save 1: 1 of 2 writers arrived within 10 s (the lease TTL)" in \
+        results[0]["rendezvous_error"], results[0]
+    assert results[0]["rendezvous_seconds"] < _TTL + 20, results[0]
     assert results[0]["same_manifest"]

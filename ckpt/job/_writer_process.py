@@ -181,10 +181,10 @@ class WriterProcess:
                  rendezvous_seconds: float):
         life, events, rank = persister.life, persister.events, persister.rank
         storage = life.storage
-        if storage.url.startswith("memory://"):
+        if not storage.shared_across_processes:
             raise ValueError(f"writer='process' cannot save to {storage.url}: another process "
-                             f"does not see this process's memory:// store; use a path or "
-                             f"s3:// root, or writer='thread'")
+                             f"does not see this root (it lives in this process); use a path "
+                             f"or s3:// root, or writer='thread'")
         if staging.budget_bytes is not None:
             raise ValueError("writer='process' with staging_budget_bytes: a state over the "
                              "budget is saved from the live tensors, which a writer process "

@@ -58,6 +58,11 @@ class Backend(ABC):
     bulk_delete = False
     """Whether :meth:`delete_many` deletes many files in one request (S3's bulk delete)."""
 
+    shared_across_processes = True
+    """Whether another process (a writer process, another rank) sees the same files and may
+    write beside this one: False where the files live in this process (``memory://``) or
+    exclusive creates are atomic only among its threads."""
+
     preferred_file_bytes: int | None = None
     """The size a save's data files should not exceed for the fastest writes (one request
     each), or None where ``num_threads`` files of any size are as fast."""
@@ -168,6 +173,8 @@ class FsspecBackend(Backend):
 
     Exclusive creates and conditional replaces are atomic only among threads of this
     process, which is all ``memory://`` needs."""
+
+    shared_across_processes = False
 
     def exists(self, rel: str) -> bool:
         try:

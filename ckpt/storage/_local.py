@@ -43,6 +43,8 @@ class LocalBackend(FsspecBackend):
     :meth:`ckpt.storage.Storage.child`) below which no folder may be a link; the anchor
     itself may be one (a root placed on another disk by its owner)."""
 
+    shared_across_processes = True
+
     swap_lock_timeout_seconds = 10.0
     """How long :meth:`replace_if_unchanged` waits for the same swapper's lock before it
     breaks it. Breaking the lock of a swapper that is still alive is safe (its swap then

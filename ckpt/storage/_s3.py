@@ -147,6 +147,8 @@ class S3Backend(FsspecBackend):
     deletes are s3fs's; writes and whole-object reads are blocking botocore requests made
     here (:func:`write_client`), on the calling thread. There are no folders."""
 
+    shared_across_processes = True
+
     has_folders = False
 
     bulk_delete = True

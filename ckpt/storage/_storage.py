@@ -144,6 +144,12 @@ class Storage:
         return self.backend.default_threads
 
     @property
+    def shared_across_processes(self) -> bool:
+        """Whether another process sees this root's files and may write beside this one
+        (False for ``memory://``, which lives in this process)."""
+        return self.backend.shared_across_processes
+
+    @property
     def preferred_file_bytes(self) -> int | None:
         """The size a save's data files should not exceed for the fastest writes, one
         request each (S3: one part, 32 MiB); None where a few large files are as fast."""

@@ -112,9 +112,9 @@ def test_plain_init_process_group_under_restarts_is_warned_about(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
-        "from ckpt.job.manager import CheckpointManager\n"
+        "from ckpt import CheckpointManager, ManagerOptions\n"
         "dist.init_process_group('gloo')\n"
-        "CheckpointManager(sys.argv[1], use_lease=False).close()\n"
+        "CheckpointManager(sys.argv[1], ManagerOptions(use_lease=False)).close()\n"
         "dist.destroy_process_group()\n")
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -7,6 +7,9 @@ mixture of experts the routed experts' share of that state per expert-parallel r
 bytes its all-to-alls send per step (:func:`all_to_all_bytes_per_step`). The formulas and
 their sources are in docs/layout-planner.md; :mod:`trainer.layout_plan` ranks candidates
 with it and prints the report.
+
+Size: one memory model; each term is a few lines of arithmetic read against the others
+(the same workload and candidate), which a split would scatter.
 """
 
 from __future__ import annotations

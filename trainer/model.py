@@ -31,6 +31,9 @@ stage's backward carries it without the loss function seeing it; the loss the tr
 reports stays the cross-entropy, and each MoE block keeps its router statistics (tokens per
 expert, the balancing loss) for the metrics. Expert parallelism is
 :mod:`trainer.expert_parallel`.
+
+Size: one model, its blocks and its init rule; the mixture-of-experts block is a block of
+it (its parameter names and init are the model's), its parallel dispatch lives elsewhere.
 """
 
 from __future__ import annotations

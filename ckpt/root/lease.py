@@ -36,6 +36,10 @@ the same process id gone on this very host and boot, or an earlier attempt of th
 job, which requires an explicitly set run id (torchrun's ``--rdzv-id`` or a ``--standalone``
 random one; never the default ``none``) and the same job fingerprint. Clocks of the hosts
 involved must agree to well within ``ttl_seconds``.
+
+Size: one concept, the lease: its record, its heartbeat, and taking and releasing it for
+one rank or a group of ranks (with the fence that closes earlier generations); split, the
+take-over rules would be read in two places.
 """
 
 from __future__ import annotations

@@ -49,21 +49,10 @@ def _rss_kib(pid: int | str = "self") -> int:
     return 0
 
 
-def _writer_pids() -> list[int]:
-    """This process's writer processes (its children running ckpt.job._writer_process)."""
-    pids: list[int] = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"_writer_process" in f.read():
-                    out.append(pid)
-        except FileNotFoundError:
-            pass
-    return out
+def _writer_pids(mgr) -> list[int]:
+    """The manager's writer process, in process mode (its ``WriterProcess.pid``)."""
+    pid = getattr(mgr._persister, "pid", None)
+    return [] if pid is None else [pid]
 
 
 def worker(args) -> None:
@@ -137,7 +126,7 @@ def worker(args) -> None:
             mgr.wait()
             if i in (10, args.rss_saves):
                 rss[i] = {"trainer_kib": _rss_kib(),
-                          "writer_kib": sum(_rss_kib(p) for p in _writer_pids())}
+                          "writer_kib": sum(_rss_kib(p) for p in _writer_pids(mgr))}
         mgr.close()
         out = {"rss": rss, "state_bytes": sum(
             t.numel() * t.element_size() for t in model.module.state_dict().values()) * 3}

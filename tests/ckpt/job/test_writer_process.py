@@ -73,21 +73,10 @@ def _wait(mgr: CheckpointManager, timeout: float = 120.0):
     return box[0]
 
 
-def _writer_pids() -> list[int]:
-    """This process's writer processes (its children running the writer)."""
-    pids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
-    out = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"_writer_process" in f.read():
-                    out.append(pid)
-        except FileNotFoundError:
-            pass
-    return out
+def _writer_pids(mgr: CheckpointManager) -> list[int]:
+    """The manager's writer process, while it runs (its ``WriterProcess.pid``)."""
+    pid = mgr._persister.pid
+    return [] if pid is None else [pid]
 
 
 def _stopped(pid: int) -> bool:
@@ -178,8 +167,8 @@ def test_a_writer_fenced_off_while_stopped_mid_save_does_not_commit(tmp_path, wr
     storage = Storage(root)
     try:
         mgr.save(1, _state(1))
-        assert wait_for(lambda: any(_stopped(p) for p in _writer_pids()), timeout=60)
-        [pid] = _writer_pids()
+        assert wait_for(lambda: any(_stopped(p) for p in _writer_pids(mgr)), timeout=60)
+        [pid] = _writer_pids(mgr)
         storage.write_bytes(LEASE_NAME, _foreign_record(60))  # another job takes over
         assert wait_for(lambda: mgr.events.of_kind("lease_lost"), timeout=20)
         os.kill(pid, signal.SIGCONT)
@@ -190,7 +179,7 @@ def test_a_writer_fenced_off_while_stopped_mid_save_does_not_commit(tmp_path, wr
         assert mgr.save(2, _state(2)) is False
         assert mgr.events.of_kind("save_skipped")[-1].fields["reason"] == "lease lost"
     except BaseException:
-        for pid in _writer_pids():  # a stopped writer would keep close() waiting
+        for pid in _writer_pids(mgr):  # a stopped writer would keep close() waiting
             os.kill(pid, signal.SIGKILL)
         raise
     finally:

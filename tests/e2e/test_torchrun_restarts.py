@@ -26,6 +26,7 @@ import pytest
 from ckpt.root import CheckpointStore
 from tests.dist import free_port
 from tests.e2e._jobs import COMMON, ROOT, TINY, base_env
+from trainer.ft.local import worker_pids
 
 KILL_ONCE = ROOT / "tests" / "e2e" / "_kill_once.py"
 EXAMPLE = ROOT / "examples" / "own_loop.py"
@@ -34,6 +35,24 @@ LOOPS = max(1, int(os.environ.get("E2E_RESTART_LOOPS", "1")))
 
 def _free_port() -> int:
     return free_port()
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int | None:
+    """``proc``'s exit status, or None after SIGKILLing it and its workers when it is still
+    running after ``timeout`` seconds. torchrun starts every worker in a session of its own, so
+    killing the agent's process group would leave them running: they are found by their parent
+    first."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in worker_pids(proc.pid).values():
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the worker's session: it and its children
+            except ProcessLookupError:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent's session
+        proc.wait()
+        return None
 
 
 def _launcher(rdzv: str, run: int) -> list[str]:
@@ -58,12 +77,7 @@ def _run_killed(program: list[str], rdzv: str, run: int, log_dir: Path, *,
     with open(log_dir / f"{rdzv}-{run}.out", "w+") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent's session: agent and workers
-            proc.wait()
-            rc = None
+        rc = _wait_or_kill(proc, timeout)
         out.seek(0)
         text = out.read()
     where = f"{rdzv} run {run}: {' '.join(argv[3:])}\n{text[-6000:]}"
@@ -116,9 +130,14 @@ def test_plain_init_process_group_under_restarts_is_warned_about(tmp_path):
         "dist.init_process_group('gloo')\n"
         "CheckpointManager(sys.argv[1], ManagerOptions(use_lease=False)).close()\n"
         "dist.destroy_process_group()\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", str(script), str(tmp_path / "ckpt")],
-        cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count("Call ckpt.init_distributed() instead") == 2, out.stderr[-3000:]
+    with open(tmp_path / "plain.err", "w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "--max-restarts", "1", str(script), str(tmp_path / "ckpt")],
+            cwd=ROOT, env=base_env(), stdout=subprocess.DEVNULL, stderr=err,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        rc = _wait_or_kill(proc, 120)
+        err.seek(0)
+        stderr = err.read()
+    assert rc == 0, f"exit {rc} (None: still running after 120s)\n{stderr[-3000:]}"
+    assert stderr.count("Call ckpt.init_distributed() instead") == 2, stderr[-3000:]

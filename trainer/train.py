@@ -489,9 +489,10 @@ class Trainer:
         if self.metrics is not None and self.manager is not None:
             self.metrics.observe_store(self.manager.store)  # after a fallback's un-commits
         if self.env.rank == 0 and start_step is None:
-            log.info("starting at step 0 (%d parameters, layout pp%d dp%d tp%d, %s)",
-                     self.model_cfg.num_params(), self.par.pp, self.par.dp, self.par.tp,
-                     self.env.device)
+            moe = (f", {self.model_cfg.num_params(active=True)} active"
+                   if self.model_cfg.n_experts else "")
+            log.info("starting at step 0 (%d parameters%s, layout %s, %s)",
+                     self.model_cfg.num_params(), moe, self.par.layout, self.env.device)
         if self.manager is not None:
             self.manager.prepare(self.checkpoint_state())
         if cfg.fault_tolerance.enabled:

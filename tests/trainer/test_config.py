@@ -361,3 +361,14 @@ def test_timeout_fields_are_validated():
         load_config(None, ["--fault.process_group_timeout_seconds=0"])
     assert load_config(None, ["--fault.process_group_timeout_seconds=none"]) \
         .fault.process_group_timeout_seconds is None
+
+
+def test_layout_names_every_axis_in_use():
+    """The start-up line's layout: pipeline, data and tensor always; HSDP's split and the
+    experts' ep only when in use."""
+    def layout(*args: str, world: int) -> str:
+        return load_config(None, ["--model.n_layers=4", *args]).resolved(world).parallel.layout
+
+    assert layout("--parallel.pp=2", world=4) == "pp2 dp2 tp1"
+    assert layout("--parallel.dp_replicate=2", world=4) == "pp1 dp4 tp1 (HSDP 2x2)"
+    assert layout("--model.n_experts=4", "--parallel.ep=2", world=4) == "pp1 dp4 tp1 ep2"

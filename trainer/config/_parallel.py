@@ -144,6 +144,15 @@ class ParallelConfig(Section):
         return self.dp_mode == "fsdp" and self.dp_replicate > 1
 
     @property
+    def layout(self) -> str:
+        """The layout in one phrase for logs: ``pp2 dp4 tp1``, with ``(HSDP 2x2)`` when dp
+        is split into replicas and ``ep2`` when experts are spread over dp ranks."""
+        text = f"pp{self.pp} dp{self.dp} tp{self.tp}"
+        if self.hsdp:
+            text += f" (HSDP {self.dp_replicate}x{self.dp_shard})"
+        return text + (f" ep{self.ep}" if self.ep > 1 else "")
+
+    @property
     def num_microbatches(self) -> int:
         """``n_microbatches`` with 0 resolved (2 * pp, or 1 without pipelining)."""
         return self.n_microbatches or (2 * self.pp if self.pp > 1 else 1)

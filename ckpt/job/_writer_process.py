@@ -59,6 +59,12 @@ Not in the writer: retention (its policies are the caller's objects, which do no
 process boundary without pickling) and the bookkeeping after a commit run on the training
 process's persist thread as in thread mode: a few requests and no bytes.
 
+No GPU in the writer: it reads the shared host block and nothing else, and is started with
+``CUDA_VISIBLE_DEVICES`` empty, so it holds no CUDA context on any GPU. The CUDA calls a
+save makes outside the training thread (page-locking the shared block, waiting for the
+copies' events before the hand-off) are the training process's, under the staged tensors'
+device (:mod:`ckpt.dcp.staging`).
+
 Size: both ends of one protocol (the training side's :class:`WriterProcess`, the writer's
 ``_Writer``) and the lease and life-cycle stand-ins the writer uses, kept together so that
 the messages read in one place.
@@ -245,6 +251,9 @@ class WriterProcess:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_dir,
                                                           env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
+        # The writer reads host memory only and makes no CUDA call; with no GPU visible it
+        # cannot make one by accident either (which would create a context on GPU 0).
+        env["CUDA_VISIBLE_DEVICES"] = ""
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", "from ckpt.job._writer_process import main; "

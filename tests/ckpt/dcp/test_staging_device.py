@@ -9,10 +9,11 @@ that rank's process (hundreds of MB each, one per rank of the node).
 
 No GPU here, so the real staging and manager code runs its CUDA branch against a recorder:
 CUDA's few entry points that the code reaches (the device selection, the runtime binding,
-streams and events) are replaced by stand-ins that keep a current device per thread, as
-the runtime does, and note which device was current at each call. The tensors are CPU
-tensors that report a CUDA device (``_on_device``), so the data is really copied and the
-checkpoint really written. What the code calls, on which thread, is what it does on a GPU.
+streams and events, stream and device synchronisation) are replaced by stand-ins that keep
+a current device per thread, as the runtime does, and note which device was current at
+each call. With a writer process, these calls are the training process's (the writer is
+started with no GPU visible). The tensors are CPU tensors that report a CUDA device
+(``_on_device``), so the data is really copied and the checkpoint really written. What the code calls, on which thread, is what it does on a GPU.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ class _Runtime:
 
             def wait_event(self, event):
                 runtime.note("cudaStreamWaitEvent", self.device.index)
+
+            def synchronize(self) -> None:
+                runtime.note("cudaStreamSynchronize", self.device.index)  # torch guards it
+
+            def query(self) -> bool:
+                runtime.note("cudaStreamQuery", self.device.index)  # torch guards it
+                return True
 
         class Event:
             def __init__(self, enable_timing: bool = False):
@@ -117,6 +125,7 @@ class _Runtime:
             "Event": Event,
             "current_stream": self.current_stream,
             "stream": StreamContext,
+            "synchronize": self.synchronize,
         }.items():
             monkeypatch.setattr(torch.cuda, name, value)
 
@@ -138,6 +147,10 @@ class _Runtime:
 
     def current_stream(self, device=None):
         return self.Stream(device)
+
+    def synchronize(self, device=None) -> None:
+        """``torch.cuda.synchronize``: the given device, else the thread's current one."""
+        self.note("cudaDeviceSynchronize", None if device is None else self._index(device))
 
     def note(self, call: str, device: int | None = None) -> None:
         with self._lock:
@@ -211,17 +224,28 @@ def _assert_all_on_the_rank_device(runtime: _Runtime) -> None:
     assert not wrong, f"CUDA calls under another device than {RANK_DEVICE}: {wrong}"
 
 
-@pytest.mark.parametrize("prepared", [False, True], ids=["executor_prepare", "prepare"])
+def _writer_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+@pytest.mark.parametrize("writer,prepared", [("thread", False), ("thread", True),
+                                             ("process", False)],
+                         ids=["executor_prepare", "prepare", "writer_process"])
 def test_a_rank_off_gpu_0_makes_every_cuda_call_on_its_own_device(runtime, tmp_path,
-                                                                   prepared):
+                                                                   writer, prepared):
     """The trainer's order: select the rank's GPU on the main thread, build the manager,
     then save. Without ``prepare()`` the first ``maybe_save`` allocates (and page-locks)
     the buffers on the persist thread; either way the persist thread waits for the copies
-    and ``close`` unlocks the buffers."""
+    and ``close`` unlocks the buffers. With a writer process the same calls are the
+    training process's (the shared block page-locked, the events waited for before the
+    hand-off), and the writer, which makes none, sees no GPU."""
     torch.cuda.set_device(RANK_DEVICE)
     state = _state()
     expected = _plain(state)
-    mgr = CheckpointManager(str(tmp_path / "r"), ManagerOptions(use_lease=False), cadence="2")
+    mgr = CheckpointManager(str(tmp_path / "r"),
+                            ManagerOptions(use_lease=False, writer=writer), cadence="2")
     try:
         if prepared:
             mgr.prepare(state)
@@ -230,6 +254,9 @@ def test_a_rank_off_gpu_0_makes_every_cuda_call_on_its_own_device(runtime, tmp_p
         assert mgr.maybe_save(2, state)
         mgr.wait()
         assert mgr.events.of_kind("save_committed")[-1].fields["copy_seconds"] is not None
+        if writer == "process":
+            assert mgr.staging.shared_path is not None  # the block the writer maps
+            assert _writer_environ(mgr._persister.pid).get("CUDA_VISIBLE_DEVICES") == ""
     finally:
         mgr.close()
     (register,) = runtime.devices("cudaHostRegister")

@@ -271,10 +271,13 @@ class Trainer:
             if self.env.rank == 0:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
-                    "(checkpoint.allow_fresh_start_over_damaged is set)."))
+                    "(checkpoint.allow_fresh_start_over_damaged is set)" + (
+                        f", imported from checkpoint.initial_load ({c.initial_load}) again."
+                        if c.initial_load else ".")))
             if self.manager is not None:  # a standby replica group changes nothing
                 self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
-            return None
+            # A fine-tuning job's step 0 is the imported folder, never a random init.
+            return self._import_initial() if c.initial_load else None
         if manifest is None:
             if c.initial_load:
                 return self._import_initial()

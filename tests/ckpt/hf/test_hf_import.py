@@ -336,6 +336,52 @@ def test_initial_load_in_one_process(llama, tmp_path):
 
 
 @needs_transformers
+def test_every_checkpoint_damaged_starts_over_from_the_folder(llama, tmp_path, caplog):
+    """With checkpoint.allow_fresh_start_over_damaged, a fine-tuning job whose every
+    checkpoint is damaged starts over from the folder (step 0 is the import), never from a
+    random init, and commits that step 0 again."""
+    from ckpt.root import CheckpointStore
+    from tests.ckpt._helpers import flip_byte
+    from tests.e2e._jobs import TINY
+    from trainer.config import load_config
+    from trainer.distributed import DistEnv
+    from trainer.train import Trainer
+
+    root = tmp_path / "root"
+
+    def trainer(*extra: str) -> Trainer:
+        cfg = load_config(str(TINY), [*MODEL_ARGS, f"--checkpoint.root={root}",
+                                      f"--checkpoint.initial_load={llama.folder}",
+                                      "--checkpoint.async_save=false",
+                                      "--fault.handle_preemption=false", *extra])
+        return Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None, 0))
+
+    first = trainer()
+    try:
+        assert first.resume() == 0
+    finally:
+        first.manager.close()
+    store = CheckpointStore(str(root))
+    manifest = store.read_manifest(0, complete=True)
+    loc = manifest.tensors[sorted(k for k in manifest.tensors if k.startswith("app."))[0]][
+        "chunks"][0]["location"]
+    flip_byte(str(root / "step_000000000" / loc.file), loc.offset + 1)
+
+    again = trainer("--checkpoint.allow_fresh_start_over_damaged=true")
+    try:
+        with caplog.at_level("WARNING", logger="trainer"):
+            assert again.resume() == 0
+        names = hf_names(MODEL)
+        for key, value in again.model.model_state_dict().items():
+            assert torch.equal(value, llama.weights[names[key]]), key
+    finally:
+        again.manager.close()
+    assert "imported from checkpoint.initial_load" in caplog.text, caplog.text
+    assert store.committed_steps() == [0]
+    store.verify(0)
+
+
+@needs_transformers
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_initial_load_on_a_layout(llama, tmp_path, layout):
     world, extra = LAYOUTS[layout]

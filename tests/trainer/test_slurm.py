@@ -1,14 +1,16 @@
 """Slurm's side of the trainer (trainer.slurm) and the preemption grace (trainer.faults).
 
 torch's ``env://`` variables from the ones srun gives each task, the first host of a Slurm
-node list, the job's name in the lease, and the one-line warning when a save takes longer
-than the grace a preemption or time-limit signal leaves (on a one-process Trainer: when
-the save commits, and when a later run starts from a checkpoint saved after it). The recipes
+node list, the job's name and restart count in the lease record and ``ckpt history``, and
+the one-line warning when a save takes longer than the grace a preemption or time-limit
+signal leaves (on a one-process Trainer run twice as a job and its requeue: when the save
+commits, and when the requeued run starts from a checkpoint saved after it). The recipes
 themselves run against a real Slurm in tests/e2e/test_slurm.py.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ckpt.cli import main as ckpt_main
+from trainer.checkpointing import manager_options
 from trainer.config import load_config
 from trainer.distributed import DistEnv
 from trainer.faults import Preemption
@@ -116,15 +120,37 @@ def _trainer(tmp_path, steps: int):
     return Trainer(cfg, DistEnv(0, 1, 0, torch.device("cpu"), None, 0))
 
 
-def test_a_save_longer_than_the_grace_warns_when_it_commits_and_at_the_next_start(
-        tmp_path, caplog):
-    """Each save records what the newest one before it took (``last_save``): a later run
+def test_the_lease_is_named_after_the_slurm_job_and_its_restart(monkeypatch):
+    """Every rank's manager options carry the run's name (the lease record and the run log
+    take it); with replica groups, the group's after it. Outside Slurm: none given (the
+    lease names the program or torchrun's run id)."""
+    cfg = load_config(str(ROOT / "configs" / "tiny.toml"), [])
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert manager_options(cfg, 1, "fp").job_name is None
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert manager_options(cfg, 1, "fp").job_name == "slurm-4711-restart-2"
+    ft = load_config(str(ROOT / "configs" / "tiny.toml"), [
+        "--parallel.dp_replicate=2", "--fault_tolerance.enabled=true",
+        "--fault_tolerance.group_id=1"])
+    assert manager_options(ft, 1, "fp").job_name == "slurm-4711-restart-2/replica-group-1"
+
+
+def test_a_requeued_slurm_run_names_its_restart_and_warns_of_a_save_longer_than_the_grace(
+        tmp_path, caplog, capsys, monkeypatch):
+    """A Slurm job's first run and its requeue (``SLURM_RESTART_COUNT`` 0, then 1) on one
+    root: the lease record and ``ckpt history`` name both runs ``slurm-<id>-restart-<n>``.
+    Each save records what the newest one before it took (``last_save``): the requeued run
     checks that against its grace as it starts, before it trains."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     with caplog.at_level(logging.INFO):
         assert _trainer(tmp_path, 4).fit() == 0
     warned = [r.getMessage() for r in caplog.records if "preemption grace" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("the save of step 2 took"), warned
     caplog.clear()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     with caplog.at_level(logging.INFO):
         assert _trainer(tmp_path, 6).fit() == 0
     messages = [r.getMessage() for r in caplog.records]
@@ -132,3 +158,11 @@ def test_a_save_longer_than_the_grace_warns_when_it_commits_and_at_the_next_star
     resumed = [i for i, m in enumerate(messages) if m.startswith("resumed from")]
     assert len(warned) == 1 and messages[warned[0]].startswith("the save of step 2 took")
     assert warned[0] < resumed[0], messages
+    root = tmp_path / "ckpt"
+    lease = json.loads((root / "_lease.json").read_text())
+    assert lease["job"] == "slurm-4711-restart-1" and lease["released"], lease
+    capsys.readouterr()
+    assert ckpt_main(["history", str(root)]) == 0
+    history = capsys.readouterr().out
+    for run in (0, 1):
+        assert f"job slurm-4711-restart-{run}" in history, history

@@ -9,7 +9,12 @@ steps), and saves at step 2:
 * scenario ``maybe_save``: no ``prepare()``: the first ``maybe_save`` allocates and
   page-locks the staging buffers on the manager's persist thread (a library user who never
   calls ``prepare``, a standby group that becomes the writer mid-run);
-* scenario ``prepare``: ``prepare()`` on the main thread first (the trainer's order).
+* scenario ``prepare``: ``prepare()`` on the main thread first (the trainer's order);
+* scenario ``writer_process``: as ``maybe_save`` with ``ManagerOptions(writer="process")``:
+  the shared staging block is page-locked on the persist thread and the copies are waited
+  for there before the hand-off; the writer process itself must see no GPU
+  (``CUDA_VISIBLE_DEVICES`` empty in its environment) and NVML must list no memory of its
+  pid on any GPU.
 
 After each phase (``start``, ``prepared``: the buffers exist, ``saved``: the save committed
 and the persist thread waited for the copies, ``closed``: the buffers unlocked) it records,
@@ -40,7 +45,7 @@ __all__ = ["SCENARIOS", "PHASES", "process_memory_mb", "foreign_device_problems"
            "check_rank", "main"]
 
 ROOT = Path(__file__).resolve().parents[1]
-SCENARIOS = ("maybe_save", "prepare")
+SCENARIOS = ("maybe_save", "prepare", "writer_process")
 PHASES = ("start", "prepared", "saved", "closed")
 _NVML_LINE = re.compile(r"process\s+(\d+)\s+uses\s+([0-9.]+)\s+MB GPU memory")
 
@@ -87,6 +92,27 @@ def foreign_device_problems(own: int, phases: dict[str, dict[str, Any]]) -> list
     return problems
 
 
+def _writer_problems(pid: int | None, cuda: bool) -> list[str]:
+    """What the writer process ``pid`` holds of a GPU: a visible GPU in its environment, or
+    memory NVML lists for its pid on any GPU (measured on CUDA only)."""
+    if pid is None:
+        return ["no writer process is running"]
+    problems = []
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    if env.get(b"CUDA_VISIBLE_DEVICES") != b"":
+        problems.append(f"the writer process {pid} sees GPUs (CUDA_VISIBLE_DEVICES="
+                        f"{env.get(b'CUDA_VISIBLE_DEVICES')!r})")
+    for index in range(torch.cuda.device_count() if cuda else 0):
+        try:
+            mb = process_memory_mb(torch.cuda.list_gpu_processes(index), pid)
+        except Exception:  # noqa: BLE001 - NVML missing or refusing: not measured
+            mb = None
+        if mb:
+            problems.append(f"{mb:.0f} MB of GPU {index} used by the writer process {pid}")
+    return problems
+
+
 def _state(device: torch.device) -> dict[str, Any]:
     g = torch.Generator(device=device).manual_seed(0)
     model = {f"layers.{i}.weight": torch.randn(1024, 1024, device=device, generator=g)
@@ -109,8 +135,10 @@ def check_rank(local_rank: int, device_type: str, scenario: str, root: str) -> d
 
     state = _state(device)
     phase("start")
-    mgr = CheckpointManager(root, ManagerOptions(use_lease=False), cadence="2")
+    writer = "process" if scenario == "writer_process" else "thread"
+    mgr = CheckpointManager(root, ManagerOptions(use_lease=False, writer=writer), cadence="2")
     committed = False
+    writer_problems: list[str] = []
     try:
         if scenario == "prepare":
             mgr.prepare(state)
@@ -123,10 +151,12 @@ def check_rank(local_rank: int, device_type: str, scenario: str, root: str) -> d
         mgr.wait()
         committed = bool(mgr.events.of_kind("save_committed"))
         phase("saved")
+        if writer == "process":
+            writer_problems = _writer_problems(getattr(mgr._persister, "pid", None), cuda)
     finally:
         mgr.close()
     phase("closed")
-    problems = foreign_device_problems(local_rank, phases)
+    problems = foreign_device_problems(local_rank, phases) + writer_problems
     if not committed:
         problems.append("the save at step 2 did not commit")
     return {"rank": local_rank, "device": str(device), "scenario": scenario,

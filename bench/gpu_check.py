@@ -28,7 +28,9 @@ Sections, in this order (``--only train,dtensor,devices,metrics,stall``):
   skipped, and said so, on a machine with one GPU): each rank selects its own GPU and saves
   a state on it through a ``CheckpointManager``, once without ``prepare()`` (the first
   ``maybe_save`` allocates and page-locks the staging buffers on the persist thread) and
-  once with it, each in fresh processes. After the buffers are allocated, after the save
+  once with it, and once without it through a writer process (``writer="process"``: the
+  shared block page-locked on the persist thread; the writer must see no GPU and hold no
+  memory on any), each in fresh processes. After the buffers are allocated, after the save
   committed and after ``close``, a rank's process must hold no CUDA context on the other
   GPU (asked of the driver) and NVML must list no memory of its pid there (rank 1: none on
   GPU 0).
@@ -36,8 +38,9 @@ Sections, in this order (``--only train,dtensor,devices,metrics,stall``):
   are present, each rank's ``/metrics`` read while it trains): every rank must serve its GPU
   known to NVML (``train_gpu_known`` 1, needs ``pip install 'ckpt[nvml]'``) with a UUID, and
   non-zero temperature, power, utilization, NVML memory, allocator bytes (allocated,
-  reserved, peak) and device memory; on 2 GPUs, non-zero bytes and seconds of FSDP2's
-  all-gathers and reduce-scatters.
+  reserved, peak) and device memory; on 2 GPUs (the model a mixture of experts on ep2),
+  non-zero bytes and seconds of FSDP2's all-gathers and reduce-scatters and of the experts'
+  all-to-alls.
 * **stall** (1 and 4 GiB, bf16 and fp32 tensors on the GPU; a warm-up round, then
   ``--repeats`` interleaved rounds, every ratio the median of per-round ratios; cases that
   would start after 390 s are skipped, to stay within the 8 minutes):
@@ -363,7 +366,8 @@ def _devices_rows(results: dict[str, Any]) -> list[str]:
     lines = ["A rank's save on its own GPU: what each rank of 2 left on the other GPU (a CUDA "
              "context of its process, or memory NVML lists for its pid) after the buffers "
              "were allocated, the save committed and the manager closed; without `prepare()` "
-             "(the first `maybe_save` allocates on the persist thread) and with it.", ""]
+             "(the first `maybe_save` allocates on the persist thread), with it, and "
+             "without it through a writer process (which must see no GPU).", ""]
     if results.get("skipped"):
         return lines + [f"Skipped: {results['skipped']}.", ""]
     lines += ["| scenario | rank | device | result |", "|---|---|---|---|"]

@@ -1,8 +1,9 @@
 """The devices section of bench/gpu_check.py (bench/_gpu_devices.py), checked without a GPU.
 
 On 2 GPUs it shows that a rank's save leaves no CUDA context and no memory of its process
-on the other GPU. Here: its reading of NVML's process list, its verdict on each kind of
-thing left behind (and on nothing), and that a machine with one GPU skips it and says so.
+on the other GPU, and that a writer process sees no GPU. Here: its reading of NVML's
+process list, its verdict on each kind of thing left behind (and on nothing), and that a
+machine with one GPU skips it and says so.
 tests/test_gpu_check_harness.py runs its 2-rank saves on CPU.
 """
 
@@ -62,6 +63,33 @@ def test_the_verdict_names_what_a_rank_left_on_another_gpu(devices):
         "after saved: 312 MB of GPU 0 used by this process"]
     # Rank 0 holds GPU 0 itself: nothing of that is a problem.
     assert devices.foreign_device_problems(0, {"saved": _snap({0: True}, {0: 900.0})}) == []
+
+
+@pytest.mark.parametrize("visible,problem", [
+    ("", None),
+    ("0,1", "the writer process {pid} sees GPUs (CUDA_VISIBLE_DEVICES=b'0,1')"),
+    (None, "the writer process {pid} sees GPUs (CUDA_VISIBLE_DEVICES=None)")])
+def test_the_verdict_on_a_writer_process_that_may_see_a_gpu(devices, visible, problem):
+    """The writer_process scenario: a writer must be started with no GPU visible (read
+    from its environment; NVML's memory of its pid is asked on CUDA only)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    # Its environment is its own once it runs (a line on stdout says so), not its parent's.
+    proc = subprocess.Popen(["sh", "-c", "echo up; exec sleep 30"], env=env,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"up\n"
+        found = devices._writer_problems(proc.pid, cuda=False)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert found == ([] if problem is None else [problem.format(pid=proc.pid)])
+    assert devices._writer_problems(None, cuda=False) == ["no writer process is running"]
 
 
 def test_one_gpu_skips_the_section_and_says_so(monkeypatch, tmp_path, capsys):

@@ -5,7 +5,8 @@ Without a GPU only the harness can be checked: the trainer killed after its firs
 resumed bit for bit under torchrun, every process group on the backend it should have (the
 checkpoint store's found wherever the package creates them), the staged FSDP2 and TP
 shards of 1 and 2 ranks equal to the live ones, and the 2-rank saves of the devices section
-(with and without ``prepare()``) committed. The GPU run is docs/performance.md's "GPU".
+(with and without ``prepare()``, and through a writer process that sees no GPU)
+committed. The GPU run is docs/performance.md's "GPU".
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def test_train_dtensor_and_devices_sections_pass_on_cpu(tmp_path):
             assert set(rank["layouts"]) == {"fsdp2", "tp"}
     devices = results["devices"]
     assert devices["ok"] and devices["skipped"] is None
-    assert [e["scenario"] for e in devices["scenarios"]] == ["maybe_save", "prepare"]
+    assert [e["scenario"] for e in devices["scenarios"]] == ["maybe_save", "prepare",
+                                                             "writer_process"]
     for entry in devices["scenarios"]:
         assert [r["rank"] for r in entry["ranks"]] == [0, 1]
         assert all(r["ok"] and not r["problems"] for r in entry["ranks"]), entry

@@ -7,10 +7,11 @@ rank's page is read a few times (NVML's utilization is a share of its last sampl
 one reading may fall between kernels), then the job is stopped. On ``cuda`` every rank must
 serve ``train_gpu_known`` 1, a GPU with a UUID (``train_gpu_info``), and non-zero
 temperature, power, utilization (in one of the readings), NVML memory, the allocator's
-allocated, reserved and peak bytes and the device's used and total memory; with 2 ranks,
-non-zero bytes and seconds of FSDP2's all-gathers and reduce-scatters. ``cpu`` checks the
-harness: the device and NVML series unknown (NaN, ``train_gpu_known`` 0), the host's memory
-known, the collectives of 2 gloo ranks measured.
+allocated, reserved and peak bytes and the device's used and total memory; with 2 ranks
+(the model then a mixture of experts split over them, ``parallel.ep`` = 2), non-zero bytes
+and seconds of FSDP2's all-gathers and reduce-scatters and of the experts' all-to-alls.
+``cpu`` checks the harness: the device and NVML series unknown (NaN, ``train_gpu_known``
+0), the host's memory known, the collectives of 2 gloo ranks measured.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ GPU_SERIES = ("train_gpu_temperature_celsius", "train_gpu_power_watts",
               "train_device_memory_reserved_bytes", "train_device_memory_peak_bytes")
 WIDER = ("--model.dim=512", "--model.n_layers=4", "--model.n_heads=8", "--model.ffn_dim=2048",
          "--model.max_seq_len=256", "--training.seq_len=256")
+MOE = ("--model.n_experts=4", "--model.experts_per_token=2")  # with parallel.ep = world
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")  # measured on 2 ranks
 
 
 def parse(page: str) -> dict[tuple[str, tuple], float]:
@@ -97,7 +100,7 @@ def check_rank(readings: list[dict], device: str, world: int) -> dict[str, Any]:
         problems.append("train_host_memory_rss_bytes is not above 0")
     comm = {}
     if world > 1:
-        for kind in ("all_gather", "reduce_scatter"):
+        for kind in COLLECTIVES:
             nbytes = _one(last, "train_comm_bytes_total", kind=kind)
             seconds = _one(last, "train_comm_seconds_total", kind=kind)
             comm[kind] = {"bytes": nbytes, "seconds": seconds,
@@ -122,6 +125,7 @@ def metrics_check(work: Path, device: str, world: int) -> dict[str, Any]:
     argv = trainer_argv(f"--training.device={device}", "--parallel.dp_mode=fsdp",
                         "--training.steps=100000000", "--training.log_every=1000",
                         *(("--training.mixed_precision=bf16", *WIDER) if gpu else ()),
+                        *((*MOE, f"--parallel.ep={world}") if world > 1 else ()),
                         f"--metrics.port={port}", "--metrics.host=127.0.0.1",
                         f"--metrics.jsonl_path={jsonl}", nproc=world)
     job = Job(argv, work / "logs", "metrics", jsonl, env=base_env())
@@ -149,7 +153,7 @@ def rows(result: dict[str, Any]) -> list[str]:
     lines = [f"Hardware and communication metrics, the trainer on {result['world']} rank(s) "
              f"of {result['device']} (each rank's /metrics):", "",
              "| rank | GPU | temperature, C | power, W | utilization | NVML memory | "
-             "allocated / reserved / peak | all-gather, reduce-scatter bandwidth | problems |",
+             "allocated / reserved / peak | collectives' bandwidth | problems |",
              "|---|---|---|---|---|---|---|---|---|"]
     for rank, r in enumerate(result.get("ranks") or []):
         v = r["values"]

@@ -16,7 +16,7 @@ order alternates by round.
 Step time: the median ``step_seconds`` of rank 0's ``train_step`` events after
 ``--warmup`` steps; the ratio to ep1 is taken per round (both runs of a round minutes apart
 at most) before the median, as bench/_common.py does. All-to-all bytes: every rank counts the rows its dispatch and combine
-send to the other ranks (``trainer.expert_parallel``'s all-to-alls, wrapped in the worker
+send to the other ranks (``trainer.expert_parallel.exchange_rows``, wrapped in the worker
 to count; the per-expert row counts exchanged before each dispatch are left out) times the
 row's bytes, in forward; backward sends the same bytes the other way (the gradient of a
 dispatch is a combine and back), so a step's total is twice the forward's. The planner's
@@ -65,7 +65,7 @@ def worker(ep: int, out: str, args) -> None:
 
     torch.set_num_threads(1)
     sent = {"bytes": 0, "calls": 0}
-    all_to_all = expert_parallel.all_to_all_single_autograd
+    all_to_all = expert_parallel.exchange_rows
 
     def counted(rows, output_split_sizes, input_split_sizes, group, *rest):
         me = dist.get_rank(group)
@@ -74,7 +74,7 @@ def worker(ep: int, out: str, args) -> None:
         sent["calls"] += 1
         return all_to_all(rows, output_split_sizes, input_split_sizes, group, *rest)
 
-    expert_parallel.all_to_all_single_autograd = counted
+    expert_parallel.exchange_rows = counted
     events = f"{out}.events-ep{ep}.jsonl"
     cfg = load_config(os.path.join(REPO, "configs", "tiny.toml"), _overrides(args, ep, events))
     env = init_distributed(cfg.training.device, timeout_seconds=300)

@@ -31,7 +31,7 @@ job's bus as ``local_<kind>`` (``local_save_committed`` ...) with the same field
 only, and the event log tells the tiers apart at a glance. Kinds without the prefix are the
 durable tier's (or not a tier's at all)."""
 
-COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
+COMM_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send_recv", "all_to_all")
 """The kinds of collectives ``train_step`` events count (``comm_bytes``, ``comm_seconds``):
 what each is and where the trainer measures it is ``trainer.comms``."""
 

@@ -17,11 +17,17 @@ Kinds (``ckpt.events.COMM_KINDS``) and where each is measured:
 ``all_gather``     FSDP2's parameter all-gather (``set_custom_all_gather``, likewise)
 ``send_recv``      the pipeline's activations and gradients between stages: bytes only (see
                    below)
+``all_to_all``     expert parallelism's exchanges of token rows (``trainer.expert_parallel``:
+                   dispatch and combine, forward and backward, a recomputed block's forward
+                   again), timed in ``exchange_rows``; the meter is the MoE blocks'
+                   ``GroupedExperts.comm``
 =================  ==========================================================================
 
 What a measurement is: ``bytes`` is the collective's whole buffer (all-reduce: the tensor;
 all-gather: the gathered output; reduce-scatter: the input), as nccl-tests count "size", so
-``bytes / seconds`` is the algorithm bandwidth. ``seconds`` runs from the call on this rank
+``bytes / seconds`` is the algorithm bandwidth; for an all-to-all, the bytes this rank sends
+to the other ranks (the rows it keeps move no data; the layout planner's
+``all_to_all_bytes_per_step`` counts the same). ``seconds`` runs from the call on this rank
 to its completion on this rank: on CUDA, between two CUDA events on the stream the collective
 runs after (read when they have completed, never synchronising the host); on CPU, wall time
 (an asynchronous collective's completion is its future's callback). It includes waiting for
@@ -33,9 +39,9 @@ Not measured: the pipeline's sends and receives are counted in bytes but not tim
 schedule issues and waits for them inside torch's pipelining code, and their waits are
 mostly pipeline bubbles, not transfers: a bandwidth from them would measure the bubble);
 tensor-parallel collectives inside DTensor ops; HSDP's all-reduce across replicas inside
-FSDP2; the replica groups' average (``trainer.ft``); the all-to-alls of expert parallelism
-(``trainer.expert_parallel``: their sizes change every step; docs/trainer.md gives the
-bytes per step).
+FSDP2; the replica groups' average (``trainer.ft``); the exchange of row counts before
+each expert-parallel dispatch (``n_experts`` integers, where a rank waits for its peers'
+routing: ``trainer.expert_parallel``).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainer.comms import CommMeter
 from trainer.config import ModelConfig
 from trainer.expert_parallel import combine, dispatch, local_expert_weight
 
@@ -127,7 +128,8 @@ class GroupedExperts(nn.Module):
     dim]``, ``w2`` ``[n_experts, dim, ffn]`` (a ``w[e]`` is the ``weight`` of an
     ``nn.Linear``). Under expert parallelism they are DTensors sharded on dim 0 and
     ``ep_group`` is set (:func:`trainer.expert_parallel.shard_experts`); this rank then runs
-    its own experts only."""
+    its own experts only, and ``comm`` (the rank's :class:`trainer.comms.CommMeter`, once
+    the parallel model attaches it) times the block's all-to-alls."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -136,6 +138,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim)) if cfg.activation == "swiglu" else None
         self.ep_group = None
+        self.comm: CommMeter | None = None
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` grouped by this rank's experts, ``counts[e]`` of them for its ``e``-th."""
@@ -232,7 +235,7 @@ class MoE(nn.Module):
         if group is None:
             out_rows = self.experts(rows, counts.tolist())
         else:
-            received, local_counts, route = dispatch(rows, counts, group)
+            received, local_counts, route = dispatch(rows, counts, group, self.experts.comm)
             out_rows = combine(self.experts(received, local_counts), route)
         per_choice = torch.empty_like(out_rows).index_copy(0, order, out_rows)
         out = (per_choice.view(-1, self.top_k, dim)

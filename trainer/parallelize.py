@@ -69,7 +69,8 @@ class ParallelModel:
         mesh: the (pp, dp, tp) DeviceMesh (HSDP: (pp, dp_replicate, dp_shard, tp) with a
             flattened "dp"; see ``trainer.mesh``), or None for a plain single process.
         comm: the :class:`trainer.comms.CommMeter` of this rank's gradient and parameter
-            collectives (DDP buckets, FSDP2, the pipeline's flat all-reduce and sends).
+            collectives (DDP buckets, FSDP2, the pipeline's flat all-reduce and sends) and
+            of its MoE blocks' expert-parallel all-to-alls.
     """
 
     def __init__(self, model_cfg, par, mesh, parts, runners, stages, schedule, device,
@@ -414,6 +415,9 @@ def _metered(pm: ParallelModel) -> ParallelModel:
             pm.comm.attach_ddp(runner)
         else:
             pm.comm.attach_fsdp(part)
+        for moe in part.moe_blocks().values():
+            if moe.experts.ep_group is not None:  # split over ep: its all-to-alls run
+                moe.experts.comm = pm.comm
     for stage in pm._stages or ():
         pm.comm.attach_stage(stage)
     return pm

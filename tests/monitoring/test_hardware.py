@@ -1,7 +1,8 @@
 """The hardware and communication series: what a CPU rank serves (memory known, the GPU
 unknown, never an error), a GPU source's readings (a recorded NVML reading: no GPU here),
 the host's memory from /proc or a memory cgroup, and the collectives the trainer measures on
-real gloo ranks (DDP, FSDP2, a pipeline), counted by the exporter from the step events."""
+real gloo ranks (DDP, FSDP2, a pipeline, expert parallelism's all-to-alls), counted by the
+exporter from the step events."""
 
 from __future__ import annotations
 
@@ -136,18 +137,23 @@ def test_host_memory_unreadable_is_unknown(tmp_path):
 def test_collectives_from_the_step_events_are_counted_by_kind():
     bus = EventBus()
     m = Metrics(bus)
-    for kind in COMM_KINDS:
+    assert set(COMM_KINDS) == {"all_reduce", "reduce_scatter", "all_gather", "send_recv",
+                               "all_to_all"}
+    for kind in COMM_KINDS:  # every kind from start-up
         assert _value(m, "train_comm_bytes_total", kind=kind) == 0
         assert _value(m, "train_comm_seconds_total", kind=kind) == 0
     for step in (1, 2):
         bus.emit("train_step", step, loss=1.0, step_seconds=0.1,
-                 comm_bytes={"all_gather": 1000, "send_recv": 10, "all_to_all": 5},
-                 comm_seconds={"all_gather": 0.25})
+                 comm_bytes={"all_gather": 1000, "send_recv": 10, "all_to_all": 5,
+                             "broadcast": 7},
+                 comm_seconds={"all_gather": 0.25, "all_to_all": 0.125})
     assert _value(m, "train_comm_bytes_total", kind="all_gather") == 2000
     assert _value(m, "train_comm_seconds_total", kind="all_gather") == 0.5
     assert _value(m, "train_comm_bytes_total", kind="send_recv") == 20
     assert _value(m, "train_comm_seconds_total", kind="send_recv") == 0
-    assert not [name for name, labels in _samples(m) if ("kind", "all_to_all") in labels]
+    assert _value(m, "train_comm_bytes_total", kind="all_to_all") == 10
+    assert _value(m, "train_comm_seconds_total", kind="all_to_all") == 0.25
+    assert not [name for name, labels in _samples(m) if ("kind", "broadcast") in labels]
 
 
 # -- the trainer's measurements, on real gloo ranks ---------------------------------------------
@@ -194,6 +200,54 @@ def test_fsdp_all_gathers_and_reduce_scatters_are_measured():
             < 1.1 * r["full_param_bytes"], r
         assert set(r["seconds"]) == {"all_gather", "reduce_scatter"}
         assert all(v > 0 for v in r["seconds"].values())
+
+
+def _measure_experts(rank: int, world: int) -> dict:
+    """ep2 on 2 ranks (the tiny MoE: 4 experts, 2 per rank), one forward and backward, then
+    again with every MoE block recomputed: what the meter took, and the router's rows per
+    expert on this rank's tokens."""
+    from tests.trainer._parallel_worker import MOE, SEED, layout
+    from trainer.mesh import build_mesh
+    from trainer.parallelize import build_parallel_model
+
+    par = layout(MOE, dp=2, ep=2)
+    x = torch.randint(0, MOE.vocab_size, (8 // par.dp, 16), generator=torch.Generator()
+                      .manual_seed(rank))
+    out = {}
+    for recomputed in ((), MOE.moe_layer_ids):
+        pm = build_parallel_model(MOE, par, build_mesh(par, "cpu"), SEED, "cpu",
+                                  recomputed_layers=recomputed)
+        pm.forward_backward(x, (3 * x + 1) % MOE.vocab_size)
+        nbytes, seconds = pm.comm.take()
+        tokens = {layer: stats.tokens_per_expert for part in pm.model_parts
+                  for layer, stats in part.take_router_stats().items()}
+        out["recomputed" if recomputed else "plain"] = {"bytes": nbytes, "seconds": seconds,
+                                                        "tokens": tokens}
+    return out
+
+
+def test_expert_parallel_all_to_alls_are_measured():
+    """Each rank's all_to_all bytes are the rows it sends to the other rank, exactly: in
+    dispatch its rows for the other rank's experts, in combine the other rank's rows its
+    own experts ran; the same again in backward, and once more for a recomputed block."""
+    from tests.trainer._parallel_worker import MOE
+
+    results = run_ranks(_measure_experts, 2)
+    row_bytes = MOE.dim * 4  # fp32 activations
+    for rank, r in enumerate(results):
+        plain = r["plain"]
+        mine = range(2 * rank, 2 * rank + 2)  # 4 experts over ep2: rank r holds 2r, 2r+1
+        other = results[1 - rank]["plain"]["tokens"]
+        sent = sum(sum(n for e, n in enumerate(tokens) if e not in mine)
+                   + sum(n for e, n in enumerate(other[layer]) if e in mine)
+                   for layer, tokens in plain["tokens"].items())
+        assert set(plain["tokens"]) == set(MOE.moe_layer_ids) and sent > 0, plain
+        assert plain["bytes"]["all_to_all"] == 2 * sent * row_bytes, (rank, plain, sent)
+        assert plain["seconds"]["all_to_all"] > 0
+        assert {"all_gather", "reduce_scatter"} <= set(plain["bytes"])  # FSDP2's beside it
+        again = r["recomputed"]
+        assert again["bytes"]["all_to_all"] == 3 * sent * row_bytes, (rank, again, sent)
+        assert again["seconds"]["all_to_all"] > 0
 
 
 def test_a_pipelines_sends_are_counted_and_its_gradient_all_reduce_timed():

@@ -278,8 +278,9 @@ def _import_job(rank: int, world: int, folder: str, root: str, extra: tuple,
         report, _ = import_hf(folder, cfg.model, trainer.model,
                               storage_options=cfg.checkpoint.storage_options or None,
                               process_group=trainer.ctl_group)
-        expected = own = 0  # the rows of each shard, and the shard itself
+        expected = own = full = 0  # the rows of each shard, the shard, the whole tensors
         for value in trainer.model.model_state_dict().values():
+            full += value.numel() * value.element_size()
             local, sizes = value, tuple(value.shape)
             if isinstance(value, DTensor):
                 local, sizes = value.to_local(), tuple(value.__create_chunk_list__()[0].sizes)
@@ -299,7 +300,8 @@ def _import_job(rank: int, world: int, folder: str, root: str, extra: tuple,
                 logits = pm.model_parts[0](hidden)
         # As numpy: a tensor would travel to the parent as shared memory of a process gone.
         return {"logits": None if logits is None else logits.numpy(),
-                "read": report.tensor_bytes_read, "expected": expected, "own": own}
+                "read": report.tensor_bytes_read, "expected": expected, "own": own,
+                "full": full}
     finally:
         trainer.manager.close()
 
@@ -393,6 +395,8 @@ def test_initial_load_on_a_layout(llama, tmp_path, layout):
         assert r["read"] == r["expected"], r  # the rows of its own shards, nothing more
         if "tp" not in layout:  # every shard is a slice along dim 0: exactly its bytes
             assert r["read"] == r["own"], r
+        if layout != "pp2":  # FSDP2 / TP shards: no rank holds or reads a whole tensor
+            assert r["read"] < r["full"], r
     assert sum(r["logits"] is not None for r in results) == (1 if layout == "pp2" else world)
     _check_export(llama, root, tmp_path / "out")
 

@@ -58,11 +58,14 @@ from ckpt.format import jsonio
 from ckpt.root.lifecycle import Lifecycle
 from ckpt.storage import Storage
 
-__all__ = ["Lease", "LEASE_NAME", "read_lease", "acquire_lease", "acquire_for_ranks",
-           "release_lease", "DEFAULT_LEASE_TTL_SECONDS"]
+__all__ = ["Lease", "LEASE_NAME", "MAX_LEASE_BYTES", "read_lease", "acquire_lease",
+           "acquire_for_ranks", "release_lease", "DEFAULT_LEASE_TTL_SECONDS"]
 
 log = logging.getLogger(__name__)
 LEASE_NAME = "_lease.json"
+MAX_LEASE_BYTES = 1 << 20
+"""The most a lease record may hold (it holds a dozen fields): a larger ``_lease.json`` is
+never read, nor compared beyond this many bytes."""
 DEFAULT_LEASE_TTL_SECONDS = 60.0
 """How long a lease outlives its last heartbeat unless its holder says otherwise."""
 
@@ -147,13 +150,21 @@ class Lease:
         })
 
     def read(self) -> tuple[dict[str, Any] | None, bytes | None]:
-        """The record at the root, or (None, None). A damaged one reads as stale."""
+        """The record at the root and its bytes, or (None, None). A damaged one reads as
+        stale. One that cannot be read as a record at all (larger than
+        ``MAX_LEASE_BYTES``: refused unread; a link) reads as damaged with no bytes
+        (``problem`` says why): no swap can take it over (``acquire`` refuses it)."""
         try:
-            raw = self.storage.read_bytes(LEASE_NAME)
+            raw = self.storage.read_bytes(LEASE_NAME, max_bytes=MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None, None
+        except CorruptCheckpointError as exc:
+            log.warning("%s", exc)
+            return {"holder": "?", "heartbeat_unix": 0, "ttl_seconds": 0, "damaged": True,
+                    "problem": str(exc)}, None
         try:
-            info = jsonio.loads(raw, self.storage.describe(LEASE_NAME), max_bytes=1 << 20)
+            info = jsonio.loads(raw, self.storage.describe(LEASE_NAME),
+                                max_bytes=MAX_LEASE_BYTES)
         except CorruptCheckpointError:
             info = None
         if not isinstance(info, dict):
@@ -187,6 +198,9 @@ class Lease:
                 self._current = mine
                 self._renewed = time.monotonic()
                 break
+            if raw is None:  # not a record: nothing a compare-and-swap could take over
+                raise CorruptCheckpointError(info["problem"],
+                                             path=self.storage.describe(LEASE_NAME))
             why = self.expired_because(info, force=force)
             if why is None:
                 raise LeaseHeldError(
@@ -306,8 +320,8 @@ class Lease:
         """Whether the record is still the one this holder wrote last (one read); marks
         the lease lost when it is not."""
         try:
-            stored = self.storage.read_bytes(LEASE_NAME)
-        except FileNotFoundError:
+            stored = self.storage.read_bytes(LEASE_NAME, max_bytes=MAX_LEASE_BYTES)
+        except (FileNotFoundError, CorruptCheckpointError):  # gone, or no record of ours
             stored = None
         if stored == self._current:
             return True
@@ -408,18 +422,23 @@ def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
                       lifecycle: Lifecycle | None = None, **lease_options: Any) -> Lifecycle:
     """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
     ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
-    the same ``LeaseHeldError``. Collective."""
+    the same ``LeaseHeldError`` (a live holder), or ``CorruptCheckpointError`` (a lease file
+    that is no record). Collective."""
     life = lifecycle or Lifecycle(storage)
-    error = ""
+    error = ["", ""]
     if coordinator:
         try:
             acquire_lease(storage, lifecycle=life, **lease_options)
         except LeaseHeldError as exc:
-            error = str(exc)
-    error = agreement.broadcast(error)
-    if error:
+            error = ["held", str(exc)]
+        except CorruptCheckpointError as exc:  # told to every rank, not left to a timeout
+            error = ["corrupt", str(exc)]
+    kind, error = agreement.broadcast(error)
+    if kind:
         if coordinator and life.lease is not None and life.lease.held:
             release_lease(life)
+        if kind == "corrupt":
+            raise CorruptCheckpointError(error, path=storage.describe(LEASE_NAME))
         raise LeaseHeldError(error)
     return life
 

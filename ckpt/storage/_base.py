@@ -95,14 +95,17 @@ class Backend(ABC):
         ``fsync``) reach it; None when the root is not on a local file system."""
         return None
 
-    def read_or_none(self, rel: str) -> bytes | None:
-        """The whole of ``rel``, or None if it cannot be read for any reason.
+    def read_or_none(self, rel: str, max_bytes: int) -> bytes | None:
+        """The whole of ``rel`` when it holds at most ``max_bytes``, or None if it holds
+        more or cannot be read for any reason (at most ``max_bytes + 1`` bytes are read).
 
-        Only used to recognise our own earlier write whose answer was lost."""
+        Only used to recognise our own earlier write whose answer was lost: ``max_bytes``
+        is that write's size, so a larger object is not ours and is never read whole."""
         try:
-            return self.read(rel, None, None)
+            data = self.read_at_most(rel, max_bytes)
         except Exception:  # noqa: BLE001 - any failure means "not recognisably ours"
             return None
+        return data if len(data) <= max_bytes else None
 
     @abstractmethod
     def exists(self, rel: str) -> bool:

@@ -51,9 +51,16 @@ class LocalBackend(FsspecBackend):
     fails and it starts over), so this only bounds how long a dead swapper stalls the others;
     it is far above a swap's time (a write, two renames, a sync)."""
 
+    stale_stage_seconds = 60.0
+    """How old a staged swap folder (``<rel>.swap-<token>``, step 1 of
+    :meth:`replace_if_unchanged`) must be before a swap removes it as a dead swapper's
+    leftover. Removing a live swapper's is safe too (it starts over), so this only keeps a
+    swapper waiting for the lock from being sent back needlessly."""
+
     def __init__(self, url: str, fs: Any, root: str, retry: Any, anchor: str | None = None):
         super().__init__(url, fs, root, retry)
         self.anchor = (anchor or self.root).rstrip(os.sep) or os.sep
+        self._swept: set[str] = set()  # records whose stale staged swaps this one removed
 
     def local_path(self, rel: str) -> str:
         return self.path(rel)
@@ -263,30 +270,44 @@ class LocalBackend(FsspecBackend):
         So a late swapper never replaces a record it did not compare. A rename that landed
         but was reported refused (an NFS reply lost) starts over too, finds its own ``data``
         and returns True.
+
+        A swapper that dies between steps 1 and 2 (killed while it waits for the lock, say)
+        leaves its staged folder. The first swap of ``rel`` through this backend removes
+        those older than :attr:`stale_stage_seconds` (its record, then the folder), as a job
+        taking or renewing its lease, or ``ckpt gc`` taking it, does. A swapper still alive
+        behind one that was removed finds it gone at step 2, or takes the lock with no
+        record in it and finds its step 4 refused: it starts over, never writing.
         """
         self._check_inside_root(rel)
         p = self.path(rel)
         while True:
             swapped = self._swap_once(p, data, expected)
             if swapped is not None:
-                return swapped
+                break
+        if p not in self._swept:
+            self._swept.add(p)
+            _remove_stale_stages(p, self.stale_stage_seconds)
+        return swapped
 
     def _swap_once(self, p: str, data: bytes, expected: bytes) -> bool | None:
         """Steps 1-4 of :meth:`replace_if_unchanged` once; None when the lock was broken
-        before the swap landed (start over)."""
+        before the swap landed, or the staged folder was removed as stale (start over)."""
         lock = f"{p}.swap-lock"
         token = uuid.uuid4().hex
         stage = f"{p}.swap-{token}"
         os.mkdir(stage)
         try:
             write_new_file(os.path.join(stage, token), data)
-            self._take_lock(stage, lock)
+            if not self._take_lock(stage, lock):
+                return None
+        except FileNotFoundError:
+            return None  # the staged folder was removed as stale meanwhile
         except BaseException:
             _remove_folder(stage, [token])
             raise
         mine = os.path.join(lock, token)
         try:
-            current = _read_record(p)
+            current = _read_record(p, max(len(expected), len(data)))
             if current != expected:
                 return current == data
             try:
@@ -300,16 +321,19 @@ class LocalBackend(FsspecBackend):
         finally:
             _remove_folder(lock, [token])
 
-    def _take_lock(self, stage: str, lock: str) -> None:
+    def _take_lock(self, stage: str, lock: str) -> bool:
         """Rename ``stage`` (not empty) to ``lock``; wait while another swapper holds it,
-        and break a lock whose holder has not changed for the timeout."""
+        and break a lock whose holder has not changed for the timeout. False when
+        ``stage`` is gone (removed as stale while this swapper waited)."""
         seen: list[str] | None = None
         deadline = 0.0
         while True:
             try:
                 os.rename(stage, lock)
-                return
+                return True
             except OSError as exc:
+                if exc.errno == errno.ENOENT and not os.path.lexists(stage):
+                    return False
                 if exc.errno == errno.ENOTDIR:
                     raise CorruptCheckpointError(
                         f"{lock} is in the way of the lease's compare-and-swap (it is not a "
@@ -375,8 +399,10 @@ def write_new_file(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _read_record(path: str) -> bytes | None:
-    """The bytes of ``path``, or None when it is absent or a link (never read through)."""
+def _read_record(path: str, max_bytes: int) -> bytes | None:
+    """The bytes of ``path``, or None when it is absent or a link (never read through); of
+    a file larger than ``max_bytes``, only its first ``max_bytes + 1`` (enough to tell it
+    from any record of at most ``max_bytes``)."""
     try:
         fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
     except FileNotFoundError:
@@ -386,7 +412,7 @@ def _read_record(path: str) -> bytes | None:
             return None
         raise
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        return f.read(max_bytes + 1)
 
 
 def _entries(folder: str) -> list[str] | None:
@@ -395,6 +421,36 @@ def _entries(folder: str) -> list[str] | None:
         return sorted(os.listdir(folder))
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+def _remove_stale_stages(p: str, older_than_seconds: float) -> None:
+    """Remove the staged swap folders of record ``p`` (``<p>.swap-<token>`` holding at most
+    its record ``<token>``) unchanged for ``older_than_seconds``: dead swappers' leftovers
+    (see :meth:`LocalBackend.replace_if_unchanged`). Anything else there is left alone."""
+    folder, prefix = os.path.dirname(p), os.path.basename(p) + ".swap-"
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        token = name[len(prefix):]
+        if not name.startswith(prefix) or len(token) != 32 \
+                or token.strip("0123456789abcdef"):
+            continue  # the lock, or nobody's
+        stage = os.path.join(folder, name)
+        try:
+            st = os.lstat(stage)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or now - st.st_mtime < older_than_seconds:
+            continue
+        held = _entries(stage)
+        if held is None or not set(held) <= {token}:
+            continue
+        log.info("removing %s, a swap staged %.0f s ago by a swapper that never took the "
+                 "lock", stage, now - st.st_mtime)
+        _remove_folder(stage, held)
 
 
 def _remove_folder(folder: str, names: Sequence[str]) -> None:

@@ -319,7 +319,7 @@ class Storage:
         """
         def _create() -> None:
             if not self.backend.create_exclusive(rel, data) \
-                    and self.backend.read_or_none(rel) != data:
+                    and self.backend.read_or_none(rel, len(data)) != data:
                 raise FileExistsError(errno.EEXIST, f"{self.describe(rel)} already exists")
         self._wrap("commit", rel, _create)
 

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+import ckpt
 from ckpt.errors import LeaseHeldError
 from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, Lease, Lifecycle
@@ -214,3 +215,56 @@ def test_a_lease_lost_during_the_last_save_is_agreed_before_the_run_ends(root):
         assert mgr.lease_lost_url == storage.url
     finally:
         mgr.close()
+
+
+_SPARSE_CHILD = """
+import json, resource, sys
+import torch, ckpt
+from ckpt.cli import main
+from ckpt.root import read_lease
+from ckpt.storage import Storage
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+root, big = sys.argv[1], sys.argv[2]
+main(["list", root])  # warm: the imports, one listing
+before = peak()
+out = {"info": read_lease(Storage(root)), "list": main(["list", root])}
+try:
+    ckpt.save({"w": torch.ones(2)}, root, 3)
+    out["save"] = ""
+except Exception as exc:
+    out["save"] = f"{type(exc).__name__}: {exc}"
+storage = Storage(root)
+try:
+    storage.create_exclusive(big, b"x")
+    out["create"] = ""
+except Exception as exc:
+    out["create"] = type(exc).__name__
+out["swap"] = storage.replace_if_unchanged(big, b"new", b"old")
+out["grew"] = peak() - before
+print(json.dumps(out))
+"""
+
+
+def test_a_lease_record_replaced_by_a_large_sparse_file_is_never_read_whole(tmp_path):
+    """``_lease.json`` truncated up to 1.5 GiB (sparse: no disk): reading the lease (``ckpt
+    list``, a job's start), and an exclusive create or a compare-and-swap that meets such a
+    file, read no more than a record may hold; a job's start is refused in one line naming
+    the file and the fix (no swap could take over what it will not read)."""
+    root = tmp_path / "root"
+    ckpt.save({"w": torch.ones(2)}, str(root), 1)
+    for name in (LEASE_NAME, "big.bin"):
+        with open(root / name, "ab") as f:
+            f.truncate(3 << 29)
+    out = subprocess.run([sys.executable, "-c", _SPARSE_CHILD, str(root), "big.bin"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["info"]["damaged"] and got["list"] == 0, got
+    assert got["save"].startswith("CorruptCheckpointError") and LEASE_NAME in got["save"] \
+        and "delete it" in got["save"], got
+    assert got["create"] == "FileExistsError" and got["swap"] is False, got
+    assert got["grew"] < 64 << 20, got  # not the 1.5 GiB each file holds
+    assert CheckpointStore(str(root)).committed_steps() == [1]

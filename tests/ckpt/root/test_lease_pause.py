@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import threading
 import time
 
 import pytest
 import torch
 
+import ckpt
 from ckpt.cli import main as ckpt_main
 from ckpt.job import CheckpointManager, ManagerOptions
 from ckpt.root import CheckpointStore, FENCED, Lease, acquire_lease, release_lease
@@ -261,3 +263,123 @@ def test_verify_reports_a_fenced_leftover_as_such_and_gc_removes_it(where, capsy
     assert [e.status for e in store.entries(2)] == [] and store.committed_steps() == [1]
     rc, out = _cli(capsys, "verify", *args)
     assert rc == 0 and "step 2" not in out, out
+
+
+def _staged(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith(LEASE_NAME + ".swap-")
+                  and n != LEASE_NAME + ".swap-lock")
+
+
+class StageStall:
+    """Holds a swapper (the next, when armed) right after it staged its record, before it
+    renames the staged folder into the lock (steps 1 and 2 of the local swap); ``between``
+    runs there first, if set. ``stalled`` is set once it is held."""
+
+    def __init__(self, monkeypatch):
+        self.stalled, self.go = threading.Event(), threading.Event()
+        self.armed = False
+        self.between = None
+        real_rename = os.rename
+
+        def rename(src, dst, *args, **kwargs):
+            if self.armed and os.fspath(dst).endswith(LEASE_NAME + ".swap-lock"):
+                self.armed = False
+                if self.between is not None:
+                    self.between(os.fspath(src))
+                self.stalled.set()
+                assert self.go.wait(60), "the stalled swap was never resumed"
+            return real_rename(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "rename", rename)
+
+
+def test_a_holder_paused_before_its_lock_learns_it_lost_its_staged_swap_removed(
+        tmp_path, monkeypatch):
+    """Holder A stalls after staging its renewal, before taking the swap's lock, past its
+    TTL and past the age at which a staged swap counts as a dead swapper's; B takes the
+    lease over, and its first swap removes A's staged folder. A resumes: its swap starts
+    over and fails (A learns it lost, with no error), B keeps the lease, nothing is left
+    beside the record."""
+    url = str(tmp_path / "root")
+    stalling, other = Storage(url), Storage(url)
+    stalling.makedirs("")
+    other.backend.stale_stage_seconds = 0.2
+    stall = StageStall(monkeypatch)
+    a = Lease(stalling, ttl_seconds=TTL, job_name="a")
+    a.acquire(heartbeat=False)
+    stall.armed = True
+    renewed = []
+    t = threading.Thread(target=lambda: renewed.append(a.confirm()))
+    t.start()
+    try:
+        assert stall.stalled.wait(30)
+        assert len(_staged(url)) == 1
+        time.sleep(TTL + 0.3)
+        b = Lease(other, ttl_seconds=30, job_name="b")
+        b.acquire(heartbeat=False)
+        assert b.took_over["holder"] == a.holder_id
+        assert _staged(url) == []  # A's staged swap, unchanged for longer than 0.2 s
+    finally:
+        stall.go.set()
+        t.join(60)
+    assert renewed == [False] and a.lost
+    assert _record(other)["holder"] == b.holder_id and b.confirm() and b.check()
+    b.release()
+    assert sorted(os.listdir(url)) == [LEASE_NAME]
+
+
+def test_a_swap_whose_staged_record_is_removed_under_it_never_lands_it(tmp_path,
+                                                                       monkeypatch):
+    """The staged record removed (as stale) between a swapper's staging and its lock, the
+    emptied folder still there: the swapper takes the lock with no record in it, its
+    rename over the record is refused, and it starts over: the swap lands once, from a
+    record staged again, and leaves nothing behind."""
+    url = str(tmp_path / "root")
+    storage = Storage(url)
+    storage.makedirs("")
+    storage.create_exclusive(LEASE_NAME, b"old")
+    stall = StageStall(monkeypatch)
+    stall.between = lambda stage: os.unlink(os.path.join(stage, os.listdir(stage)[0]))
+    stall.armed = True
+    stall.go.set()
+    assert storage.replace_if_unchanged(LEASE_NAME, b"new", b"old")
+    assert storage.read_bytes(LEASE_NAME) == b"new"
+    assert sorted(os.listdir(url)) == [LEASE_NAME]
+
+
+def test_a_dead_swappers_staged_folder_is_removed_by_gc_and_verify_passes(tmp_path, capsys):
+    """A swapper SIGKILLed while it waits for the lock leaves its staged folder. ``ckpt
+    verify`` passes and says nothing of it; ``ckpt gc`` (the next swap of the record)
+    removes it once it is older than a swap could wait, and leaves a fresh one."""
+    url = str(tmp_path / "root")
+    for step in (1, 2):
+        ckpt.save(_state(step), url, step)
+    lock = os.path.join(url, LEASE_NAME + ".swap-lock")
+    os.mkdir(lock)
+    open(os.path.join(lock, "0" * 32), "wb").close()  # a live swapper's lock
+    storage = Storage(url)
+    storage.backend.swap_lock_timeout_seconds = 3600.0
+    pid = os.fork()
+    if pid == 0:  # the swapper: stages its record, then waits for the lock until killed
+        try:
+            storage.replace_if_unchanged(LEASE_NAME, b"mine", b"theirs")
+        finally:
+            os._exit(1)
+    try:
+        assert wait_for(lambda: _staged(url), timeout=60), "the swapper never staged"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    (dead,) = _staged(url)
+    os.unlink(os.path.join(lock, "0" * 32))
+    os.rmdir(lock)
+    rc, out = _cli(capsys, "verify", url)
+    assert rc == 0 and "step 1: ok" in out and "step 2: ok" in out and "swap" not in out, out
+    old = time.time() - 3600
+    os.utime(os.path.join(url, dead), (old, old))
+    fresh = f"{LEASE_NAME}.swap-{'f' * 32}"
+    os.mkdir(os.path.join(url, fresh))  # a swapper staging right now: not touched
+    rc, out = _cli(capsys, "gc", url, "--yes")
+    assert rc == 0, out
+    assert _staged(url) == [fresh]
+    assert CheckpointStore(url).committed_steps() == [1, 2]

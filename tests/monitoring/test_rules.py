@@ -110,6 +110,19 @@ def test_every_alert_has_a_runbook_entry():
         assert f'runbook: "docs/monitoring.md#{name.lower()}"' in rule, name
 
 
+def test_every_exporter_metric_and_collective_kind_is_in_the_docs_tables():
+    """docs/monitoring.md documents each series the exporter serves in a table row (the
+    metrics table, or the table of its section), and each kind of collective."""
+    from ckpt.events import COMM_KINDS
+
+    rows = [line for line in DOCS.read_text().splitlines() if line.startswith("| `")]
+    families = {fam.name for fam in Metrics().registry.collect()}
+    undocumented = sorted(f for f in families if not any(f"`{f}" in row for row in rows))
+    assert not undocumented, f"docs/monitoring.md: no table row for {undocumented}"
+    kinds = [k for k in COMM_KINDS if not any(row.startswith(f"| `{k}` |") for row in rows)]
+    assert not kinds, f"docs/monitoring.md: the collectives' table lacks the kinds {kinds}"
+
+
 def alert_mentions(text: str) -> set[str]:
     """CamelCase names that ``text`` (markdown or a help string) uses as alert names: in a
     sentence that speaks of alerts (alert, fires, firing, runbook ...), in a

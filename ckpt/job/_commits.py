@@ -5,9 +5,10 @@ What it knows: ``newest_step``, the newest step this manager committed or found 
 coordinator's; the save gate answers "is this step committed?" from it). The bookkeeping
 (:meth:`Commits.record`) runs on the manager's persist thread after ``Persister.run``
 committed a step, in order: the ``save_committed`` event, the cadence, the failure history
-(written at most every ``HISTORY_SECONDS``), retention (coordinator: from the committed steps
-its life-cycle knows, no listing), then ``save_cost`` with the time each took. Advisory parts never
-lose the checkpoint: a failing cadence policy is logged, a failing retention is logged and
+(written at most every ``HISTORY_SECONDS``), retention (coordinator: the policies decide from
+the committed steps its life-cycle knows, no listing; the deletions are carried out here or,
+in process mode, by the writer process), then ``save_cost`` with the time each took.
+Advisory parts never lose the checkpoint: a failing cadence policy is logged, a failing retention is logged and
 reported as ``retention_failed``.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ckpt.cadence import CadencePolicy
 from ckpt.events import EventBus
@@ -23,7 +24,12 @@ from ckpt.format import Manifest
 from ckpt.job._claim import RootClaim
 from ckpt.job._inflight import StagedCopy
 from ckpt.job.persist import PersistOutcome
-from ckpt.job.retention import RetentionPolicy, apply_retention
+from ckpt.job.retention import (
+    RetentionPlan,
+    RetentionPolicy,
+    carry_out_retention,
+    plan_retention,
+)
 from ckpt.root import CheckpointStore
 
 __all__ = ["Commits", "HISTORY_SECONDS"]
@@ -37,13 +43,18 @@ HISTORY_SECONDS = 60.0
 
 class Commits:
     """The commits of one manager under ``store`` (see the module docstring). ``claim``:
-    the manager's claim on the root, whose failure history is written after each commit."""
+    the manager's claim on the root, whose failure history is written after each commit.
+    ``carry_out``: who carries out retention's plans, ``carry_out(plan, newest_manifest)``
+    (it emits ``retention_deleted``/``retention_failed`` and keeps ``store``'s life-cycle
+    knowing which steps are committed); None: this process, through ``store``."""
 
     def __init__(self, events: EventBus, store: CheckpointStore, claim: RootClaim,
-                 retention: Sequence[RetentionPolicy], *, coordinator: bool):
+                 retention: Sequence[RetentionPolicy], *, coordinator: bool,
+                 carry_out: Callable[[RetentionPlan, Manifest | None], None] | None = None):
         self.events, self.store, self.claim = events, store, claim
         self.retention = list(retention)
         self.coordinator = coordinator
+        self.carry_out = carry_out or self._carry_out_here
         self.newest_step: int | None = None  # known on every rank
         self.last_manifest: Manifest | None = None  # the coordinator's
 
@@ -100,11 +111,17 @@ class Commits:
     def _retain(self, step: int, newest_manifest: Manifest | None) -> None:
         """Coordinator: apply retention after the commit of ``step`` (never deleting it)."""
         try:
-            apply_retention(
-                self.store, self.retention, protect={step},
-                on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)),
-                newest_manifest=newest_manifest, committed=self.store.life.known_committed())
+            plan = plan_retention(self.store, self.retention, protect={step},
+                                  newest_manifest=newest_manifest,
+                                  committed=self.store.life.known_committed())
+            if plan is not None:
+                self.carry_out(plan, newest_manifest)
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention after step %d failed: %s", step, exc)
             self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")
+
+    def _carry_out_here(self, plan: RetentionPlan, newest_manifest: Manifest | None) -> None:
+        carry_out_retention(
+            self.store, plan, newest_manifest=newest_manifest,
+            on_deleted=lambda s: self.events.emit("retention_deleted", s),
+            on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))

@@ -5,7 +5,7 @@ stall, into shared host memory: ``StagingBuffers(shared=True)``) and hands the s
 long-lived writer process per rank writes the files, checksums them, runs the save's
 collectives (DCP's planning and the commit's gather) on a gloo group of its own, retries,
 and commits the manifest. The training process keeps the lease (its heartbeat), the gate,
-retention and the bookkeeping after a commit, which are small.
+retention's decisions and the bookkeeping after a commit, which are small.
 
 States of one rank's writer, as its :class:`WriterProcess` (the training side) sees it::
 
@@ -23,14 +23,16 @@ Protocol: one socket pair per writer; every message is one JSON object (``send_b
 training -> writer     ``init`` (once: storage, rank, group rendezvous, retry settings),
                        ``save`` (a staged copy as :meth:`ckpt.dcp.StagingBuffers.handoff`
                        describes it, step, metadata, lineage, lease identity),
-                       ``abandon`` (``close(flush=False)`` during a save), ``reply`` (to a
-                       lease call), ``exit``
+                       ``retain`` (retention's plan, after a commit), ``abandon``
+                       (``close(flush=False)`` during a save), ``reply`` (to a lease call),
+                       ``exit``
 writer -> training     ``event`` (re-emitted on the manager's bus by ``EventBus.forward``,
                        which refuses a kind or field not in ``ckpt.events.KINDS``),
                        ``lease`` (a call on the lease, answered by ``reply``),
                        ``committed_id`` (a commit the lease renewal proved), ``attempt``
                        (an attempt's save id, written before its marker), ``done`` (the
-                       save's outcome)
+                       save's outcome), ``retained`` (the steps retention deleted or found
+                       gone)
 =====================  ===========================================================
 
 Same guarantees as the persist thread: the writer runs the same ``Persister`` (attempts,
@@ -55,9 +57,14 @@ the rendezvous (the count, forming a group) is bounded by the lease TTL: a write
 by then fails the save on the ranks that wait, which leave their group, and the next save
 forms a new one (the save's collectives wait as long as a thread-mode save's do).
 
-Not in the writer: retention (its policies are the caller's objects, which do not cross a
-process boundary without pickling) and the bookkeeping after a commit run on the training
-process's persist thread as in thread mode: a few requests and no bytes.
+Retention: its policies are the caller's objects (they do not cross a process boundary
+without pickling), so they decide on the training process's persist thread after the commit,
+from the committed steps its life-cycle knows (no request); the plan they make
+(:class:`ckpt.job.retention.RetentionPlan`) goes to the writer (``retain``), which verifies
+the newest checkpoint and deletes, under the same lease, and answers which steps are gone
+(``retained``). The bookkeeping after a commit (events, cadence, history) stays on the
+training process's persist thread as in thread mode: no bytes and, but for the history once
+a minute, no requests.
 
 No GPU in the writer: it reads the shared host block and nothing else, and is started with
 ``CUDA_VISIBLE_DEVICES`` empty, so it holds no CUDA context on any GPU. The CUDA calls a
@@ -114,7 +121,8 @@ from ckpt.dcp import (
 from ckpt.events import EventBus
 from ckpt.format import Manifest, parse_lineage
 from ckpt.job.persist import PersistOutcome, Persister
-from ckpt.root import Lifecycle
+from ckpt.job.retention import RetentionPlan, carry_out_retention
+from ckpt.root import CheckpointStore, Lifecycle
 from ckpt.storage import Storage
 
 __all__ = ["WriterProcess", "WRITER_MODES", "check_writer_mode", "main"]
@@ -378,7 +386,17 @@ class WriterProcess:
 
     def _wait(self, step: int, nbytes: int, stall: float, t0: float) -> PersistOutcome:
         """Serve the writer until its ``done`` (or its death)."""
-        conn, attempts, told_abandon = self._conn, [], False
+        attempts: list[str] = []
+        done = self._serve("done", attempts)
+        if done is None:
+            return self._died(step, attempts, nbytes, stall, t0)
+        return self._outcome(step, done)
+
+    def _serve(self, until: str, attempts: list[str] | None = None) -> dict[str, Any] | None:
+        """Serve the writer (its events, lease calls, commit proofs and attempts, these
+        appended to ``attempts``) until it sends the message ``until``, returned; None when
+        it died first."""
+        conn, told_abandon = self._conn, False
         watched: list[Any] = [conn] + ([self._pidfd] if self._pidfd is not None else [])
         while True:
             if self.abandon.is_set() and not told_abandon:
@@ -395,8 +413,10 @@ class WriterProcess:
                     raise EOFError  # the pidfd: the process ended, nothing more to read
                 message = json.loads(conn.recv_bytes())
             except (EOFError, OSError):
-                return self._died(step, attempts, nbytes, stall, t0)
+                return None
             op = message.get("op")
+            if op == until:
+                return message
             if op == "event":
                 try:
                     self.events.forward(message["kind"], message.get("step"), message["fields"])
@@ -407,12 +427,50 @@ class WriterProcess:
             elif op == "committed_id":
                 if self.life.lease is not None:
                     self.life.lease.committed_ids.add(message["save_id"])
-            elif op == "attempt":
+            elif op == "attempt" and attempts is not None:
                 attempts.append(message["save_id"])
-            elif op == "done":
-                return self._outcome(step, message)
             else:
-                log.warning("writer process %s sent an unknown message %r", self.pid, op)
+                log.warning("writer process %s sent an unexpected message %r", self.pid, op)
+
+    # -- retention after a commit -------------------------------------------------------------
+    def carry_out(self, plan: RetentionPlan, newest_manifest: Manifest | None) -> None:
+        """Persist thread of the coordinator, after the commit of the save in flight: have
+        the writer process carry out retention's ``plan`` (the policies decided it here:
+        ``ckpt.job._commits``). The writer verifies the newest checkpoint and deletes
+        through its life-cycle under this process's lease (its lease calls answered here,
+        as during a save), reporting ``retention_deleted``/``retention_failed`` as events;
+        this life-cycle then knows the steps gone. Without a live writer (it died after its
+        commit) the plan is carried out here; a writer that dies meanwhile is reported as a
+        ``retention_failed`` and restarted, and this life-cycle lists the root again at the
+        next retention (some steps may be gone)."""
+        if not self._alive():
+            carry_out_retention(
+                CheckpointStore(self.life.storage, lifecycle=self.life), plan,
+                newest_manifest=newest_manifest,
+                on_deleted=lambda s: self.events.emit("retention_deleted", s),
+                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
+            return
+        try:
+            _send(self._conn, self._lock, {"op": "retain", "newest_step": plan.newest_step,
+                                           "steps": list(plan.steps)})
+            reply = self._serve("retained")
+        except OSError:
+            reply = None
+        if reply is None:
+            pid, how = self.pid, self._drop()
+            self.life.forget_known()
+            self.events.emit("retention_failed", None, error=(
+                f"CheckpointError: the writer process of rank {self.rank} (pid {pid}) {how} "
+                f"while deleting {list(plan.steps)}; a new writer is started"))
+            self._restart()
+            return
+        for step in [*reply.get("deleted", []), *reply.get("gone", [])]:
+            self.life.adopt_deletion(int(step))
+        cpu = float(reply.get("cpu_seconds", 0.0))
+        self._cost.add("retention", 0.0, cpu)
+        self._cost.writer_process_cpu = (self._cost.writer_process_cpu or 0.0) + cpu
+        if reply.get("error") is not None:
+            raise _error_from(reply["error"])
 
     def _answer(self, conn: Connection, message: dict[str, Any]) -> None:
         """A lease call of the writer, made on the one ``Lease`` (the coordinator's)."""
@@ -492,6 +550,11 @@ class WriterProcess:
             f"the writer process of rank {self.rank} (pid {pid}) {how} while saving step "
             f"{step}; the save is not committed and a new writer is started"),
             nbytes, stall, t0, attempts=len(attempts))
+        self._restart()
+        return outcome
+
+    def _restart(self) -> None:
+        """Start a writer in place of one that died (unless the manager is closing)."""
         if not self.abandon.is_set():
             # Started now, its start-up overlaps training: at the next save the other
             # ranks' writers do not wait for it at the rendezvous (bounded by the lease TTL).
@@ -500,7 +563,6 @@ class WriterProcess:
             except OSError as exc:  # the next save tries again
                 log.warning("could not start a writer process for rank %d: %s", self.rank, exc)
                 self._drop()
-        return outcome
 
     def _failed(self, step: int, exc: BaseException, nbytes: int, stall: float, t0: float, *,
                 attempts: int) -> PersistOutcome:
@@ -603,7 +665,7 @@ class _Writer:
             except (EOFError, OSError):
                 os._exit(0)
             op = message.get("op")
-            if op in ("init", "save"):
+            if op in ("init", "save", "retain"):
                 self.jobs.put(message)
             elif op == "abandon":
                 self.abandon.set()
@@ -638,11 +700,15 @@ class _Writer:
         self.life = _Attempts(self.storage, self.send)
         self.save_plan_cache = SavePlanCache()
         self.blocks = SharedBlocks()
+        self.last_manifest: Manifest | None = None  # the newest this writer committed
         while True:
             job = self.jobs.get()
             if job is None:
                 break
-            self.send({"op": "done", **self.save(job)})
+            if job["op"] == "retain":
+                self.send({"op": "retained", **self.retain(job)})
+            else:
+                self.send({"op": "done", **self.save(job)})
 
     def _group(self, seq: int) -> Any:
         """The writers' group for save ``seq`` (module docstring: kept while every writer is
@@ -724,6 +790,8 @@ class _Writer:
         out = persister.run(step, state, nbytes=job["nbytes"], stall=job["stall"],
                             user_metadata=job["user_metadata"], attachments=attachments)
         del state  # the views of the shared block
+        if out.committed and out.manifest is not None:
+            self.last_manifest = out.manifest
         return {"committed": out.committed,
                 "manifest": out.manifest.to_json_bytes().decode() if out.manifest else None,
                 "already_committed": out.already_committed,
@@ -731,6 +799,31 @@ class _Writer:
                 "attempts": out.attempts, "retries": out.retries,
                 "persist_seconds": out.persist_seconds,
                 "cost": out.cost.fields() if out.cost is not None else None}
+
+    def retain(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Carry out the retention plan the training side decided after the last commit
+        (:meth:`WriterProcess.carry_out`), under the lease of that save; report the steps
+        deleted or found gone and the CPU seconds it took."""
+        c0 = time.process_time()
+        events = _Forwarded(self.send, self.config["event_rank"])
+        gone: list[int] = []
+        try:
+            steps = job["steps"]
+            if not isinstance(steps, list) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) for s in steps):
+                raise ValueError(f"retain: steps {steps!r:.80} is not a list of steps")
+            plan = RetentionPlan(int(job["newest_step"]), tuple(steps))
+            deleted = carry_out_retention(
+                CheckpointStore(self.storage, lifecycle=self.life), plan,
+                newest_manifest=self.last_manifest,
+                on_deleted=lambda s: events.emit("retention_deleted", s),
+                on_failed=lambda s, e: events.emit("retention_failed", s, error=str(e)),
+                on_gone=gone.append)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported; retention never fails a save
+            deleted, error = [], _error_json(exc)
+        return {"deleted": deleted, "gone": gone, "error": error,
+                "cpu_seconds": time.process_time() - c0}
 
 
 def main(fd: int) -> None:

@@ -164,7 +164,9 @@ class CheckpointManager(Checkpointer):
         self.save_history()
         retention = [KeepLast(3)] if options.retention is None else list(options.retention)
         self._commits = Commits(self.events, self.store, self._claim, retention,
-                                coordinator=self.rank == 0)
+                                coordinator=self.rank == 0,
+                                carry_out=self._persister.carry_out
+                                if options.writer == "process" else None)
         if self.rank == 0 and (self.lease is None or self.lease.held):
             record_retention(self.store, retention)  # for `ckpt list` (best-k reasons)
         # A two-tier job's local tier decides over the whole job (every node saves the same

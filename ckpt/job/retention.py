@@ -9,6 +9,9 @@ checkpoint, a checkpoint newer than it, a pinned step (``pins.json``, as docs/fo
 requires: read last, only when a step is left to delete) or a protected step; it deletes
 nothing at all when the newest checkpoint fails verification; and a failed delete is
 reported, never raised. A save in flight is not committed, so no policy ever sees it.
+It is two halves: :func:`plan_retention` (the policies decide, in the process that holds
+them) and :func:`carry_out_retention` (the newest verified, then the deletions through the
+root's life-cycle; a manager in process mode runs it in its writer process).
 
 :class:`KeepBest` keeps the best ``k`` by a metric of ``user_metadata``. A manager records
 its best-k policies at the root (``_retention.json``, :func:`record_retention`) so that
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError, FencedCheckpointError
@@ -26,7 +30,8 @@ from ckpt.format import Manifest, jsonio
 from ckpt.root import CheckpointStore
 
 __all__ = ["RetentionPolicy", "KeepLast", "KeepEvery", "KeepPinned", "KeepAll", "KeepBest",
-           "apply_retention", "PINS_NAME", "read_pins", "set_pinned", "RETENTION_NAME",
+           "apply_retention", "plan_retention", "carry_out_retention", "RetentionPlan",
+           "PINS_NAME", "read_pins", "set_pinned", "RETENTION_NAME",
            "record_retention", "read_retention"]
 
 log = logging.getLogger(__name__)
@@ -208,31 +213,39 @@ def set_pinned(store: CheckpointStore, step: int, pinned: bool = True) -> set[in
     return pins
 
 
-def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], *,
-                    protect: Iterable[int] = (),
-                    on_deleted: Callable[[int], None] | None = None,
-                    on_failed: Callable[[int, BaseException], None] | None = None,
-                    newest_manifest: Manifest | None = None,
-                    committed: Sequence[int] | None = None) -> list[int]:
-    """Delete committed checkpoints no policy keeps. Returns the steps deleted.
+@dataclass(frozen=True)
+class RetentionPlan:
+    """What retention decided after a commit: delete ``steps`` (ascending, each older than
+    ``newest_step``), once the newest checkpoint, ``newest_step``, verifies. Decided by
+    :func:`plan_retention` where the policies live, carried out by
+    :func:`carry_out_retention` (in the same process, or in a manager's writer process:
+    ``ckpt.job._writer_process``)."""
 
-    ``newest_manifest``: the manifest this process just committed, when it is the newest:
-    its files are checked against it without reading and parsing it back (a save's
-    retention would otherwise parse the manifest it has just written). ``committed``: the
-    committed steps as the root's writer knows them (``Lifecycle.known_committed``);
-    without it the root is listed. The newest checkpoint is verified (its files' sizes)
-    only when some step is to be deleted; a step found without a manifest is already gone
-    (not a failure).
+    newest_step: int
+    steps: tuple[int, ...]
+
+
+def plan_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], *,
+                   protect: Iterable[int] = (), newest_manifest: Manifest | None = None,
+                   committed: Sequence[int] | None = None) -> RetentionPlan | None:
+    """The committed checkpoints no policy keeps, as a plan (None: nothing to delete).
+
+    The policies are asked in order, each only while some step is left to delete, and the
+    pins (``pins.json``, :class:`KeepPinned`) last when no policy reads them; the newest
+    checkpoint, anything newer and ``protect`` are kept whatever they say.
+    ``newest_manifest``: the manifest this process just committed (its ``user_metadata``
+    goes to :class:`KeepBest` without a read). ``committed``: the committed steps as the
+    root's writer knows them (``Lifecycle.known_committed``); without it the root is listed.
     """
     if not policies:
-        return []
+        return None
     if newest_manifest is not None:
         for policy in policies:
             if isinstance(policy, KeepBest):
                 policy.note(newest_manifest.step, newest_manifest.user_metadata)
     committed = sorted(committed) if committed is not None else store.committed_steps()
     if len(committed) <= 1:
-        return []
+        return None
     newest = committed[-1]
     keep = {newest} | set(protect)
 
@@ -243,10 +256,23 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
         policies = [*policies, KeepPinned(store)]  # pins hold whatever the policies say
     for policy in policies:
         if not doomed():
-            return []
+            return None
         keep |= policy.keep(committed)
-    if not doomed():
-        return []
+    steps = doomed()
+    return RetentionPlan(newest, tuple(steps)) if steps else None
+
+
+def carry_out_retention(store: CheckpointStore, plan: RetentionPlan, *,
+              newest_manifest: Manifest | None = None,
+              on_deleted: Callable[[int], None] | None = None,
+              on_failed: Callable[[int, BaseException], None] | None = None,
+              on_gone: Callable[[int], None] | None = None) -> list[int]:
+    """Delete the steps of ``plan`` through the store's life-cycle (the lease holder),
+    after checking that its newest checkpoint verifies (its files' sizes; against
+    ``newest_manifest`` without a read when it is that step's): nothing is deleted when it
+    does not. Returns the steps deleted. A failed delete is reported (``on_failed``), never
+    raised; a step found without a manifest is gone already (``on_gone``; no failure)."""
+    newest = plan.newest_step
     try:
         if newest_manifest is not None and newest_manifest.step == newest:
             store.verify_manifest(newest_manifest, full=False)
@@ -257,7 +283,7 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
                     newest, exc)
         return []
     deleted = []
-    for step in doomed():
+    for step in plan.steps:
         try:
             store.life.delete(step)  # the root's life-cycle, the one the store reads through
             deleted.append(step)
@@ -270,8 +296,35 @@ def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy],
                     on_failed(step, exc)
             else:
                 log.info("retention: checkpoint %d is gone already", step)
+                if on_gone:
+                    on_gone(step)
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention: could not delete checkpoint %d: %s", step, exc)
             if on_failed:
                 on_failed(step, exc)
     return deleted
+
+
+def apply_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], *,
+                    protect: Iterable[int] = (),
+                    on_deleted: Callable[[int], None] | None = None,
+                    on_failed: Callable[[int, BaseException], None] | None = None,
+                    newest_manifest: Manifest | None = None,
+                    committed: Sequence[int] | None = None) -> list[int]:
+    """Delete committed checkpoints no policy keeps (:func:`plan_retention`, then
+    :func:`carry_out_retention`). Returns the steps deleted.
+
+    ``newest_manifest``: the manifest this process just committed, when it is the newest:
+    its files are checked against it without reading and parsing it back (a save's
+    retention would otherwise parse the manifest it has just written). ``committed``: the
+    committed steps as the root's writer knows them (``Lifecycle.known_committed``);
+    without it the root is listed. The newest checkpoint is verified (its files' sizes)
+    only when some step is to be deleted; a step found without a manifest is already gone
+    (not a failure).
+    """
+    plan = plan_retention(store, policies, protect=protect, newest_manifest=newest_manifest,
+                          committed=committed)
+    if plan is None:
+        return []
+    return carry_out_retention(store, plan, newest_manifest=newest_manifest,
+                               on_deleted=on_deleted, on_failed=on_failed)

@@ -342,6 +342,12 @@ class Lifecycle:
         lease's renewal after the manifest succeeded)."""
         self._note(manifest.step, True, manifest.save_id if proven else None)
 
+    def adopt_deletion(self, step: int) -> None:
+        """A deletion (or a step found gone) under this holder's lease by another
+        life-cycle over the same root (the writer process's retention): know ``step`` as
+        holding no ``manifest.json`` any more, without a request."""
+        self._note(step, False)
+
     def may_hold_manifest(self, step: int) -> bool:
         """False only when ``known_committed`` is known (no request here) and lacks
         ``step``: a step the writer knows to have no ``manifest.json``."""
@@ -772,6 +778,28 @@ class Lifecycle:
                 out.append((newer, self.uncommit(newer), None))
             except CheckpointError as exc:
                 out.append((newer, None, exc))
+        return out
+
+    def delete_newer(self, step: int) -> list[tuple[int | None, Exception | None]]:
+        """Delete every committed step newer than ``step`` (-1: all), oldest first, step by
+        step (a resume's node-local tier and its copies, which are not kept rolled back):
+        ``(step, None)`` for each deleted and ``(step, error)`` for each that could not be (a
+        damaged manifest, a storage error), the others deleted all the same; ``(None,
+        error)`` alone when the steps could not be listed. Never raises: what is left is of
+        a run a resume went back past, which the run log keeps from being resumed from
+        (:mod:`ckpt.root.lineage`)."""
+        try:
+            newer_steps = [s for s in self.steps() if s > step and self.has_manifest(s)]
+        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
+            return [(None, exc)]
+        out: list[tuple[int | None, Exception | None]] = []
+        for newer in newer_steps:
+            try:
+                self.delete(newer)
+            except Exception as exc:  # noqa: BLE001 - the others still go
+                out.append((newer, exc))
+            else:
+                out.append((newer, None))
         return out
 
     def restore(self, save_id: str, *, replace: bool = False) -> Manifest:

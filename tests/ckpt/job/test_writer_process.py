@@ -5,10 +5,11 @@ Real writer processes, killed or stopped at precise points by tests/ckpt/job/_wr
 fails that save as a failed save is reported (the final ``save_failed`` event, ``wait()``
 raises, never a hang), or counts it committed when its manifest landed, and the next save
 starts a new writer and commits; a writer whose lease was taken over while it was stopped
-in the middle of a save does not commit; two ranks save DTensor shards bit for bit, writers of
-one rank killed at a save's rendezvous (the other rank's fails the save within the lease
-TTL) and mid-save, and the coordinator's killed right after its commit (every rank counts
-it) included, with the manifest a thread-mode save writes.
+in the middle of a save does not commit; a writer killed as it deletes for retention is
+reported and the next writer deletes what was left; two ranks save DTensor shards bit for
+bit, writers of one rank killed at a save's rendezvous (the other rank's fails the save
+within the lease TTL) and mid-save, and the coordinator's killed right after its commit
+(every rank counts it) included, with the manifest a thread-mode save writes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 import ckpt
 from ckpt.dcp._host_arena import _shared_directory
 from ckpt.errors import CheckpointError
-from ckpt.job import CheckpointManager, ManagerOptions
+from ckpt.job import CheckpointManager, KeepLast, ManagerOptions
 from ckpt.root import CheckpointStore, Lifecycle
 from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
@@ -292,3 +293,35 @@ def test_two_ranks_save_shards_bit_for_bit_through_killed_writers(tmp_path):
         results[0]["rendezvous_error"], results[0]
     assert results[0]["rendezvous_seconds"] < _TTL + 20, results[0]
     assert results[0]["same_manifest"]
+
+
+def test_retention_deletes_in_the_writer_and_survives_its_death(tmp_path, writer_at):
+    """Retention's policies decide in the training process, the writer process deletes: a
+    writer killed as it deletes is reported (``retention_failed``), and the next save's
+    writer deletes what was left; the training side knows which steps are gone."""
+    root = str(tmp_path / "root")
+    writer_at("kill_at_retention")
+    mgr = CheckpointManager(root, ManagerOptions(writer="process"), retention=[KeepLast(1)])
+    try:
+        writer_at(None)  # the writers started after the first die nowhere
+        for step in (1, 2):
+            assert mgr.save(step, _state(step))
+            assert _wait(mgr).step == step
+        # The writer died deleting step 1 (the deletion was the writer's): reported, never
+        # a failed save.
+        failed = mgr.events.of_kind("retention_failed")
+        assert failed and "writer process" in failed[-1].fields["error"], failed
+        assert mgr.events.of_kind("save_committed")[-1].step == 2
+        assert CheckpointStore(root).committed_steps() == [1, 2]
+        assert mgr.save(3, _state(3))
+        assert _wait(mgr).step == 3
+        assert [e.step for e in mgr.events.of_kind("retention_deleted")] == [1, 2]
+        assert CheckpointStore(root).committed_steps() == [3]
+        assert mgr.life.known_committed() == [3]
+        assert len(mgr.events.of_kind("retention_failed")) == 1
+        assert mgr.events.of_kind("save_cost")[-1].fields["cpu_seconds"]["retention"] > 0
+    finally:
+        mgr.close()
+    state = _state(1)
+    assert ckpt.load_latest(state, root).step == 3
+    assert_same(_state(3), state, "step 3 after the writer died in retention")

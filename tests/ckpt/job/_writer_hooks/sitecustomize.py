@@ -10,7 +10,8 @@ on) or dies (``kill_*``: SIGKILL), the first time it gets there:
 - ``*_mid_write``: half-way through writing its first data file (half of it on disk);
 - ``*_before_commit``: right before the manifest is created;
 - ``kill_after_commit``: after the manifest exists, before the attempt's marker is removed;
-- ``kill_at_rendezvous``: as it comes to a save's rendezvous, before it counts itself.
+- ``kill_at_rendezvous``: as it comes to a save's rendezvous, before it counts itself;
+- ``kill_at_retention``: as retention is about to delete a committed step's manifest.
 
 ``CKPT_TEST_WRITER_STEP``: the storage points act at that step only (else at any).
 """
@@ -76,6 +77,14 @@ if _POINT:
             if "/pending-" in rel and _at_step(rel):
                 _act(_kind)
             return _delete(self, rel, recursive)
+        Storage.delete = delete
+    elif _where == "at_retention":
+        _delete_manifest = Storage.delete
+
+        def delete(self, rel, recursive=False):
+            if rel.endswith("/manifest.json"):
+                _act(_kind)
+            return _delete_manifest(self, rel, recursive)
         Storage.delete = delete
     else:
         raise ValueError(f"unknown CKPT_TEST_WRITER_AT {_POINT!r}")

@@ -97,11 +97,18 @@ def _is_dtensor(value: Any) -> bool:
     return isinstance(value, DTensor)
 
 
-def describe_staged(staged: dict[str, Any], arena: HostArena) -> dict[str, Any]:
+def describe_staged(staged: dict[str, Any], arena: HostArena,
+                    known: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON description of ``staged`` (a copy staged into the shared ``arena``; module
     docstring). Raises ``ValueError`` naming the key when a tensor does not lie in the arena
     (a state over its staging budget) or a DTensor's shard is not one chunk, and
-    ``TypeError`` for a value the checkpoint's codec cannot encode."""
+    ``TypeError`` for a value the checkpoint's codec cannot encode.
+
+    ``known``: the tensor items of earlier descriptions by their flattened key, valid only
+    while the copy is staged into the same arena with the same layout (the same keys,
+    shapes, dtypes and shards: :attr:`StagingBuffers.layout_version` unchanged); a tensor
+    found there is not described again, and each one described is added. Objects are
+    described at every call (their values change from save to save)."""
     if arena.path is None and arena.nbytes:
         raise ValueError("the staged copy is not in shared memory: stage it into "
                          "StagingBuffers(shared=True) to hand it to a writer process")
@@ -109,30 +116,42 @@ def describe_staged(staged: dict[str, Any], arena: HostArena) -> dict[str, Any]:
     flat, mappings = flatten_state_dict(staged)
     items = []
     for fqn, value in flat.items():
-        path = [k if isinstance(k, (str, int)) else str(k) for k in mappings[fqn]]
         if not isinstance(value, torch.Tensor):
+            path = [k if isinstance(k, (str, int)) else str(k) for k in mappings[fqn]]
             items.append({"path": path, "object": encode_object(value, fqn).decode()})
             continue
-        local = value.to_local() if _is_dtensor(value) else value
-        nbytes = local.numel() * local.element_size()
-        offset = local.data_ptr() - base
-        if not local.is_contiguous() or offset < 0 or offset + nbytes > arena.nbytes \
-                or (nbytes and local.device.type != "cpu"):
-            raise ValueError(f"{fqn}: not in the shared staging memory (a state over its "
-                             f"staging budget is saved from the live tensors, which a writer "
-                             f"process cannot read): save with writer='thread', or without "
-                             f"staging_budget_bytes")
-        item = {"path": path, "offset": offset, "dtype": dtype_name(local.dtype),
-                "shape": list(local.shape)}
-        if _is_dtensor(value):
-            chunks = local_chunks(value)
-            if len(chunks) != 1 or list(chunks[0].sizes) != list(local.shape):
-                raise ValueError(f"{fqn}: a DTensor whose local shard is not one chunk of its "
-                                 f"own shape cannot be handed to a writer process: save with "
-                                 f"writer='thread'")
-            item["sharded"] = {"size": list(value.shape), "offsets": list(chunks[0].offsets)}
+        item = known.get(fqn) if known is not None else None
+        if item is None:
+            item = _describe_tensor(fqn, value, mappings[fqn], base, arena.nbytes)
+            if known is not None:
+                known[fqn] = item
         items.append(item)
     return {"arena": {"path": arena.path or "", "nbytes": arena.nbytes}, "items": items}
+
+
+def _describe_tensor(fqn: str, value: torch.Tensor, mapping: tuple, base: int,
+                     arena_bytes: int) -> dict[str, Any]:
+    """The item of one staged tensor (module docstring), its bytes at ``base`` + offset."""
+    path = [k if isinstance(k, (str, int)) else str(k) for k in mapping]
+    local = value.to_local() if _is_dtensor(value) else value
+    nbytes = local.numel() * local.element_size()
+    offset = local.data_ptr() - base
+    if not local.is_contiguous() or offset < 0 or offset + nbytes > arena_bytes \
+            or (nbytes and local.device.type != "cpu"):
+        raise ValueError(f"{fqn}: not in the shared staging memory (a state over its "
+                         f"staging budget is saved from the live tensors, which a writer "
+                         f"process cannot read): save with writer='thread', or without "
+                         f"staging_budget_bytes")
+    item = {"path": path, "offset": offset, "dtype": dtype_name(local.dtype),
+            "shape": list(local.shape)}
+    if _is_dtensor(value):
+        chunks = local_chunks(value)
+        if len(chunks) != 1 or list(chunks[0].sizes) != list(local.shape):
+            raise ValueError(f"{fqn}: a DTensor whose local shard is not one chunk of its "
+                             f"own shape cannot be handed to a writer process: save with "
+                             f"writer='thread'")
+        item["sharded"] = {"size": list(value.shape), "offsets": list(chunks[0].offsets)}
+    return item
 
 
 class SharedBlocks:

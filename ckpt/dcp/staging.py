@@ -146,6 +146,10 @@ class StagingBuffers:
         self._streams: dict[torch.device, Any] = {}  # the side stream of each CUDA device
         # The last stage's pending device-to-host copies (None: nothing pending, e.g. CPU).
         self.ready: CopyReady | None = None
+        # What ``handoff`` described of the tensors already, by flattened key, and the
+        # DTensor specs it holds for: kept while the arena, its layout and the specs stay.
+        self._described: dict[str, dict[str, Any]] = {}
+        self._specs: dict[tuple, Any] = {}
 
     def wait_ready(self) -> float | None:
         """Block until the last ``stage``'s copies are in the buffers; call before reading
@@ -231,6 +235,7 @@ class StagingBuffers:
                           shared=self.shared)
         self.num_allocations += arena.nbytes > 0
         self._arena, self._layout = arena, layout
+        self._described = {}
         self._buffers = {tensors[i][0]: arena.view(slot, tensors[i][1].shape, tensors[i][1].dtype)
                          for slot, i in enumerate(kept)}
         self.unstaged_bytes = sum(sizes) - sum(sizes[i] for i in kept)
@@ -238,6 +243,7 @@ class StagingBuffers:
     def _release(self) -> None:
         arena, self._arena = self._arena, None
         self._buffers, self._layout, self.unstaged_bytes = {}, {}, 0
+        self._described = {}
         if arena is not None:
             arena.release()  # under its own device, whichever thread this is
 
@@ -254,12 +260,14 @@ class StagingBuffers:
     def handoff(self, staged: Any) -> dict[str, Any]:
         """The JSON description of ``staged`` (the copy the last ``stage`` returned, its
         copies done: ``wait_ready()``) for another process that maps these shared buffers
-        (:func:`ckpt.dcp._shm.describe_staged`; ``shared`` buffers only)."""
+        (:func:`ckpt.dcp._shm.describe_staged`; ``shared`` buffers only). Its tensors are
+        described once per layout (a new arena, or a DTensor of another spec, describes
+        them again); its objects at every call."""
         with self._lock:
             if self._arena is None or not self.shared:
                 raise ValueError("StagingBuffers.handoff: the buffers are not shared (make "
                                  "them with shared=True) or hold nothing (stage first)")
-            return describe_staged(staged, self._arena)
+            return describe_staged(staged, self._arena, self._described)
 
     @property
     def shared_path(self) -> str | None:
@@ -305,6 +313,7 @@ class StagingBuffers:
         leaves = _tensor_leaves(state_dict)
         pending: dict[torch.device, tuple[Any, Any]] = {}  # device -> (side stream, start)
         staged_at: dict[tuple, torch.Tensor] = {}
+        specs: dict[tuple, Any] = {}  # path -> the spec of each DTensor
         total = 0
         self.wait_ready()  # the host reads these buffers no more (normally long done)
         with self._lock:
@@ -332,7 +341,10 @@ class StagingBuffers:
                         # the copy into it is still running (stale values, and a second
                         # copy of the shard on the device).
                         buf = dtensor(buf, value._spec, requires_grad=False)
+                        specs[path] = value._spec
                     staged_at[path] = buf
+                if specs != self._specs:  # resharded alike: its shards are described anew
+                    self._specs, self._described = specs, {}
             finally:  # the training stream waits for whatever copy was issued, even on error
                 if pending:
                     self.ready = self._fence(pending)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import json
 import logging
 import os
 import subprocess
@@ -169,6 +170,29 @@ def test_a_layout_change_rebuilds_and_the_same_layout_does_not():
         assert_same(changed, staged)
         assert staging.arena_bytes == sum(aligned_bytes(_bytes(t)) for t in changed.values())
     assert staging.num_allocations == 5
+
+
+def test_a_handoff_describes_the_tensors_once_per_layout_and_the_objects_each_time(
+        monkeypatch):
+    from ckpt.dcp import _shm
+
+    described = []
+    describe = _shm._describe_tensor
+    monkeypatch.setattr(_shm, "_describe_tensor",
+                        lambda fqn, *a: described.append(fqn) or describe(fqn, *a))
+    staging, blocks = StagingBuffers(pin_memory=False, shared=True), _shm.SharedBlocks()
+    try:
+        for step, shape in ((1, 8), (2, 8), (3, 9), (4, 9)):
+            state = {"m": {"w": torch.full((shape, 4), float(step)), "b": torch.arange(3) + step},
+                     "extra": {"step": step}}
+            staged, _ = staging.stage(state)
+            got = _shm.rebuild_staged(json.loads(json.dumps(staging.handoff(staged))), blocks)
+            assert_same(state, got)  # the objects of this save, the tensors of this layout
+            # Described at the first save of each layout (a new shape: a new arena) only.
+            assert described == ["m.w", "m.b"] * (1 if step < 3 else 2), (step, described)
+    finally:
+        blocks.close()
+        staging.close()
 
 
 def test_close_frees_the_arena_and_a_later_stage_allocates_again():

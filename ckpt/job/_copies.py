@@ -307,21 +307,16 @@ class PeerCopies:
         owner deletes its own, and will save those steps again). Step by step: a copy that
         cannot be deleted is reported and the others still go; what is left is of an
         abandoned run, never combined with the current one's (the same-run rule)."""
-        if self.peer_store is None:
+        if self.peer_life is None:
             return
-        try:
-            newer_steps = [s for s in self.peer_store.committed_steps() if s > step]
-        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
-            log.warning("could not list copies newer than step %d in %s: %s", step,
-                        self.peer_store.storage.url, exc)
-            return
-        for newer in newer_steps:
-            try:
-                self.peer_life.delete(newer)
-            except Exception as exc:  # noqa: BLE001 - the others still go
+        for newer, exc in self.peer_life.delete_newer(step):
+            if newer is None:
+                log.warning("could not list copies newer than step %d in %s: %s", step,
+                            self.peer_life.storage.url, exc)
+            elif exc is not None:
                 log.warning("could not delete the copy of step %d (newer than step %d) in "
                             "%s: %s; it belongs to an abandoned run and is never combined "
-                            "with the current one", newer, step, self.peer_store.storage.url,
+                            "with the current one", newer, step, self.peer_life.storage.url,
                             exc)
 
     def close(self) -> None:

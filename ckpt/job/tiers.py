@@ -449,8 +449,6 @@ class TieredCheckpointManager(Checkpointer):
                     mgr.cadence.record_saved(max((s for s in steps if s <= step),
                                                  default=step), now)
         self._drop_newer_local(step)
-        if self._copies is not None:
-            self._copies.drop_newer(step)
 
     def start_run(self, parent: Manifest | None, *, tier: str | None = None) -> Lineage:
         """One run for the whole job: recorded in the durable root's run log (the one both
@@ -462,34 +460,36 @@ class TieredCheckpointManager(Checkpointer):
         return lineage
 
     def uncommit_newer(self, step: int) -> list[int]:
-        """The durable tier's :meth:`CheckpointManager.uncommit_newer` (``load_latest``
-        does it; local steps newer than the one loaded are deleted instead)."""
-        return self.durable.uncommit_newer(step)
+        """The durable tier's :meth:`CheckpointManager.uncommit_newer` (returned); the local
+        steps newer than ``step`` are deleted on every node instead, with their copies on
+        the next node (``load_latest`` does both; -1, a deliberate fresh start: all of
+        them, so that the new run saves those steps again in both tiers)."""
+        done = self.durable.uncommit_newer(step)
+        self._drop_newer_local(step)
+        return done
 
     def _drop_newer_local(self, step: int) -> None:
-        """Each node's coordinator deletes its local steps newer than ``step``: they could
-        not be saved again, and the next resume would jump onto them. Step by step: one
-        that cannot be deleted (a damaged manifest, a storage error) is reported and the
-        others still go; what is left is of an abandoned run, which the run log and the
-        same-run rule keep from ever being resumed from."""
-        if self.local.rank != 0:
-            return
-        try:
-            newer_steps = [s for s in self.local.store.committed_steps() if s > step]
-        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
-            log.warning("could not list local steps newer than %d in %s: %s", step,
-                        self.local_root, exc)
-            return
-        for newer in newer_steps:
-            try:
-                self.local.life.delete(newer)
-            except Exception as exc:  # noqa: BLE001 - the others still go
-                log.warning("could not delete local step %d (newer than the resumed step "
-                            "%d) in %s: %s; it belongs to an abandoned run and is never "
-                            "resumed from", newer, step, self.local_root, exc)
-                continue
-            self.events.emit("local_retention_deleted", newer, tier="local",
-                             reason=f"newer than the resumed step {step}")
+        """Each node's coordinator deletes its local steps newer than ``step``, and the
+        copies it holds of them: they could not be saved again, and the next resume would
+        jump onto them. Step by step (``Lifecycle.delete_newer``): one that cannot be
+        deleted (a damaged manifest, a storage error) is reported and the others still go;
+        what is left is of an abandoned run, which the run log and the same-run rule keep
+        from ever being resumed from."""
+        if self.local.rank == 0:
+            since = f"the resumed step {step}" if step >= 0 else "a deliberate fresh start"
+            for newer, exc in self.local.life.delete_newer(step):
+                if exc is None:
+                    self.events.emit("local_retention_deleted", newer, tier="local",
+                                     reason=f"newer than {since}")
+                elif newer is None:
+                    log.warning("could not list local steps newer than %d in %s: %s", step,
+                                self.local_root, exc)
+                else:
+                    log.warning("could not delete local step %d (newer than %s) in %s: %s; "
+                                "it belongs to an abandoned run and is never resumed from",
+                                newer, since, self.local_root, exc)
+        if self._copies is not None:
+            self._copies.drop_newer(step)
 
     # -- shutdown ----------------------------------------------------------------------------
     def close(self, *, flush: bool = True) -> None:

@@ -780,6 +780,28 @@ class Lifecycle:
                 out.append((newer, None, exc))
         return out
 
+    def delete_newer(self, step: int) -> list[tuple[int | None, Exception | None]]:
+        """Delete every committed step newer than ``step`` (-1: all), oldest first, step by
+        step (a resume's node-local tier and its copies, which are not kept rolled back):
+        ``(step, None)`` for each deleted and ``(step, error)`` for each that could not be (a
+        damaged manifest, a storage error), the others deleted all the same; ``(None,
+        error)`` alone when the steps could not be listed. Never raises: what is left is of
+        a run a resume went back past, which the run log keeps from being resumed from
+        (:mod:`ckpt.root.lineage`)."""
+        try:
+            newer_steps = [s for s in self.steps() if s > step and self.has_manifest(s)]
+        except Exception as exc:  # noqa: BLE001 - nothing listed: nothing deleted
+            return [(None, exc)]
+        out: list[tuple[int | None, Exception | None]] = []
+        for newer in newer_steps:
+            try:
+                self.delete(newer)
+            except Exception as exc:  # noqa: BLE001 - the others still go
+                out.append((newer, exc))
+            else:
+                out.append((newer, None))
+        return out
+
     def restore(self, save_id: str, *, replace: bool = False) -> Manifest:
         """Re-commit the rolled-back version ``save_id`` under the current lease.
 

@@ -129,6 +129,34 @@ def test_start_run_records_the_run_in_the_jobs_log_and_every_tier_saves_as_it(ki
         assert again.load_latest(_state(0.0)).step == 6
 
 
+@pytest.mark.parametrize("kind", ["plain", "tiered"])
+def test_a_deliberate_fresh_start_leaves_nothing_of_the_old_trajectory_in_any_tier(
+        kind, tmp_path):
+    """A caller that starts over on purpose (the trainer, every checkpoint damaged and a
+    fresh start allowed) records a run from nothing, then un-commits everything: every
+    tier saves those steps again as the new run, and no resume takes the old ones (the
+    two-tier job's local steps used to stay: its saves of them were skipped as committed
+    by an earlier run, and they stayed the resume's first candidates)."""
+    with _make(kind, tmp_path) as a:
+        a.load_latest(_state(0.0))  # records run A
+        for step in (2, 4):
+            a.save(step, _state(float(step)), block=True)
+    with _make(kind, tmp_path) as b:
+        lineage = b.start_run(None)
+        b.uncommit_newer(-1)
+        assert b.all_steps() == []
+        assert b.save(2, _state(20.0), block=True)
+        stores = [b.store] + ([b.local.store] if kind == "tiered" else [])
+        for store in stores:
+            assert store.committed_steps() == [2], store.storage.url
+            assert store.read_manifest(2).lineage == lineage, store.storage.url
+    assert Trajectory(read_runs(b.storage)).tip == lineage.run
+    with _make(kind, tmp_path) as c:
+        state = _state(-1.0)
+        assert c.load_latest(state).step == 2
+        assert torch.equal(state["w"], torch.full((4,), 20.0))
+
+
 def test_a_read_only_checkpointer_loads_and_changes_nothing(tmp_path):
     root = str(tmp_path / "root")
     with CheckpointManager(root, retention=[]) as mgr:

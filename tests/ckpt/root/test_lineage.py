@@ -254,3 +254,29 @@ def test_a_run_log_larger_than_any_is_never_read_whole(tmp_path):
         _save(m, 10)
         assert m.load_latest(st).step == 10
     assert len(read_runs(CheckpointStore(str(tmp_path)).storage)) == 1
+
+
+def test_deleting_newer_steps_goes_on_past_one_that_cannot_be_deleted(tmp_path):
+    """A resume's node-local deletes (the local tier's own steps and the copies a node holds
+    on the next node: ``Lifecycle.delete_newer``, one definition for both): a step whose
+    manifest is damaged is reported and left, the newer ones still go (a copy of the
+    abandoned step 50 used to stay committed, for a restore to hand to a replaced node)."""
+    from ckpt.root import acquire_lease, release_lease
+
+    root = str(tmp_path)
+    for step in (30, 40, 50):
+        ckpt.save({"w": torch.full((4,), float(step))}, root, step)
+    p = tmp_path / "step_000000040" / "manifest.json"
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0xFF
+    p.write_bytes(bytes(data))
+    store = CheckpointStore(root)
+    life = acquire_lease(store.storage)
+    try:
+        out = life.delete_newer(30)
+    finally:
+        release_lease(life)
+    assert [s for s, _ in out] == [40, 50]
+    assert isinstance(out[0][1], CorruptCheckpointError) and out[1][1] is None
+    assert store.committed_steps() == [30, 40]  # 40: damaged, kept as it is (never read)
+    assert not list((tmp_path / "step_000000050").glob("*.bin"))

@@ -266,8 +266,10 @@ class Trainer:
                     exc.root, exc.failures,
                     fix=f"Refusing to start over from step 0; to do that on purpose, pass {fix}."
                 ) from None
-            # The failed loads left the state untouched: this is a true fresh start. The
-            # damaged steps are un-committed so that this run can save those steps again.
+            # The failed loads left the state untouched: this is a true fresh start, a new
+            # trajectory. It is recorded first (what it goes back past is abandoned, even
+            # what cannot be un-committed: ``ckpt.root.lineage``), then the damaged steps are
+            # un-committed so that this run can save those steps again.
             if self.env.rank == 0:
                 log.warning("%s", AllCheckpointsDamagedError(
                     exc.root, exc.failures, fix="Starting from step 0 on purpose "
@@ -275,6 +277,7 @@ class Trainer:
                         f", imported from checkpoint.initial_load ({c.initial_load}) again."
                         if c.initial_load else ".")))
             if self.manager is not None:  # a standby replica group changes nothing
+                self.manager.start_run(None)  # every rank, as below
                 self.manager.uncommit_newer(-1)  # every rank: rank 0 acts, all wait
             # A fine-tuning job's step 0 is the imported folder, never a random init.
             return self._import_initial() if c.initial_load else None

@@ -71,6 +71,17 @@ def test_all_damaged_refuses_then_starts_fresh_on_purpose(tmp_path):
     assert store.committed_steps() == [2, 4, 6]
     for step in (2, 4, 6):
         store.verify(step)
+    # The fresh start is a trajectory of its own, recorded before it un-committed anything:
+    # its versions name the run log's tip, and the first run's (rolled back) are abandoned,
+    # so that no resume takes one even if it came back (it used to save as a run the log
+    # never knew, with the first run still the tip).
+    trajectory = store.trajectory()
+    for step in (2, 4, 6):
+        lineage = store.read_manifest(step).lineage
+        assert lineage.run == trajectory.tip and lineage.parent is None, (step, lineage)
+        old = [store.life.find(e.id) for e in store.entries(step) if e.status == "rolled-back"]
+        assert old and all(trajectory.why_abandoned(step, e.id, e.manifest.lineage)
+                           for e in old), (step, old)
 
 
 def test_damaged_rng_state_falls_back_with_the_rest(tmp_path):

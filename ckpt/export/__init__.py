@@ -10,9 +10,11 @@ casts, nesting), ``_files`` (output checks before anything is read; attachment f
 from ckpt.export._consolidate import export
 from ckpt.export._files import check_out_dir, check_out_file
 from ckpt.export._hf import HF_CONFIG_NAME, HF_EXPORT_NAME, HF_INDEX_NAME, HF_WEIGHTS_NAME
+from ckpt.export._optim import to_torch_optimizer_state
 from ckpt.export._select import parse_dtype, select_keys
 
 __all__ = [
-    "export", "parse_dtype", "select_keys", "check_out_dir", "check_out_file", "HF_WEIGHTS_NAME",
+    "export", "to_torch_optimizer_state", "parse_dtype", "select_keys", "check_out_dir",
+    "check_out_file", "HF_WEIGHTS_NAME",
     "HF_INDEX_NAME", "HF_CONFIG_NAME", "HF_EXPORT_NAME",
 ]

@@ -159,6 +159,17 @@ def test_replace_if_unchanged(storage):
     assert [e[0] for e in storage.listdir("")] == ["lease.json"]
 
 
+def test_conditional_writes_compare_whole_records_read_bounded(storage):
+    """Each conditional write reads no more of the file in its way than the records it
+    compares it with plus one byte: a file that only begins like them is neither."""
+    storage.write_bytes("lease.json", b"v1 and more")
+    assert storage.replace_if_unchanged("lease.json", b"v1", b"v1") is False
+    assert storage.replace_if_unchanged("lease.json", b"v2", b"v1") is False
+    assert storage.read_bytes("lease.json") == b"v1 and more"
+    with pytest.raises(FileExistsError, match="already exists"):
+        storage.create_exclusive("lease.json", b"v1 and")
+
+
 def test_replace_if_unchanged_race_has_one_winner(storage):
     storage.write_bytes("lease.json", b"v0")
     results, errors = [], []

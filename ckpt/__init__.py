@@ -7,7 +7,8 @@ graph, function-level imports included).
 - ``errors``, ``events``, ``units``: what every package may use;
 - ``format``: what lies on storage: the manifest (the commit), strict JSON, values, CRC32C;
 - ``storage``: one interface over fsspec, retries, and everything that knows a backend;
-- ``ranks``: torchrun's process group, the gloo groups the store talks on, agreements;
+- ``ranks``: torchrun's process group, the gloo groups the store talks on, agreements, which
+  attempt of which run (torchrun's or Slurm's) this process is;
 - ``root``: a root and its one writer: lease, fence, the folder life-cycle, the store;
 - ``cadence``: how often to save: policies, Young/Daly, failure history, ``ckpt plan``;
 - ``dcp``: bytes through torch.distributed.checkpoint: save/load, planners, writer and

@@ -18,7 +18,7 @@ holds both packages to it; never ``ckpt.cli``, whose commands are the operator's
 * ``ckpt.format``: a step folder's name, and the tensor codec ``trainer.ft``'s wire sends
   state in.
 * ``ckpt.job``: the node's local root of a two-tier job (``node_local_root``).
-* ``ckpt.ranks``: the one way ranks decide together (``Agreement``) and the store's CPU
-  groups.
+* ``ckpt.ranks``: the one way ranks decide together (``Agreement``), the store's CPU
+  groups, and the Slurm job the lease names (``SlurmJob``).
 * ``ckpt.root``: ``trainer.ft`` extends the root's write lease and fence to replica groups.
 """

@@ -32,8 +32,8 @@ from ckpt import (
 from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
 from ckpt.format import step_dirname
 from ckpt.job import node_local_root
+from ckpt.ranks import SlurmJob
 from trainer.config import Config, ConfigError, ParallelConfig, TrainingConfig, config_to_dict
-from trainer.slurm import SlurmJob
 
 __all__ = [
     "ModelOptimState",
@@ -168,7 +168,7 @@ def manager_options(cfg: Config, world_size: int, fingerprint: str,
     so that only this group's own earlier attempt counts as proven dead (``ckpt.root.lease``).
 
     Under Slurm the lease record and the run log name the job and its requeues
-    (``slurm-<job id>-restart-<n>``, :class:`trainer.slurm.SlurmJob`), also before the
+    (``slurm-<job id>-restart-<n>``, :class:`ckpt.ranks.SlurmJob`), also before the
     replica group's name.
     """
     c, ft = cfg.checkpoint, cfg.fault_tolerance

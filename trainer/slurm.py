@@ -23,59 +23,27 @@ What a Slurm event means to the trainer: the time limit's warning (``--signal=B:
 forwarded to the ranks by the batch script) and a preemption or ``scancel --signal=TERM``
 are both :class:`trainer.faults.Preemption`: save the current step, blocking, and exit 75;
 the batch script requeues the job on 75 (``scontrol requeue``), and the requeued run (the
-same job id, ``SLURM_RESTART_COUNT`` one higher) resumes from that checkpoint.
-:class:`SlurmJob` names the run in the checkpoint root's lease and run log.
+same job id, ``SLURM_RESTART_COUNT`` one higher) resumes from that checkpoint. The job and
+its restart count (:class:`ckpt.ranks.SlurmJob`) name the run in the checkpoint root's lease
+and run log, and let the requeued run take over at once the lease of a run killed before it
+could release it.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
-__all__ = ["SlurmJob", "export_torch_env", "first_host", "torch_env", "MASTER_PORT_BASE",
+from ckpt.ranks import slurm_int
+
+__all__ = ["export_torch_env", "first_host", "torch_env", "MASTER_PORT_BASE",
            "MASTER_PORT_SPAN"]
 
 # MASTER_PORT when the batch script sets none: stable across a job's requeues, different for
 # jobs whose ids differ by less than the span, and below Linux's ephemeral range (32768-).
 MASTER_PORT_BASE = 20000
 MASTER_PORT_SPAN = 10000
-
-
-def _int(environ: Mapping[str, str], name: str) -> int:
-    value = environ.get(name, "")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"Slurm's environment variable {name}={value!r} is not a whole "
-                         f"number; start the ranks with srun inside a Slurm job "
-                         f"(scripts/slurm/)") from None
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    """This process's Slurm job: its id and how often it was requeued (0 on the first run)."""
-
-    job_id: str
-    restart_count: int
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "SlurmJob | None":
-        """The job of ``environ`` (default this process's), None outside a Slurm job."""
-        environ = os.environ if environ is None else environ
-        job_id = environ.get("SLURM_JOB_ID", "")
-        if not job_id:
-            return None
-        restart = _int(environ, "SLURM_RESTART_COUNT") if environ.get("SLURM_RESTART_COUNT") \
-            else 0
-        return cls(job_id, restart)
-
-    @property
-    def name(self) -> str:
-        """``slurm-<job id>-restart-<n>``: the run's name in the checkpoint root's lease
-        record and run log (``ckpt list --all``, ``ckpt history``)."""
-        return f"slurm-{self.job_id}-restart-{self.restart_count}"
 
 
 _BRACKET = re.compile(r"\[([^\]]*)\]")
@@ -111,17 +79,17 @@ def torch_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     if (environ.get("SLURM_STEP_ID", "batch") in ("batch", "extern")
             or not environ.get("SLURM_STEP_NUM_TASKS")
-            or _int(environ, "SLURM_STEP_NUM_TASKS") < 2):
+            or slurm_int(environ, "SLURM_STEP_NUM_TASKS") < 2):
         return {}
     wanted = {
-        "RANK": lambda: str(_int(environ, "SLURM_PROCID")),
-        "WORLD_SIZE": lambda: str(_int(environ, "SLURM_STEP_NUM_TASKS")),
-        "LOCAL_RANK": lambda: str(_int(environ, "SLURM_LOCALID")),
-        "GROUP_RANK": lambda: str(_int(environ, "SLURM_NODEID")),
+        "RANK": lambda: str(slurm_int(environ, "SLURM_PROCID")),
+        "WORLD_SIZE": lambda: str(slurm_int(environ, "SLURM_STEP_NUM_TASKS")),
+        "LOCAL_RANK": lambda: str(slurm_int(environ, "SLURM_LOCALID")),
+        "GROUP_RANK": lambda: str(slurm_int(environ, "SLURM_NODEID")),
         "MASTER_ADDR": lambda: first_host(environ.get("SLURM_STEP_NODELIST")
                                           or environ.get("SLURM_JOB_NODELIST", "")),
         "MASTER_PORT": lambda: str(MASTER_PORT_BASE
-                                   + _int(environ, "SLURM_JOB_ID") % MASTER_PORT_SPAN),
+                                   + slurm_int(environ, "SLURM_JOB_ID") % MASTER_PORT_SPAN),
     }
     return {name: make() for name, make in wanted.items() if not environ.get(name)}
 

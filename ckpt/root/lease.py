@@ -33,8 +33,9 @@ record that is not its own any more is noticed at the next of them whatever wrot
 
 Taking over before the TTL ran out needs proof that the holder is dead (``_known_dead``):
 the same process id gone on this very host and boot, or an earlier attempt of this same
-job, which requires an explicitly set run id (torchrun's ``--rdzv-id`` or a ``--standalone``
-random one; never the default ``none``) and the same job fingerprint. Clocks of the hosts
+job, which requires a run id (torchrun's explicit ``--rdzv-id`` or a ``--standalone``
+random one, never the default ``none``; or the Slurm job's: :mod:`ckpt.ranks.launcher`), a
+lower attempt and the same job fingerprint. Clocks of the hosts
 involved must agree to well within ``ttl_seconds``.
 
 Size: one concept, the lease: its record, its heartbeat, and taking and releasing it for
@@ -55,6 +56,7 @@ from typing import Any, Callable
 
 from ckpt.errors import CorruptCheckpointError, LeaseHeldError
 from ckpt.format import jsonio
+from ckpt.ranks.launcher import launcher_run
 from ckpt.root.lifecycle import Lifecycle
 from ckpt.storage import Storage
 
@@ -70,14 +72,6 @@ DEFAULT_LEASE_TTL_SECONDS = 60.0
 """How long a lease outlives its last heartbeat unless its holder says otherwise."""
 
 
-_NO_RUN_ID = ("", "none", None)
-
-
-def _run_id() -> str | None:
-    value = os.environ.get("TORCHELASTIC_RUN_ID")
-    return None if value in _NO_RUN_ID else value
-
-
 def _program() -> str:
     """This process's program, the name of a job that gave none: its script (``train.py``),
     ``python -m pkg`` for a module run with ``-m``, else ``python``."""
@@ -86,13 +80,6 @@ def _program() -> str:
     if name == "__main__.py":
         return f"python -m {os.path.basename(os.path.dirname(argv0))}"
     return name if name not in ("", "-c", "-") else "python"
-
-
-def _attempt() -> int:
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    except ValueError:
-        return 0
 
 
 def _int(v: Any, default: int = 0) -> int:
@@ -122,7 +109,8 @@ class Lease:
         self.ttl_seconds = ttl_seconds
         self.heartbeat_seconds = heartbeat_seconds or ttl_seconds / 4
         self.holder_id = uuid.uuid4().hex[:16]
-        self.job_name = job_name or _run_id() or _program()
+        self.run = launcher_run()  # torchrun's or Slurm's: which attempt of which run
+        self.job_name = job_name or (self.run.name if self.run else _program())
         self.fingerprint = fingerprint
         self.on_lost = on_lost
         self.took_over: dict[str, Any] | None = None  # the dead holder's record, if any
@@ -143,8 +131,9 @@ class Lease:
         return jsonio.dumps({
             "holder": self.holder_id, "job": self.job_name, "host": socket.gethostname(),
             "pid": os.getpid(), "acquired_unix": self._acquired, "heartbeat_unix": time.time(),
-            "ttl_seconds": self.ttl_seconds, "run_id": _run_id(), "boot_id": _boot_id(),
-            "attempt": _attempt(), "fingerprint": self.fingerprint,
+            "ttl_seconds": self.ttl_seconds, "run_id": self.run and self.run.run_id,
+            "boot_id": _boot_id(), "attempt": self.run.attempt if self.run else 0,
+            "fingerprint": self.fingerprint,
             "generation": self.generation,
             "released": released,
         })
@@ -249,17 +238,19 @@ class Lease:
     def _known_dead(self, info: dict[str, Any]) -> str:
         """Why the holder is certainly dead before its TTL ran out ('' if not known).
 
-        * an earlier attempt of this same job: the same explicitly set run id (torchrun's
-          default ``none`` proves nothing: unrelated jobs share it), a lower restart count
-          and the same job fingerprint; the elastic agent restarts every worker, so that
-          attempt is gone;
+        * an earlier attempt of this same run (:mod:`ckpt.ranks.launcher`): the same run
+          id (torchrun's explicitly set one, or the Slurm job's; torchrun's default ``none``
+          proves nothing: unrelated jobs share it), a lower attempt (restart count) and the
+          same job fingerprint; the elastic agent restarts every worker, and Slurm starts
+          a requeued job once its previous run ended, so that attempt is gone;
         * a process on this very host (same boot) whose pid no longer exists.
         """
-        run_id = _run_id()
-        if (run_id is not None and info.get("run_id") == run_id
-                and _int(info.get("attempt"), 1 << 30) < _attempt()
+        run = self.run
+        if (run is not None and info.get("run_id") == run.run_id
+                and _int(info.get("attempt"), 1 << 30) < run.attempt
                 and info.get("fingerprint") == self.fingerprint):
-            return f"an earlier attempt ({info.get('attempt')}) of this job (run id {run_id})"
+            return (f"an earlier attempt ({info.get('attempt')}) of this job (run id "
+                    f"{run.run_id})")
         # Same host name and same kernel boot: the pid namespace is ours to check (host
         # names alone repeat across containers).
         pid = info.get("pid")

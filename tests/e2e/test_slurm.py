@@ -8,9 +8,9 @@ stopped once, by ``scancel --signal=TERM`` or by the warning ahead of a 1-minute
 (``--signal=B:USR1@45``): the ranks save the step they are at, exit 75, the batch script
 requeues the job, and the next run resumes from that step. The job ends COMPLETED with the
 same loss at every step and the same final checkpoint, bit for bit, as an uninterrupted run;
-the emergency save verifies; the lease record, ``ckpt history`` and the metrics targets name
-the Slurm job and its restart count. With a stand-in for the trainer: a cancelled job stays
-cancelled, a failed one failed. Without Slurm: ranks started with srun's variables only form
+the emergency save verifies; the lease record (its job, run id and attempt), ``ckpt
+history`` and the metrics targets name the Slurm job and its restart count. With a stand-in
+for the trainer: a cancelled job stays cancelled, a failed one failed. Without Slurm: ranks started with srun's variables only form
 the job, and one signalled while it starts saves at its first step.
 """
 
@@ -186,6 +186,8 @@ def test_preempted_by_scancel_saves_requeues_and_resumes_bit_for_bit(slurm, tmp_
     _check_resumed_bit_for_bit(job, tmp_path)
     lease = json.loads((root / "_lease.json").read_text())
     assert lease["job"] == f"slurm-{job.job_id}-restart-1" and lease["released"], lease
+    # The run and its attempt, by which a requeued run takes over a lease left held.
+    assert (lease["run_id"], lease["attempt"]) == (f"slurm-{job.job_id}@ckpt-tests", 1), lease
     text = job.text()
     warning = f"the save of step {INTERVAL} took"
     assert text.count("longer than the preemption grace") == 2, job.tail()
@@ -278,3 +280,4 @@ def test_srun_tasks_answer_a_signal_that_comes_during_start_up(tmp_path):
     assert [e["step"] for e in events if e["kind"] == "save_committed"] == [1], events
     lease = json.loads((root / "_lease.json").read_text())
     assert lease["job"] == "slurm-4242-restart-0" and lease["released"], lease
+    assert (lease["run_id"], lease["attempt"]) == ("slurm-4242", 0), lease

@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from ckpt.cli import main as ckpt_main
+from ckpt.ranks import SlurmJob
 from trainer.checkpointing import manager_options
 from trainer.config import load_config
 from trainer.distributed import DistEnv
 from trainer.faults import Preemption
-from trainer.slurm import SlurmJob, export_torch_env, first_host, torch_env
+from trainer.slurm import export_torch_env, first_host, torch_env
 from trainer.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -292,6 +292,7 @@ def test_live_lease_is_taken_only_with_proof(tmp_path, monkeypatch, env_run_id, 
                                               fp_mine, fp_theirs, taken):
     storage = Storage(str(tmp_path))
     storage.write_bytes(LEASE_NAME, _foreign(holder_run_id, 0, fp_theirs))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # torchrun's alone
     if env_run_id is None:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     else:
@@ -304,6 +305,41 @@ def test_live_lease_is_taken_only_with_proof(tmp_path, monkeypatch, env_run_id, 
         return
     life = acquire_lease(storage, fingerprint=fp_mine)
     assert life.lease.generation == 8 and life.lease.took_over["run_id"] == holder_run_id
+    release_lease(life)
+
+
+@pytest.mark.parametrize("holder_run_id,holder_attempt,fp_theirs,elastic,taken", [
+    ("slurm-77", 0, "abc", None, True),       # the run before this requeue, killed hard
+    ("slurm-77", 1, "abc", None, False),      # this same run (another step of it)
+    ("slurm-77", 0, "def", None, False),      # the same job, another config
+    ("slurm-78", 0, "abc", None, False),      # another job
+    ("slurm-77", 0, "abc", "job-42", False),  # torchrun's run id wins inside the job
+])
+def test_a_requeued_slurm_run_takes_over_its_earlier_runs_lease_only(
+        tmp_path, monkeypatch, holder_run_id, holder_attempt, fp_theirs, elastic, taken):
+    """Slurm requeues a job (same SLURM_JOB_ID, SLURM_RESTART_COUNT one higher) once its
+    previous run ended: a lease that run could not release (killed after the grace, its
+    node lost) is taken over at once, not after its TTL, and the record names this run."""
+    storage = Storage(str(tmp_path))
+    storage.write_bytes(LEASE_NAME, _foreign(holder_run_id, holder_attempt, fp_theirs))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.delenv("SLURM_CLUSTER_NAME", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    if elastic is None:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", elastic)
+    if not taken:
+        with pytest.raises(LeaseHeldError, match="host another-host, pid 4242"):
+            acquire_lease(storage, fingerprint="abc")
+        assert json.loads(storage.read_bytes(LEASE_NAME))["holder"] == "feedfacecafe0000"
+        return
+    life = acquire_lease(storage, fingerprint="abc")
+    assert life.lease.took_over["run_id"] == "slurm-77"
+    record = json.loads(storage.read_bytes(LEASE_NAME))
+    assert (record["run_id"], record["attempt"], record["job"]) == \
+        ("slurm-77", 1, "slurm-77-restart-1"), record
     release_lease(life)
 
 

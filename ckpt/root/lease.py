@@ -147,8 +147,7 @@ class Lease:
             raw = self.storage.read_bytes(LEASE_NAME, max_bytes=MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None, None
-        except CorruptCheckpointError as exc:
-            log.warning("%s", exc)
+        except CorruptCheckpointError as exc:  # said once, by whoever acts on it
             return {"holder": "?", "heartbeat_unix": 0, "ttl_seconds": 0, "damaged": True,
                     "problem": str(exc)}, None
         try:

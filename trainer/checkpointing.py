@@ -29,7 +29,7 @@ from ckpt import (
     TieredCheckpointManager,
     parse_interval,
 )
-from ckpt.dcp import pack_optimizer_state, unpack_optimizer_state
+from ckpt.dcp import pack_optimizer_state, param_group_names, unpack_optimizer_state
 from ckpt.format import step_dirname
 from ckpt.job import node_local_root
 from ckpt.ranks import SlurmJob
@@ -100,8 +100,12 @@ class ModelOptimState:
         self.model, self.optimizers = model, optimizers
 
     def state_dict(self) -> dict:
-        return {"model": self.model.model_state_dict(),
-                "optim": pack_optimizer_state(self.model.optimizer_state_dict(self.optimizers))}
+        model_sd = self.model.model_state_dict()
+        groups = [param_group_names(part, optim)
+                  for part, optim in zip(self.model.model_parts, self.optimizers)]
+        return {"model": model_sd,
+                "optim": pack_optimizer_state(self.model.optimizer_state_dict(self.optimizers),
+                                              groups=groups, params=model_sd)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.model.load_model_state_dict(sd["model"])

@@ -28,7 +28,12 @@ from ckpt.dcp.attachments import (
     read_attachment,
     read_from,
 )
-from ckpt.dcp.optim_state import pack_optimizer_state, saved_groups, unpack_optimizer_state
+from ckpt.dcp.optim_state import (
+    pack_optimizer_state,
+    param_group_names,
+    saved_groups,
+    unpack_optimizer_state,
+)
 from ckpt.dcp.plancache import SavePlanCache
 from ckpt.dcp.savecost import SaveCost
 from ckpt.dcp.staging import StagingBuffers
@@ -37,7 +42,7 @@ from ckpt.dcp.stateful import ModelState, PerRankState, RNGState, init_optimizer
 __all__ = [
     "save", "SaveRequest", "load", "load_latest", "SavePlanCache", "StagingBuffers", "ModelState",
     "RNGState", "PerRankState", "rank_key", "init_optimizer_state", "pack_optimizer_state",
-    "unpack_optimizer_state", "saved_groups", "check_attachments", "read_attachment",
-    "list_attachments", "read_from", "SaveCost", "SharedBlocks", "rebuild_staged",
+    "unpack_optimizer_state", "saved_groups", "param_group_names", "check_attachments",
+    "read_attachment", "list_attachments", "read_from", "SaveCost", "SharedBlocks", "rebuild_staged",
     "remove_stale_shared_blocks",
 ]

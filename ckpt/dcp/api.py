@@ -44,6 +44,7 @@ from ckpt.errors import (
     CorruptCheckpointError,
     PartialCheckpointError,
     RankFailuresError,
+    StateMismatchError,
 )
 from ckpt.format import Manifest, Span, step_dirname
 from ckpt.format.span import ranks_text
@@ -360,6 +361,11 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
         error = unwrap_dcp_error(exc)
         if error is not exc:
             error.__cause__ = exc
+    if error is None:
+        try:  # what a state's load_state_dict would refuse, refused before anything is applied
+            planner.check_loaded(reader.staged_objects())
+        except (StateMismatchError, CorruptCheckpointError) as exc:
+            error = exc
     # DCP already fails every rank when one fails; agreeing again makes "apply only after
     # every rank verified its whole read" this function's own guarantee.
     if not Agreement(group).all(error is None):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
@@ -353,16 +353,28 @@ class PackedNode(dict):
     paths (in itself or around it in ``state_dict``), so the load asks for the checkpoint's
     keys; its owner's ``load_state_dict`` then unpacks whichever form came back. A node
     that leaves the state alone loads as any dict does (missing keys are reported).
+
+    After every rank read and verified its part and before anything is applied to the
+    state, the planner calls ``check_loaded(path, objects)`` (``objects``: every object
+    read, by its path in the state dict): a node raises there what its owner's
+    ``load_state_dict`` would refuse (``StateMismatchError``), so a refused load leaves the
+    state as it was.
     """
 
     def match_checkpoint(self, path: tuple, state_dict: dict, metadata: Metadata) -> None:
         raise NotImplementedError
 
+    def check_loaded(self, path: tuple, objects: dict[tuple, Any]) -> None:
+        """Raise what the owner would refuse of the objects read (default: nothing)."""
 
-def placeholder(md) -> Any:
+
+def placeholder(md, like: Any = None) -> Any:
     """What a state holds to be loaded with a checkpoint value of storage metadata ``md``:
-    an empty CPU tensor of its shape and dtype, or None for an object."""
+    an empty tensor of its shape and dtype (like ``like``, e.g. a DTensor shard of the same
+    global shape, when given one of that shape; else on the CPU), or None for an object."""
     if isinstance(md, TensorStorageMetadata):
+        if isinstance(like, torch.Tensor) and tuple(like.shape) == tuple(md.size):
+            return torch.empty_like(like, dtype=md.properties.dtype)
         return torch.empty(tuple(md.size), dtype=md.properties.dtype)
     return None
 
@@ -392,10 +404,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None,
                        is_coordinator: bool = False) -> None:
         """DCP's, after every :class:`PackedNode` of the state took the checkpoint's form."""
+        self._packed = _packed_nodes(state_dict)
         if metadata is not None:
-            for path, node in _packed_nodes(state_dict):
+            for path, node in self._packed:
                 node.match_checkpoint(path, state_dict, metadata)
         super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def check_loaded(self, objects: Iterable[tuple[ReadItem, bytes]]) -> None:
+        """Before anything read is applied: every :class:`PackedNode` of the state checks the
+        objects read (``objects``: each read item with its bytes) and raises what its owner
+        would refuse. Call on every rank after a successful read, before applying it."""
+        if not getattr(self, "_packed", None):
+            return
+        values = {}
+        for req, data in objects:
+            fqn = req.dest_index.fqn
+            path = self.mappings[fqn] if self.flatten_state_dict else (fqn,)
+            values[tuple(path)] = self._decode(req, data)
+        for path, node in self._packed:
+            node.check_loaded(path, values)
 
     def create_local_plan(self) -> LoadPlan:
         """Plan this rank's reads; record (not raise) its problems for the global check."""
@@ -467,15 +494,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                                      unexpected=unexpected, mismatched=mismatched)
         return [dataclasses.replace(p, planner_data=None) for p in global_plan]
 
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+    def _decode(self, read_item: ReadItem, data: bytes) -> Any:
         try:
-            obj = decode_object(value.getvalue())
+            return decode_object(data)
         except (ValueError, TypeError, RuntimeError) as exc:  # bad JSON, UTF-8 or tag payload
             fqn = read_item.storage_index.fqn
             raise CorruptCheckpointError(
                 f"{self.source}: object {fqn!r} is not a ckpt JSON value ({exc}); the "
                 f"checkpoint is corrupt or was not written by ckpt (its bytes are never "
                 f"unpickled). Load an earlier step.", path=self.source) from None
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = self._decode(read_item, value.getvalue())
         from torch.distributed.checkpoint._traverse import set_element
 
         if self.flatten_state_dict:

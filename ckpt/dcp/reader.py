@@ -397,6 +397,12 @@ class CkptReader(StorageReader):
             else:
                 planner.commit_tensor(req, target)
 
+    def staged_objects(self) -> list[tuple[ReadItem, bytes]]:
+        """The objects read and verified (each read item with its bytes), not applied yet:
+        what :meth:`ckpt.dcp.planners.SafeLoadPlanner.check_loaded` checks first."""
+        assert self._staged is not None, "staged_objects() without a successful read_data()"
+        return [(req, src) for req, target, src in self._staged[1] if target is None]
+
     def discard(self) -> None:
         """Drop the staged values (a failed load): the state is left as it was."""
         self._staged = None

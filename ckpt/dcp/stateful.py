@@ -63,7 +63,7 @@ class ModelState:
         model_sd, optim_sd = get_state_dict(self.model, optims, options=self.options)
         out = {"model": model_sd}
         if self.optimizer is not None:
-            out["optim"] = pack_optimizer_state(optim_sd)
+            out["optim"] = pack_optimizer_state(optim_sd, params=model_sd)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -152,38 +152,40 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     ``torch.distributed.checkpoint``'s ``get_state_dict``/``set_state_dict`` initialise an
     optimizer without state by stepping it with zero gradients and lr 0: a step that counts
-    (AdamW's bias correction is then one step behind) and, where weight decay enters the
-    gradient (Adam, SGD with momentum, RMSprop, Adagrad ...), moves the moments. A job that
-    checkpoints would train differently from the same job without. ``ModelState.state_dict``
-    (every save and load through it) and the trainer call this first, so that DCP finds
-    the state made.
+    (AdamW's bias correction is then one step behind), runs the optimizer's step hooks and,
+    where weight decay enters the gradient (Adam, SGD with momentum, RMSprop, Adagrad ...),
+    moves the moments. A job that checkpoints would train differently from the same job
+    without. ``ModelState.state_dict`` (every save and load through it) and the trainer
+    call this first, so that DCP finds the state made and never steps.
 
     Contract, for an optimizer that has no state yet (one that has some is left as it is):
-    every parameter that requires a gradient gets the state its optimizer's lazy
-    initialisation gives it at the first step, with that initialisation's values (moments
+    every parameter that requires a gradient gets the state its optimizer's first step
+    expects to find, with the values that step's lazy initialisation gives it (moments
     zero, ``step`` 0, Adagrad's sum ``initial_accumulator_value``, NAdam's ``mu_product``
-    and ASGD's ``mu`` 1, Rprop's step sizes and ASGD's ``eta`` the group's lr now), and
-    nothing else changes: no parameter, gradient, hyperparameter, step hook or LR-scheduler
-    counter is touched. The first real step then does exactly what it would have done
-    without this call, bit for bit (``tests/ckpt/dcp/test_optim_state.py`` checks every
-    optimizer of ``torch.optim``), with one exception: SGD with momentum and
-    ``dampening`` > 0 starts its buffer at the first step as the gradient itself, and a
-    zero buffer makes that step take ``1 - dampening`` of it.
+    and ASGD's ``mu`` 1, Rprop's step sizes and ASGD's ``eta`` the group's lr now); state
+    the first step makes from the gradient itself is left out (SGD's momentum buffer, which
+    starts as the first gradient: its parameter's state is empty, as is that of an
+    optimizer that keeps none, SGD without momentum). Nothing else changes: no parameter,
+    gradient, hyperparameter, step hook or LR-scheduler counter is touched. Every step then
+    does exactly what it would have done without this call, bit for bit, and so after a
+    save and a resume (``tests/ckpt/dcp/test_optim_trajectory.py`` checks every optimizer
+    of ``torch.optim``).
 
     How: the optimizer's own step (hooks left out) creates each parameter's state on a
     stand-in, a zero tensor like the parameter with a zero gradient, one parameter at a
     time (memory: two copies of the largest parameter); the state then goes to the
-    parameter with its values reset as above. An optimizer that keeps no state (SGD
-    without momentum) gets none; for an optimizer outside ``torch.optim`` the values are
-    those its step with zero gradients leaves, step counters 0 (exact for moments of the
-    gradient). ``LBFGS`` is refused (``ValueError``): it makes its state from its closure's
-    loss, at its first step.
+    parameter with its values reset as above. For an optimizer outside ``torch.optim`` the
+    values are those its step with zero gradients leaves, step counters 0 (exact for
+    moments of the gradient). ``LBFGS`` is refused (``ValueError``): its state (one, on its
+    first parameter, with lists of tensors) does not go through DCP's optimizer state
+    dicts at all.
     """
     if optimizer.state:
         return
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("LBFGS makes its state from the loss its closure returns, at its first "
-                         "step; take that step before saving or loading its state")
+        raise ValueError("LBFGS keeps one state for all its parameters, with lists of tensors, "
+                         "which torch.distributed.checkpoint's optimizer state dicts do not "
+                         "take; checkpoint its parameters (the model) without it")
     step = type(optimizer).step
     if getattr(step, "hooked", False):  # torch's wrapper that runs the step hooks
         step = step.__wrapped__
@@ -200,11 +202,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 stand_in.grad = grad.to_sparse() if sparse else grad
                 optimizer.param_groups = [{**group, "params": [stand_in]}]
                 step(optimizer)
-                state = optimizer.state.pop(stand_in, None)
-                if state:
-                    for key, value in state.items():
-                        state[key] = _reset(key, value, initial.get(key), optimizer, group, p)
-                    optimizer.state[p] = state
+                state = optimizer.state.pop(stand_in, None) or {}
+                for key in [k for k in state if initial.get(k) is _FROM_GRADIENT]:
+                    del state[key]
+                for key, value in state.items():
+                    state[key] = _reset(key, value, initial.get(key), optimizer, group, p)
+                # Even empty: DCP steps an optimizer whose state is empty.
+                optimizer.state[p] = state
     except BaseException:
         optimizer.state.clear()  # all or nothing: it had none
         raise
@@ -223,10 +227,12 @@ def _accumulator(optimizer: Any, _: dict, p: torch.Tensor) -> Any:
     return complex(value, value) if p.is_complex() else value
 
 
+# State the first step makes from the gradient itself (left out: the step makes it).
+_FROM_GRADIENT = object()
 # The values torch's optimizers give their state at the first step (besides ``step``: 0);
 # a key not listed keeps what the stand-in's step left. Found along the optimizer's MRO.
 _INITIAL: dict[type, dict[str, Any]] = {
-    torch.optim.SGD: {"momentum_buffer": 0},
+    torch.optim.SGD: {"momentum_buffer": _FROM_GRADIENT},
     torch.optim.Adam: {"exp_avg": 0, "exp_avg_sq": 0, "max_exp_avg_sq": 0},
     torch.optim.AdamW: {"exp_avg": 0, "exp_avg_sq": 0, "max_exp_avg_sq": 0},
     torch.optim.Adamax: {"exp_avg": 0, "exp_inf": 0},

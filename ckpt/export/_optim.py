@@ -31,12 +31,11 @@ def to_torch_optimizer_state(optim_state: dict[str, Any],
     dict: ``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``.
 
     ``param_groups``: the parameter names of each group of the optimizer it will load into,
-    in that optimizer's order (``[[names[p] for p in g["params"]] for g in
-    optimizer.param_groups]`` with ``names = {p: n for n, p in model.named_parameters()}``);
-    indices number them in that order, as torch does. Default: the groups the checkpoint
-    holds, in their optimizer's order, which an unflattened checkpoint knows (its groups
-    carry their index) and a flattened one knows only when all its parameters have equal
-    hyperparameters (one group). ``ValueError`` when the order is not known (pass
+    in that optimizer's order (``ckpt.dcp.param_group_names(model, optimizer)``); indices
+    number them in that order, as torch does. Default: the groups the checkpoint holds, in
+    their optimizer's order, which their indices give (flattened checkpoints packed before
+    groups had one know it only when all its parameters have equal hyperparameters: one
+    group). ``ValueError`` when the order is not known (pass
     ``param_groups``), a name has no state in the checkpoint, or one group here holds
     parameters the checkpoint gives different hyperparameters (``StateMismatchError``,
     naming the group and the key). Tensors are the exported ones, not copies; step
@@ -90,8 +89,8 @@ def _checkpoint_order(groups: list) -> list[list[str]]:
         return [list(groups[0].params)]
     indices = [g.index for g in groups]
     if None in indices or len(set(indices)) != len(indices):
-        why = ("its groups have no index (flattened, as the trainer saves: one group per set "
-               "of equal hyperparameters; or packed before groups had one)" if None in indices
+        why = ("its groups have no index (packed before groups had one; flattened, one group "
+               "per set of equal hyperparameters)" if None in indices
                else "two of its groups have one index (the groups of several optimizers, "
                     "e.g. pipeline stages)")
         raise ValueError(f"the optimizer state holds {len(groups)} param groups in no known "

@@ -35,7 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ckpt
-from ckpt.dcp import ModelState, init_optimizer_state, pack_optimizer_state, unpack_optimizer_state
+from ckpt.dcp import (
+    ModelState,
+    init_optimizer_state,
+    pack_optimizer_state,
+    param_group_names,
+    unpack_optimizer_state,
+)
 from ckpt.dcp.api import resolve_state
 from ckpt.dcp.planners import SafeSavePlanner
 from ckpt.errors import CorruptCheckpointError, StateMismatchError
@@ -235,7 +241,8 @@ class _Stage:
     def state_dict(self):
         return {"model": get_model_state_dict(self.model),
                 "optim": pack_optimizer_state(get_optimizer_state_dict(
-                    self.model, self.optim, options=self.options))}
+                    self.model, self.optim, options=self.options),
+                    groups=[param_group_names(self.model, self.optim)])}
 
     def load_state_dict(self, sd):
         set_model_state_dict(self.model, sd["model"])
@@ -331,98 +338,8 @@ def test_a_trainer_checkpoint_written_before_packing_resumes_bit_for_bit(tmp_pat
 
 
 # -- init_optimizer_state: the state a first step makes, and nothing else ---------------------
+# (every optimizer's steps with it, saved and resumed: test_optim_trajectory.py)
 _O = torch.optim
-# Every optimizer of torch.optim, with weight decay (in the gradient, or decoupled), momentum,
-# amsgrad, maximize, foreach and fused where they exist. Left out: SGD with dampening, whose
-# first step takes the whole gradient as its buffer, which a zero buffer cannot reproduce
-# (documented); LBFGS, whose state comes from its closure's loss (refused, tested below).
-_OPTIMIZERS = {
-    "SGD": lambda p: _O.SGD(p, lr=0.1),
-    "SGD-wd-maximize": lambda p: _O.SGD(p, lr=0.1, weight_decay=0.1, maximize=True),
-    "SGD-momentum-wd-nesterov": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
-                                                 nesterov=True),
-    "SGD-momentum-wd-foreach": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
-                                                foreach=True),
-    "SGD-momentum-wd-fused": lambda p: _O.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1,
-                                              fused=True),
-    "Adam-wd": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1),
-    "Adam-wd-amsgrad-maximize-foreach": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1,
-                                                          amsgrad=True, maximize=True,
-                                                          foreach=True),
-    "Adam-wd-fused": lambda p: _O.Adam(p, lr=1e-2, weight_decay=0.1, fused=True),
-    "Adam-tensor-lr": lambda p: _O.Adam(p, lr=torch.tensor(1e-2), weight_decay=0.1),
-    "AdamW-amsgrad": lambda p: _O.AdamW(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
-    "Adamax-wd": lambda p: _O.Adamax(p, lr=1e-2, weight_decay=0.1),
-    "Adamax-wd-foreach": lambda p: _O.Adamax(p, lr=1e-2, weight_decay=0.1, foreach=True),
-    "NAdam-wd": lambda p: _O.NAdam(p, lr=1e-2, weight_decay=0.1),
-    "NAdam-decoupled-foreach": lambda p: _O.NAdam(p, lr=1e-2, weight_decay=0.1, foreach=True,
-                                                  decoupled_weight_decay=True),
-    "RAdam-wd": lambda p: _O.RAdam(p, lr=1e-2, weight_decay=0.1),
-    "RAdam-decoupled-foreach": lambda p: _O.RAdam(p, lr=1e-2, weight_decay=0.1, foreach=True,
-                                                  decoupled_weight_decay=True),
-    "Adagrad-wd-initial-decay": lambda p: _O.Adagrad(p, lr=1e-2, weight_decay=0.1,
-                                                     initial_accumulator_value=0.3,
-                                                     lr_decay=0.01),
-    "Adagrad-wd-fused": lambda p: _O.Adagrad(p, lr=1e-2, weight_decay=0.1, fused=True),
-    "Adadelta-wd": lambda p: _O.Adadelta(p, lr=1.0, weight_decay=0.1),
-    "Adadelta-wd-maximize-foreach": lambda p: _O.Adadelta(p, lr=1.0, weight_decay=0.1,
-                                                          maximize=True, foreach=True),
-    "RMSprop-wd": lambda p: _O.RMSprop(p, lr=1e-2, weight_decay=0.1),
-    "RMSprop-momentum-centered-wd-foreach": lambda p: _O.RMSprop(
-        p, lr=1e-2, weight_decay=0.1, momentum=0.9, centered=True, foreach=True),
-    "Rprop": lambda p: _O.Rprop(p, lr=1e-2),
-    "Rprop-maximize-foreach": lambda p: _O.Rprop(p, lr=1e-2, maximize=True, foreach=True),
-    "Rprop-lr-below-min-step": lambda p: _O.Rprop(p, lr=1e-7),
-    "ASGD-wd": lambda p: _O.ASGD(p, lr=1e-2, weight_decay=0.1, t0=1),
-    "ASGD-wd-foreach": lambda p: _O.ASGD(p, lr=1e-2, weight_decay=0.1, t0=1, foreach=True),
-    "Adafactor": lambda p: _O.Adafactor(p, lr=1e-2),
-    "Adafactor-wd-foreach": lambda p: _O.Adafactor(p, lr=1e-2, weight_decay=0.1, foreach=True),
-    "Muon": lambda p: _O.Muon([q for q in p if q.dim() == 2], lr=1e-2),
-}
-
-
-def _run(make, how: str, root: str | None = None, steps: int = 4):
-    """Params and optimizer state after ``steps`` steps; ``how``: "plain", "init" (after
-    init_optimizer_state) or "saved" (a manager saves ModelState before every step)."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
-    optim = make(model.parameters())
-    state = {"app": ModelState(model, optim)}
-    mgr = ckpt.CheckpointManager(root, ckpt.ManagerOptions(async_save=False, use_lease=False),
-                                 retention=[]) \
-        if how == "saved" else None
-    if how == "init":
-        init_optimizer_state(optim)
-    for i in range(steps):
-        if mgr is not None:
-            mgr.save(i, state, force=True)
-        model(torch.ones(2, 4) * (i + 1) - 2.5).square().sum().backward()
-        optim.step()
-        optim.zero_grad()
-    if mgr is not None:
-        mgr.close()
-    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(optim.state_dict())
-
-
-def _assert_bit_equal(a, b, where: str) -> None:
-    (params_a, sd_a), (params_b, sd_b) = a, b
-    for i, (x, y) in enumerate(zip(params_a, params_b)):
-        assert torch.equal(x, y), f"{where}: parameter {i}, max |diff| {(x - y).abs().max()}"
-    assert sd_a["param_groups"] == sd_b["param_groups"], where
-    assert sd_a["state"].keys() == sd_b["state"].keys(), where
-    for i, st in sd_a["state"].items():
-        assert st.keys() == sd_b["state"][i].keys(), (where, i)
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd_b["state"][i][k])), \
-                f"{where}: state {i}.{k}"
-
-
-@pytest.mark.parametrize("name", list(_OPTIMIZERS))
-def test_init_optimizer_state_and_a_save_before_the_first_step_change_no_step(name, tmp_path):
-    plain = _run(_OPTIMIZERS[name], "plain")
-    _assert_bit_equal(plain, _run(_OPTIMIZERS[name], "init"), f"{name}, init_optimizer_state")
-    _assert_bit_equal(plain, _run(_OPTIMIZERS[name], "saved", str(tmp_path / "root")),
-                      f"{name}, saved through a CheckpointManager")
 
 
 def test_init_optimizer_state_makes_the_first_steps_state_and_touches_nothing_else():
@@ -467,25 +384,8 @@ def test_init_optimizer_state_makes_the_first_steps_state_and_touches_nothing_el
     optim.state[model.weight]["exp_avg"].fill_(1.0)
     init_optimizer_state(optim)
     assert float(optim.state[model.weight]["exp_avg"].min()) == 1.0
-    with pytest.raises(ValueError, match="LBFGS makes its state from the loss"):
+    with pytest.raises(ValueError, match="LBFGS keeps one state for all its parameters"):
         init_optimizer_state(_O.LBFGS(model.parameters()))
-
-
-def test_sparse_adam_state_is_made_from_a_sparse_gradient():
-    def run(init: bool):
-        torch.manual_seed(0)
-        emb = torch.nn.Embedding(10, 3, sparse=True)
-        optim = _O.SparseAdam(emb.parameters(), lr=1e-2)
-        if init:
-            init_optimizer_state(optim)
-            assert optim.state[emb.weight]["step"] == 0
-        for i in range(3):
-            emb(torch.tensor([1, 2, i])).sum().backward()
-            optim.step()
-            optim.zero_grad()
-        return emb.weight.detach().clone()
-
-    assert torch.equal(run(False), run(True))
 
 
 # -- packed groups are the optimizer's groups; what does not fit is a state mismatch ----------
@@ -524,11 +424,36 @@ def test_groups_whose_lrs_diverged_load_into_groups_that_start_equal(flat, tmp_p
             _seq_step(m, o, s, 10 + i)
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+    # The optimizer's groups, by index, in either form.
     hyper = consolidate(root, 3)[0]["app"]["optim"]["groups"]
-    if flat:  # no groups in the flattened form: parameters with equal values
-        assert [v["hyper"][1] for v in hyper.values()] == [None, None]
-    else:  # the optimizer's groups, by index
-        assert {k: v["hyper"][1] for k, v in hyper.items()} == {"0.weight": 0, "1.weight": 1}
+    assert {k: v["hyper"][1] for k, v in hyper.items()} == {"0.weight": 0, "1.weight": 1}
+
+
+def test_flattened_groups_are_the_optimizers_even_with_equal_values(tmp_path):
+    """Two groups with equal values stay two groups (packing by equal values merged them,
+    and a torch optimizer state exported from them had one group)."""
+    from ckpt.export._optim import to_torch_optimizer_state
+
+    root = str(tmp_path / "root")
+    model, optim, sched, state = _layerwise(True)
+    _seq_step(model, optim, sched, 0)
+    ckpt.save({"app": state}, root, 1)
+    saved = consolidate(root, 1)[0]["app"]["optim"]
+    assert {k: v["hyper"][1] for k, v in saved["groups"].items()} == {"0.weight": 0,
+                                                                      "1.weight": 1}
+    twin = _O.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    twin.load_state_dict(to_torch_optimizer_state(saved))  # torch's own check: two groups
+    assert [len(g["params"]) for g in twin.param_groups] == [2, 2]
+    # The groups must be the optimizer's: none, or names that do not fit, are refused.
+    osd = get_optimizer_state_dict(model, optim, options=state.options)
+    with pytest.raises(ValueError, match="holds no param groups: pass groups="):
+        pack_optimizer_state(osd)
+    with pytest.raises(ValueError, match="parameter 1.bias of the optimizer state dict is "
+                                         "in no group given"):
+        pack_optimizer_state(osd, groups=[[["0.weight", "0.bias"], ["1.weight"]]])
+    with pytest.raises(ValueError, match="parameter module.0.weight .param group 0. has no "
+                                         "hyperparameters"):
+        pack_optimizer_state(osd, groups=[[["module.0.weight"]]])
 
 
 def test_what_does_not_fit_the_optimizer_is_a_state_mismatch_naming_group_and_key(tmp_path):
@@ -546,17 +471,40 @@ def test_what_does_not_fit_the_optimizer_is_a_state_mismatch_naming_group_and_ke
         with pytest.raises(StateMismatchError, match="this optimizer has the hyperparameter "
                                                      "'initial_lr' and the checkpoint has not"):
             ckpt.load({"app": kind(fresh, fresh_optim)}, where, 1)
-    # Parameters the checkpoint holds in two groups with different values, one group here.
+    # Parameters the checkpoint holds in two groups with different values, one group here
+    # (flattened too: DCP would give the group its first parameter's values, silently).
     fresh = _mlp(1, 2)
     one_group = _O.AdamW(fresh.parameters(), lr=1e-2)
-    with pytest.raises(StateMismatchError, match=r"in one param group here \(param group 0 "
-                                                 r"\(first parameter 0.weight\)\): "
-                                                 r"'weight_decay' is 0.01 in groups.0.weight."
-                                                 r"hyper and 0.0 in groups.0.bias.hyper"):
-        ckpt.load({"app": ModelState(fresh, one_group)}, root, 1)
+    for where, kind in ((root, ModelState), (flat_root, _Stage)):
+        with pytest.raises(StateMismatchError, match=r"in one param group here \(param group "
+                                                     r"0 \(first parameter 0.weight\)\): "
+                                                     r"'weight_decay' is 0.01 in groups.0."
+                                                     r"weight.hyper and 0.0 in groups.0.bias."
+                                                     r"hyper"):
+            ckpt.load({"app": kind(fresh, one_group)}, where, 1)
     # load_latest raises it as it raises any state mismatch: an older step would not fit.
     with pytest.raises(StateMismatchError, match="in one param group here"):
         ckpt.load_latest({"app": ModelState(fresh, one_group)}, root)
+
+
+def test_a_refused_optimizer_load_leaves_model_and_optimizer_as_they_were(tmp_path):
+    """The groups are checked on what was read, before anything is applied: a refused load
+    copied no tensor into the model or the optimizer (it copied them all, then refused)."""
+    for kind in (ModelState, _Stage):
+        root = str(tmp_path / kind.__name__)
+        model = _mlp(0, 2)
+        optim = _adamw(model)
+        _train(model, optim, 2)
+        ckpt.save({"app": kind(model, optim)}, root, 2)
+        fresh = _mlp(1, 2)
+        fresh_optim = _adamw(fresh)
+        _train(fresh, fresh_optim, 1, seed=30)
+        torch.optim.lr_scheduler.LambdaLR(fresh_optim, lambda k: 1.0)  # adds initial_lr
+        before = copy.deepcopy((fresh.state_dict(), fresh_optim.state_dict()))
+        for load in (lambda s: ckpt.load(s, root, 2), lambda s: ckpt.load_latest(s, root)):
+            with pytest.raises(StateMismatchError, match="'initial_lr'"):
+                load({"app": kind(fresh, fresh_optim)})
+            assert_same(before, (fresh.state_dict(), fresh_optim.state_dict()), kind.__name__)
 
 
 def _old_packed(state: dict) -> dict:

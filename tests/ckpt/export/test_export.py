@@ -168,12 +168,13 @@ class _Flattened:
             get_optimizer_state_dict,
         )
 
-        from ckpt.dcp import init_optimizer_state, pack_optimizer_state
+        from ckpt.dcp import init_optimizer_state, pack_optimizer_state, param_group_names
 
         init_optimizer_state(self.optim)
         osd = get_optimizer_state_dict(self.model, self.optim,
                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
-        return {"model": self.model.state_dict(), "optim": pack_optimizer_state(osd)}
+        return {"model": self.model.state_dict(), "optim": pack_optimizer_state(
+            osd, groups=[param_group_names(self.model, self.optim)])}
 
     def load_state_dict(self, sd):
         raise AssertionError("saved only")
@@ -202,12 +203,9 @@ def test_an_exported_optimizer_state_loads_into_a_plain_torch_optimizer(flat, tm
     exported = torch.load(out, weights_only=True)["app"]
     names = {p: n for n, p in model.named_parameters()}
     groups = [[names[p] for p in g["params"]] for g in optim.param_groups]
-    if flat:  # no group order in the flattened form: the optimizer's groups are given
-        with pytest.raises(ValueError, match="pass param_groups="):
-            to_torch_optimizer_state(exported["optim"])
-        torch_sd = to_torch_optimizer_state(exported["optim"], groups)
-    else:  # the groups' indices give their order
-        torch_sd = to_torch_optimizer_state(exported["optim"])
+    # The groups' indices give their order, flattened too; or they are given.
+    torch_sd = to_torch_optimizer_state(exported["optim"])
+    assert to_torch_optimizer_state(exported["optim"], groups) == torch_sd
     expected = optim.state_dict()
     assert torch_sd["param_groups"] == expected["param_groups"]
     assert_same(expected["state"], torch_sd["state"])

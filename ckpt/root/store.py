@@ -271,7 +271,11 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
 
     With an ``agreement`` the walk is collective over its group: every rank passes the same
     candidates, and each verdict (usable, loaded) is agreed, so one rank's failure passes a
-    candidate over on every rank. Without one, this process decides alone.
+    candidate over on every rank. Without one, this process decides alone. Collectively,
+    a candidate is usable only when the versions every rank read of it (one root's
+    manifest, or each node's own in a node-local tier) come from one run (their
+    ``lineage.run``, :mod:`ckpt.root.lineage`): a job never loads a mix of two
+    trajectories, whatever put one there (agreed in the same all-reduce as the verdict).
 
     ``trajectory``: the job's current trajectory (:mod:`ckpt.root.lineage`); a version it
     says was abandoned (a resume went back past it) is passed over as not usable, whichever
@@ -296,8 +300,14 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
             if not _falls_back(exc, candidate, _NOT_USABLE):
                 raise
             error = exc
-        if not _agreed(agreement, error):
+        usable, one_run = _agreed_one_run(agreement, error, manifest)
+        if not usable:
             _fall_back(walked, candidate, "is not usable", error, on_fallback)
+            continue
+        if not one_run:
+            _fall_back(walked, candidate, "is not usable", CorruptCheckpointError(
+                f"the versions the ranks read of step {candidate.step} come from different "
+                f"runs (a mix of two trajectories; `ckpt history` shows them)"), on_fallback)
             continue
         if load is not None:
             try:
@@ -318,6 +328,24 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
 def _agreed(agreement: Agreement | None, error: BaseException | None) -> bool:
     """Did the step succeed here (and, with an ``agreement``, on every rank)?"""
     return agreement.all(error is None) if agreement is not None else error is None
+
+
+def _run_key(manifest: Manifest | None) -> int:
+    """A version's run as an integer every rank can compare in an all-reduce (its first 15
+    hex digits; -1 for a version without lineage)."""
+    run = manifest.lineage.run if manifest is not None and manifest.lineage else None
+    return int(run[:15], 16) if run else -1
+
+
+def _agreed_one_run(agreement: Agreement | None, error: BaseException | None,
+                    manifest: Manifest | None) -> tuple[bool, bool]:
+    """Did reading the candidate succeed on every rank, and did every rank read a version
+    of one run? (One all-reduce; without an ``agreement``: this process alone, one run.)"""
+    if agreement is None:
+        return error is None, True
+    key = _run_key(manifest)
+    (failed,), (low, neg_high) = agreement.any_and_min([error is not None], [key, -key])
+    return not failed, failed or low == -neg_high
 
 
 def _fall_back(walked: Walked, candidate: Candidate, verdict: str, error: BaseException | None,

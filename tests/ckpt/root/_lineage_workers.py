@@ -46,3 +46,32 @@ def tier_phase(rank: int, world: int, base: str, phase: str) -> dict:
     finally:
         mgr.close()
     return out
+
+
+def walk_two_roots(rank: int, world: int, base: str) -> dict:
+    """Each rank walks its own root (as each node its local tier) with the job's agreement:
+    step 5 is one version copied into both roots, step 10 two versions of two runs (two
+    ``ckpt.save`` calls, each a run of its own). Returns the step loaded and the reasons of
+    the steps passed over."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.ranks import Agreement
+    from ckpt.root import Candidate, CheckpointStore, walk_newest
+
+    root = f"{base}/root{rank}"
+    alone = [dist.new_group([r], backend="gloo") for r in range(world)][rank]
+    if rank == 0:
+        ckpt.save({"w": torch.full((4,), 5.0)}, f"{base}/root0", 5, process_group=alone)
+        shutil.copytree(f"{base}/root0/step_000000005", f"{base}/root1/step_000000005")
+    dist.barrier()
+    ckpt.save({"w": torch.full((4,), 10.0 + rank)}, root, 10, process_group=alone)
+    store = CheckpointStore(root)
+    loaded: list[int] = []
+    walked = walk_newest([Candidate(s, store) for s in store.committed_steps()],
+                         load=lambda c, m: loaded.append(c.step),
+                         agreement=Agreement(dist.group.WORLD))
+    return {"step": walked.manifest.step if walked.manifest else None, "loaded": loaded,
+            "failures": walked.failures}

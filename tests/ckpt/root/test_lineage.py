@@ -280,3 +280,17 @@ def test_deleting_newer_steps_goes_on_past_one_that_cannot_be_deleted(tmp_path):
     assert isinstance(out[0][1], CorruptCheckpointError) and out[1][1] is None
     assert store.committed_steps() == [30, 40]  # 40: damaged, kept as it is (never read)
     assert not list((tmp_path / "step_000000050").glob("*.bin"))
+
+
+def test_a_walk_never_takes_a_step_whose_ranks_read_versions_of_two_runs(tmp_path):
+    """Job-wide, below every resume: each rank read a version of step 10 (here from roots of
+    their own, as nodes do in a node-local tier) and they come from two runs: passed over on
+    every rank, in one line; step 5, one version on both, is loaded (it used to load step
+    10, a mix of two trajectories, whenever the steps' listing let one through)."""
+    from tests.ckpt.root._lineage_workers import walk_two_roots
+
+    out = run_ranks(walk_two_roots, 2, str(tmp_path), timeout=60)
+    for r in out:
+        assert r["step"] == 5 and r["loaded"] == [5], r
+        ((step, why),) = r["failures"]
+        assert step == 10 and "come from different runs" in why and "\n" not in why, why

@@ -131,6 +131,9 @@ class _Veto:
         self.asked.append(ok)
         return ok and len(self.asked) > 1
 
+    def any_and_min(self, flags, values):  # the read verdict, with the versions' runs
+        return [not self.all(not any(flags))], list(values)
+
 
 def test_a_verdict_another_rank_vetoes_passes_the_candidate_over(tmp_path):
     store = _root(tmp_path, [1, 2])

@@ -14,7 +14,7 @@ import torch
 import ckpt
 from ckpt.errors import AbandonedCheckpointError, CorruptCheckpointError
 from ckpt.format import Lineage, parse_lineage
-from ckpt.job import CheckpointManager, ManagerOptions
+from ckpt.job import CheckpointManager, ManagerOptions, ReadOnlyCheckpointer
 from ckpt.job._tier_layout import UNREADABLE, mixed_steps
 from ckpt.root import LINEAGE_NAME, CheckpointStore, Trajectory, read_runs
 from tests.ckpt.root._lineage_workers import tier_phase
@@ -106,6 +106,8 @@ def test_a_version_a_resume_went_back_past_is_never_resumed_even_when_it_is_put_
     assert any("abandoned" in r and "step 50" in r for r in reasons), reasons
     assert CheckpointStore(root).latest().step == 30
     assert ckpt.load_latest({"w": torch.zeros(3)}, root).step == 30
+    # A standby replica group (torchft) reads the root as the writing group does.
+    assert ReadOnlyCheckpointer(root).load_latest({"w": torch.zeros(3)}).step == 30
 
 
 def test_a_restored_version_counts_again(tmp_path):

@@ -22,8 +22,10 @@ plus a constant:
 A group is the optimizer's group, with its index in its optimizer. Unflattened, the state
 dict holds the optimizer's param groups; flattened, it holds hyperparameters per parameter
 and no groups, so the packer is given the groups by name (:func:`param_group_names`, one
-list per optimizer whose state the dict holds). Checkpoints packed flattened before that
-hold the parameters whose values were equal (index None) and load all the same.
+list per optimizer whose state the dict holds; ``ModelState`` and the trainer give them).
+Packed flattened without them (and in checkpoints written before they were given), an
+entry is the parameters whose values are equal (index None), each of which loads its own
+values.
 
 Loading takes any form: this layout's packing, another layout's (another pipeline split:
 other groups, found by their ``params``), packing written before groups had an index
@@ -290,8 +292,12 @@ def pack_optimizer_state(osd: dict[str, Any], *,
 
     ``groups``: for a flattened ``osd`` (which holds no groups), the param groups of each
     optimizer whose state it holds, by parameter name: ``[param_group_names(model,
-    optimizer), ...]`` (each group packed with its index in its optimizer); required
-    there, ``ValueError`` naming the parameter when they do not cover ``osd`` exactly.
+    optimizer), ...]`` (each group packed with its index in its optimizer; ``ValueError``
+    naming the parameter when they do not cover ``osd`` exactly). Without them the
+    entries are the parameters whose values are equal (index None), and a load gives
+    each parameter its own values, as DCP's flattened load does: nothing checks then that
+    one group of the optimizer gets one set of values (``ModelState`` and the trainer
+    give them).
     ``params``: the model's tensors by parameter name (its state dict): a state value the
     checkpoint holds and this optimizer has not made yet loads into one like its
     parameter (see the module docstring); without, into a whole tensor."""
@@ -341,9 +347,10 @@ def pack_optimizer_state(osd: dict[str, Any], *,
 
 
 def _flat_groups(osd: dict[str, Any], groups: Sequence[Sequence[Sequence[str]]] | None
-                 ) -> list[tuple[list[str], dict, int]]:
+                 ) -> list[tuple[list[str], dict, int | None]]:
     """A flattened state dict's groups: ``groups``' (see :func:`pack_optimizer_state`),
-    each with its values and index, checked to cover the state dict's parameters."""
+    each with its values and index, checked to cover the state dict's parameters; without
+    ``groups``, the parameters whose values are equal (index None)."""
     per_param: dict[str, dict[str, Any]] = {}
     for key, value in osd.items():
         if key.startswith(_PG + "."):
@@ -351,10 +358,18 @@ def _flat_groups(osd: dict[str, Any], groups: Sequence[Sequence[Sequence[str]]] 
             per_param.setdefault(fqn, {})[name] = value
     if not per_param:
         return []
-    if groups is None or isinstance(groups, (str, bytes)):
-        raise ValueError("a flattened optimizer state dict holds no param groups: pass "
-                         "groups=[param_group_names(model, optimizer)] (one list per "
-                         "optimizer whose state it holds)")
+    if groups is None:  # parameters with equal values, in order of appearance
+        by_value: list[tuple[list[str], dict, None]] = []
+        for fqn, hyper in per_param.items():
+            same = next((g for g in by_value if g[1] == hyper), None)
+            if same is None:
+                by_value.append(([fqn], hyper, None))
+            else:
+                same[0].append(fqn)
+        return by_value
+    if isinstance(groups, (str, bytes)):
+        raise ValueError("groups: give one list per optimizer of its param groups' parameter "
+                         "names, e.g. [param_group_names(model, optimizer)]")
     out, seen = [], set()
     for optimizer_groups in groups:
         for index, names in enumerate(optimizer_groups):
@@ -437,6 +452,7 @@ def unpack_optimizer_state(loaded: dict[str, Any]) -> dict[str, Any]:
         return loaded
     saved = saved_groups(loaded)
     hypers = _fit(node, saved)
+    hypers_of = {fqn: group for group in saved for fqn in group.params}
     steps: dict[str, Any] = {}
     for group in saved:
         if group.steps is not None:
@@ -456,7 +472,11 @@ def unpack_optimizer_state(loaded: dict[str, Any]) -> dict[str, Any]:
             step = steps.get(fqn, st.get(_STEP))
             if step is not None:
                 st[_STEP] = _counter(step, live.step)
-        param_groups.append({**hyper, _PARAMS: list(live.params)})
+        if hyper is None:  # not the optimizer's groups: each parameter its own values
+            param_groups.extend({**hypers_of[fqn].hyper, _PARAMS: [fqn]}
+                                for fqn in live.params)
+        else:
+            param_groups.append({**hyper, _PARAMS: list(live.params)})
     out[_STATE] = state
     out[_PG] = param_groups
     return out
@@ -481,8 +501,9 @@ def _nested_state(loaded: dict[str, Any], mine: list[str]) -> dict[str, dict]:
     return state
 
 
-def _fit(node: PackedGroups, saved: list[SavedGroup]) -> list[dict]:
-    """The checkpoint's hyperparameters for each group of ``node``, checked."""
+def _fit(node: PackedGroups, saved: list[SavedGroup]) -> list[dict | None]:
+    """The checkpoint's hyperparameters for each group of ``node``, checked (None for
+    one that is not the optimizer's group: each of its parameters takes its own)."""
     by_param: dict[str, SavedGroup] = {}
     for group in saved:
         for fqn in group.params:
@@ -490,8 +511,9 @@ def _fit(node: PackedGroups, saved: list[SavedGroup]) -> list[dict]:
     return [_group_hyper(live, by_param) for live in node.members]
 
 
-def _group_hyper(live: LiveGroup, by_param: dict[str, SavedGroup]) -> dict:
-    """The checkpoint's hyperparameters for the optimizer group ``live``, checked."""
+def _group_hyper(live: LiveGroup, by_param: dict[str, SavedGroup]) -> dict | None:
+    """The checkpoint's hyperparameters for the optimizer group ``live``, checked (None:
+    ``live`` is not a group, see :func:`_fit`)."""
     first = live.params[0]
     what = (f"param group {live.index} (first parameter {first})" if live.index is not None
             else f"the group of parameter {first}")
@@ -513,6 +535,8 @@ def _group_hyper(live: LiveGroup, by_param: dict[str, SavedGroup]) -> dict:
                 f"(checkpoint group {saved.key}); it was saved from another optimizer class, "
                 f"torch version or LR scheduler: build the optimizer (and its scheduler) as "
                 f"when it was saved", mismatched=[f"{saved.key}.{name}"])
+    if live.index is None:  # parameters with equal values packed, not a group
+        return None
     hyper = by_param[first].hyper
     for fqn in live.params[1:]:
         other = by_param[fqn].hyper

@@ -389,15 +389,26 @@ def test_init_optimizer_state_makes_the_first_steps_state_and_touches_nothing_el
 
 
 # -- packed groups are the optimizer's groups; what does not fit is a state mismatch ----------
-def _layerwise(flat: bool, seed: int = 0):
-    """Two groups whose lrs start equal and then diverge (a layer-wise schedule)."""
+class _ByValue(_Stage):
+    """Flattened, packed without the optimizer's groups (the parameters with equal values)."""
+
+    def state_dict(self):
+        return {"model": get_model_state_dict(self.model),
+                "optim": pack_optimizer_state(get_optimizer_state_dict(
+                    self.model, self.optim, options=self.options))}
+
+
+def _layerwise(flat, seed: int = 0):
+    """Two groups whose lrs start equal and then diverge (a layer-wise schedule); ``flat``:
+    False, True or "by value" (flattened without the groups)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optim = _O.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}],
                      lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, [lambda k: 1.0, lambda k: 0.5 ** k])
     init_optimizer_state(optim)
-    return model, optim, sched, (_Stage(model, optim) if flat else ModelState(model, optim))
+    kind = {False: ModelState, True: _Stage, "by value": _ByValue}[flat]
+    return model, optim, sched, kind(model, optim)
 
 
 def _seq_step(model, optim, sched, seed: int) -> None:
@@ -408,7 +419,8 @@ def _seq_step(model, optim, sched, seed: int) -> None:
     sched.step()
 
 
-@pytest.mark.parametrize("flat", [True, False], ids=["flattened", "unflattened"])
+@pytest.mark.parametrize("flat", [True, False, "by value"],
+                         ids=["flattened", "unflattened", "flattened-without-groups"])
 def test_groups_whose_lrs_diverged_load_into_groups_that_start_equal(flat, tmp_path):
     root = str(tmp_path / "root")
     model, optim, sched, state = _layerwise(flat)
@@ -424,9 +436,11 @@ def test_groups_whose_lrs_diverged_load_into_groups_that_start_equal(flat, tmp_p
             _seq_step(m, o, s, 10 + i)
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
-    # The optimizer's groups, by index, in either form.
+    # The optimizer's groups, by index, in either form (packed without them: none).
     hyper = consolidate(root, 3)[0]["app"]["optim"]["groups"]
-    assert {k: v["hyper"][1] for k, v in hyper.items()} == {"0.weight": 0, "1.weight": 1}
+    assert {k: v["hyper"][1] for k, v in hyper.items()} == (
+        {"0.weight": None, "1.weight": None} if flat == "by value" else
+        {"0.weight": 0, "1.weight": 1})
 
 
 def test_flattened_groups_are_the_optimizers_even_with_equal_values(tmp_path):
@@ -444,10 +458,11 @@ def test_flattened_groups_are_the_optimizers_even_with_equal_values(tmp_path):
     twin = _O.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
     twin.load_state_dict(to_torch_optimizer_state(saved))  # torch's own check: two groups
     assert [len(g["params"]) for g in twin.param_groups] == [2, 2]
-    # The groups must be the optimizer's: none, or names that do not fit, are refused.
+    # Without the groups, the parameters with equal values (index None); names that do not
+    # fit the state dict are refused.
     osd = get_optimizer_state_dict(model, optim, options=state.options)
-    with pytest.raises(ValueError, match="holds no param groups: pass groups="):
-        pack_optimizer_state(osd)
+    assert [v["hyper"][1] for v in pack_optimizer_state(osd)["groups"].values()] == [None,
+                                                                                     None]
     with pytest.raises(ValueError, match="parameter 1.bias of the optimizer state dict is "
                                          "in no group given"):
         pack_optimizer_state(osd, groups=[[["0.weight", "0.bias"], ["1.weight"]]])

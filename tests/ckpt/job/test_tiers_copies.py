@@ -160,3 +160,27 @@ def test_a_node_of_several_ranks_gets_every_ranks_part_back(tmp_path):
     # Node 1's first rank (rank 2) fetched it back, from node 0.
     assert [(s, f["peer_node"]) for s, f in out[2]["copy_restored"]] == [(6, 0)]
     assert not any(r["copy_restored"] for i, r in enumerate(out) if i != 2)
+
+
+def test_a_copy_of_a_step_a_resume_went_back_past_is_never_resumed_from(crashed, tmp_path):
+    """A resume went back from local 6 to step 4 and recorded its run, then every delete of
+    6 failed (the job died): node 2 still holds node 1's copy of 6, nodes 0 and 2 their own.
+    Node 1 is replaced by an empty machine. Its copy of 6 is of the abandoned trajectory:
+    no node resumes from it (it used to be restored to node 1 and loaded); the job resumes
+    at step 4 and trains on bit for bit."""
+    from ckpt.format import new_run_id
+    from ckpt.root import CheckpointStore, record_run
+
+    base = _copy_of(crashed, tmp_path)
+    durable = CheckpointStore(str(base / "durable"))
+    four = durable.read_manifest(4)
+    run_a = CheckpointStore(str(base / "local-0")).read_manifest(6).lineage.run
+    assert four.lineage.run == run_a
+    record_run(durable.storage, {"run": new_run_id(), "tier": "durable", "parent": {
+        "run": run_a, "step": 4, "save_id": four.save_id}})
+    shutil.rmtree(base / "local-1")
+    out = run_ranks(w.resume_body, NODES, *_roots(base), TOTAL, timeout=240)
+    assert [r["step"] for r in out] == [4] * NODES, out
+    for r in out:
+        reasons = [f["reason"] for s, f in r["load_fallback"] if s == 6]
+        assert reasons and all("abandoned" in why for why in reasons), r

@@ -54,7 +54,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ckpt.errors import CorruptCheckpointError, LeaseHeldError
+from ckpt.errors import CorruptCheckpointError, LeaseHeldError, RankFailuresError
 from ckpt.format import jsonio
 from ckpt.ranks.launcher import launcher_run
 from ckpt.root.lifecycle import Lifecycle
@@ -413,9 +413,12 @@ def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
     """``acquire_lease`` on the coordinator, for a job of several ranks: every rank of
     ``agreement``'s group returns (the coordinator's ``Lifecycle`` holds the lease) or raises
     the same ``LeaseHeldError`` (a live holder), or ``CorruptCheckpointError`` (a lease file
-    that is no record). Collective."""
+    that is no record); when the coordinator fails otherwise (a storage error), it raises that
+    error and every other rank a ``RankFailuresError`` carrying its text, at once rather than
+    after the group's timeout. Collective."""
     life = lifecycle or Lifecycle(storage)
     error = ["", ""]
+    failure: BaseException | None = None
     if coordinator:
         try:
             acquire_lease(storage, lifecycle=life, **lease_options)
@@ -423,12 +426,18 @@ def acquire_for_ranks(storage: Storage, agreement, coordinator: bool, *,
             error = ["held", str(exc)]
         except CorruptCheckpointError as exc:  # told to every rank, not left to a timeout
             error = ["corrupt", str(exc)]
+        except Exception as exc:  # noqa: BLE001 - a storage error: told to every rank too
+            failure, error = exc, ["failed", f"{type(exc).__name__}: {exc}"]
     kind, error = agreement.broadcast(error)
     if kind:
         if coordinator and life.lease is not None and life.lease.held:
             release_lease(life)
         if kind == "corrupt":
             raise CorruptCheckpointError(error, path=storage.describe(LEASE_NAME))
+        if kind == "failed":
+            if failure is not None:
+                raise failure
+            raise RankFailuresError(f"taking the write lease on {storage.url}", {0: error})
         raise LeaseHeldError(error)
     return life
 

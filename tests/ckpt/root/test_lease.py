@@ -29,6 +29,7 @@ from ckpt.root import CheckpointStore, Lease, Lifecycle
 from ckpt.root.lease import LEASE_NAME
 from ckpt.storage import Storage
 from tests.ckpt._mgr_util import FaultyStorage, wait_for
+from tests.dist import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -268,3 +269,25 @@ def test_a_lease_record_replaced_by_a_large_sparse_file_is_never_read_whole(tmp_
     assert got["create"] == "FileExistsError" and got["swap"] is False, got
     assert got["grew"] < 64 << 20, got  # not the 1.5 GiB each file holds
     assert CheckpointStore(str(root)).committed_steps() == [1]
+
+
+def _save_on_unreadable_lease(rank: int, world_size: int, root: str) -> str:
+    started = time.monotonic()
+    try:
+        ckpt.save({"x": torch.ones(4)}, root, 1)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
+    return "saved"
+
+
+def test_a_storage_error_taking_the_lease_reaches_every_rank_at_once(tmp_path):
+    """The coordinator cannot read the lease record (here a folder stands where the record
+    goes): it raises that error and the other rank learns it from the coordinator at once,
+    instead of waiting in the lease's broadcast until the group's timeout."""
+    root = tmp_path / "root"
+    (root / LEASE_NAME).mkdir(parents=True)
+    first, other = run_ranks(_save_on_unreadable_lease, 2, str(root), timeout=90)
+    assert first.startswith("IsADirectoryError"), first
+    assert other.startswith("RankFailuresError") and "taking the write lease" in other \
+        and "IsADirectoryError" in other, other
+    assert float(other.split(" after ")[1].split("s:")[0]) < 30, other

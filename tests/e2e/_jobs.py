@@ -49,10 +49,12 @@ __all__ = ["ROOT", "TINY", "STEPS", "INTERVAL", "COMMON", "ABORT_MARK", "Job", "
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """The test process's environment plus PYTHONPATH (and no leftover torchrun variables)."""
+    """The test process's environment plus PYTHONPATH, without torchrun's or Slurm's job
+    variables (a suite run inside a Slurm allocation must not make its jobs look like srun
+    steps; ``SLURM_CONF``, which names a cluster, stays)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-                                "GROUP_RANK", "ROLE_"))}
+                                "GROUP_RANK", "ROLE_", "SLURM_")) or k == "SLURM_CONF"}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"]
                                      if env.get("PYTHONPATH") else "")
     # The trainer must recover from torchrun restarts by itself (a PrefixStore per attempt),

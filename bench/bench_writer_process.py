@@ -15,10 +15,22 @@ processes of this program, in one of three variants, interleaved round by round:
 - the writer process's CPU per save (``writer_process_cpu_seconds``; process mode).
 
 Then, for each of ``thread`` and ``process``, one job saves ``--rss-saves`` times (a save
-every step, each waited for) and reports the training process's resident memory after the
-10th save and after the last (and the writer process's, in process mode): flat is +<= 1%.
+every step, each waited for) and reads the training process's resident memory (and the
+writer process's, in process mode) after every save; a ``never`` job takes the same steps
+without a manager. Reported: the median of saves 11-20 against the median of the last 10
+(flat is +<= 1%), the growth per 100 saves of a least-squares line through the readings
+from save 31 on (after the warm-up the training loop shows without a manager too), and the
+range of the training process's readings from save 11 on: the training loop alone swings by
+several percent from one step to the next (its gradients and activations freed and
+allocated again), so one reading at each end would measure that swing, not a growth.
 
     python bench/bench_writer_process.py --rounds 5
+    python bench/bench_writer_process.py --rounds 4 --baseline /tmp/base  # before/after
+
+``--baseline DIR``: a checkout of an earlier version of this project (``git worktree add
+/tmp/base <commit>``); its process mode runs from there as a fourth variant,
+``baseline``, in every round, and the training CPU per save of process mode is also
+reported against it (the median of per-round ratios). Its resident memory is not measured.
 
 Noise on a shared 2-core machine is large: the medians of per-round ratios are reported.
 """
@@ -116,18 +128,20 @@ def worker(args) -> None:
                "writer_cpu": sum(c.get("writer_process_cpu_seconds", 0.0) for c in costs),
                "costs": len(costs),
                "failed": sum(e.kind == "save_failed" for e in events)}
-    else:  # resident memory over many saves
-        mgr = CheckpointManager(args.root, ManagerOptions(writer=args.variant),
-                                retention=[KeepLast(2)], events=bus)
-        rss = {}
+    else:  # resident memory over many saves (never: the same steps without a manager)
+        mgr = None if args.variant == "never" else CheckpointManager(
+            args.root, ManagerOptions(writer=args.variant), retention=[KeepLast(2)], events=bus)
+        rss = {"trainer_kib": [], "writer_kib": []}
         for i in range(1, args.rss_saves + 1):
             step()
-            mgr.save(i, state)
-            mgr.wait()
-            if i in (10, args.rss_saves):
-                rss[i] = {"trainer_kib": _rss_kib(),
-                          "writer_kib": sum(_rss_kib(p) for p in _writer_pids(mgr))}
-        mgr.close()
+            if mgr is not None:
+                mgr.save(i, state)
+                mgr.wait()
+            rss["trainer_kib"].append(_rss_kib())
+            rss["writer_kib"].append(sum(_rss_kib(p) for p in _writer_pids(mgr))
+                                     if mgr is not None else 0)
+        if mgr is not None:
+            mgr.close()
         out = {"rss": rss, "state_bytes": sum(
             t.numel() * t.element_size() for t in model.module.state_dict().values()) * 3}
     if rank == 0:
@@ -139,20 +153,23 @@ def worker(args) -> None:
 
 
 def _job(variant: str, opts, work: str, *, rss: bool = False) -> dict:
+    """One 2-rank job of ``variant`` (``baseline``: process mode from ``--baseline``)."""
     from tests.dist import free_port
 
+    repo = os.path.abspath(opts.baseline) if variant == "baseline" else REPO
     run_dir = tempfile.mkdtemp(prefix=f"writer-{variant}-", dir=work)
     out = os.path.join(run_dir, "out.json")
     port = str(free_port())
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant,
+    cmd = [sys.executable, os.path.join(repo, "bench", os.path.basename(__file__)), "--worker",
+           "--variant", "process" if variant == "baseline" else variant,
            "--root", os.path.join(run_dir, "ckpt"), "--out", out,
            "--steps", str(opts.steps), "--warmup", str(opts.warmup),
            "--every", str(opts.every), "--hidden", str(opts.hidden),
            "--layers", str(opts.layers), "--batch", str(opts.batch),
            "--rss-saves", str(opts.rss_saves)] + (["--rss"] if rss else [])
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=dict(
+    procs = [subprocess.Popen(cmd, cwd=repo, env=dict(
         os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        OMP_NUM_THREADS="1", PYTHONPATH=REPO)) for r in range(2)]
+        OMP_NUM_THREADS="1", PYTHONPATH=repo)) for r in range(2)]
     codes = [p.wait(timeout=opts.timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"{variant}: ranks exited {codes}")
@@ -179,26 +196,37 @@ def main() -> None:
     p.add_argument("--rss-saves", type=int, default=100)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--baseline", help="a checkout of an earlier version: its process mode "
+                                      "as a fourth variant (before/after in one run)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rss", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     opts = p.parse_args()
+    if opts.rss_saves < 20:
+        p.error(f"--rss-saves {opts.rss_saves}: at least 20 (saves 11-20 are the reference)")
     if opts.worker:
         worker(opts)
         return
+    if opts.baseline and not os.path.exists(os.path.join(opts.baseline, "bench",
+                                                         os.path.basename(__file__))):
+        p.error(f"--baseline {opts.baseline}: no bench/{os.path.basename(__file__)} there; "
+                f"give a checkout of this project (git worktree add DIR <commit>)")
+    variants = VARIANTS + (("baseline",) if opts.baseline else ())
+    columns = variants[1:]
     work = tempfile.mkdtemp(prefix="bench-writer-")
     rounds = []
     for r in range(opts.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
-        res = {v: _job(v, opts, work) for v in order}
+        k = r % len(variants)
+        res = {v: _job(v, opts, work) for v in variants[k:] + variants[:k]}
         rounds.append(res)
         print(f"round {r + 1}: " + ", ".join(
-            f"{v} {res[v]['window'] / res[v]['steps'] * 1e3:.1f} ms/step" for v in VARIANTS),
-            flush=True)
+            f"{v} {res[v]['window'] / res[v]['steps'] * 1e3:.1f} ms/step, "
+            f"{res[v]['background_cpu'] / max(1, res[v]['costs']) * 1e3:.2f} ms CPU/save"
+            for v in variants), flush=True)
     rows = {}
-    for v in ("thread", "process"):
+    for v in columns:
         per = []
         for res in rounds:
             a, n = res[v], res["never"]
@@ -211,27 +239,39 @@ def main() -> None:
                 "writer_cpu_ms": a["writer_cpu"] / max(1, a["costs"]) * 1e3,
                 "saves": a["saves"], "failed": a["failed"]})
         rows[v] = {k: _median([x[k] for x in per]) for k in per[0]}
-    rss = {v: _job(v, opts, work, rss=True) for v in ("thread", "process")}
+    rss = {v: _job(v, opts, work, rss=True) for v in VARIANTS}
     print(f"\n2 ranks, MLP {opts.layers}x{opts.hidden} + AdamW, a save every {opts.every} steps, "
           f"{opts.steps - 1 - opts.warmup} steps measured, {opts.rounds} rounds (medians)")
-    print(f"{'':28}{'thread':>12}{'process':>12}")
+    print(f"{'':28}" + "".join(f"{v:>12}" for v in columns))
     for key, label, scale, unit in (
             ("overhead", "step-time overhead", 100, "%"),
             ("stall_share", "stall share", 100, "%"),
             ("background_cpu_ms", "training CPU/save (bg)", 1, " ms"),
             ("process_cpu_delta_ms", "process CPU/save vs never", 1, " ms"),
             ("writer_cpu_ms", "writer process CPU/save", 1, " ms")):
-        cells = [rows[v][key] for v in ("thread", "process")]
+        cells = [rows[v][key] for v in columns]
         print(f"{label:28}" + "".join(f"{c * scale:>10.2f}{unit:<2}" if c is not None
                                       else f"{'-':>12}" for c in cells))
-    for v in ("thread", "process"):
+    if opts.baseline:
+        ratios = [(res["process"]["background_cpu"] / max(1, res["process"]["costs"]))
+                  / (res["baseline"]["background_cpu"] / max(1, res["baseline"]["costs"]))
+                  for res in rounds]
+        print(f"training CPU/save, process / baseline: {_median(ratios):.2f} (rounds: "
+              + ", ".join(f"{x:.2f}" for x in ratios) + ")")
+    for v in VARIANTS:
         r = rss[v]["rss"]
-        first, last = r["10"], r[str(opts.rss_saves)]
-        growth = (last["trainer_kib"] + last["writer_kib"]) / \
-            (first["trainer_kib"] + first["writer_kib"]) - 1
-        print(f"RSS {v:8} after 10 / {opts.rss_saves} saves: trainer {first['trainer_kib'] >> 10}"
-              f" / {last['trainer_kib'] >> 10} MiB, writer {first['writer_kib'] >> 10} / "
-              f"{last['writer_kib'] >> 10} MiB: {growth * 100:+.2f}%")
+        total = [a + b for a, b in zip(r["trainer_kib"], r["writer_kib"])]
+        early, late = _median(total[10:20]), _median(total[-10:])
+        swing = (max(r["trainer_kib"][10:]) - min(r["trainer_kib"][10:])) >> 10
+        tail = total[30:]
+        slope = statistics.linear_regression(range(len(tail)), tail).slope if \
+            len(tail) > 1 else 0.0
+        print(f"RSS {v:8} saves 11-20 / last 10 (medians): trainer "
+              f"{_median(r['trainer_kib'][10:20]) / 1024:.0f} / "
+              f"{_median(r['trainer_kib'][-10:]) / 1024:.0f} MiB (swing {swing} MiB), writer "
+              f"{_median(r['writer_kib'][10:20]) / 1024:.0f} / "
+              f"{_median(r['writer_kib'][-10:]) / 1024:.0f} MiB: {(late / early - 1) * 100:+.2f}%;"
+              f" from save 31 on {slope * 100 / statistics.mean(tail) * 100:+.2f}% per 100 saves")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"rounds": rounds, "medians": rows, "rss": rss, "options": vars(opts)},

@@ -320,7 +320,8 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
     Transactional: every rank first reads and verifies its whole part into scratch memory
     (``CkptReader``); only when every rank succeeded (an all-reduce) are tensors copied into
     ``state``, non-tensor values set and ``load_state_dict`` called. After a failed load,
-    every rank's ``state`` is exactly as before. Peak memory during a load: one extra copy
+    every rank's ``state`` is exactly as before. Attachments (which no load reads) are
+    checked too, unless ``verify`` is 'none': a version is loaded only when all of it verifies. Peak memory during a load: one extra copy
     of the bytes this rank reads, freed before returning. ``scratch``: staging buffers to
     read into instead (e.g. ``CheckpointManager.staging``, which holds a copy of the state
     for saves anyway); no save may be using them during the load.
@@ -351,6 +352,23 @@ def load(state: dict[str, Any], root: str | Storage, step: int | Manifest, *,
             f"{where} holds {span.describe()} and loads only on that layout; this load runs "
             f"on ranks {ranks_text(ranks)} of {world}: load it on the layout that wrote it, "
             f"or resume from the durable root")
+    if error is None and verify != "none" and manifest.attachments:
+        # No load reads the attachments: their checksums are checked once, by the group's
+        # first rank, and its verdict is every rank's (a version is taken whole or not).
+        agreement = Agreement(group)
+        verdict, cause = ["", ""], None
+        if agreement.is_first:
+            try:
+                store.verify_attachments(manifest)
+            except CorruptCheckpointError as exc:
+                verdict = ["corrupt", str(exc)]
+            except Exception as exc:  # noqa: BLE001 - a storage error: every rank fails
+                verdict, cause = ["failed", f"{type(exc).__name__}: {exc}"], exc
+        kind, text = agreement.broadcast(verdict)
+        if kind == "corrupt":
+            error = CorruptCheckpointError(text, path=where)
+        elif kind == "failed":
+            error = cause or RankFailuresError(f"checking the attachments of {where}", {0: text})
     try:
         if error is None:
             with warnings.catch_warnings(), _gc_paused():

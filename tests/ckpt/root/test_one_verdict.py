@@ -182,6 +182,46 @@ def test_a_resume_refuses_a_version_whose_attachment_is_damaged(tmp_path, capsys
     assert rc == 1 and "step 1: ok" in out and "step 2: CORRUPT" in out, out
 
 
+def _damaged_attachment_root(tmp_path) -> str:
+    root = str(tmp_path / "root")
+    ckpt.save(_state(2), root, 2, attachments={"hf_export.json": b'{"step": 2}'})
+    m = CheckpointStore(root).read_manifest(2)
+    path = Path(root) / step_dirname(2) / m.attachments["hf_export.json"].file
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x01
+    path.write_bytes(bytes(data))
+    return root
+
+
+def _load_step_2(rank: int, world_size: int, root: str) -> str:
+    state = _blank()
+    try:
+        ckpt.load(state, root, 2)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        assert torch.equal(state["w"], torch.zeros(6, 4)) and state["note"] == ""
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_load_of_a_chosen_step_refuses_a_damaged_attachment(tmp_path):
+    """A step chosen by name (``ckpt.load``, a manager's ``load_latest(step=...)``, the
+    trainer's ``checkpoint.load_step``) is taken only whole, as the walk takes one: a damaged
+    attachment refuses it on every rank, naming the file, nothing loaded; ``verify='none'``
+    opts out as for the data."""
+    from ckpt.job import CheckpointManager, ManagerOptions
+    from tests.dist import run_ranks
+
+    root = _damaged_attachment_root(tmp_path)
+    for out in run_ranks(_load_step_2, 2, root, timeout=120):
+        assert out.startswith("CorruptCheckpointError") and "hf_export.json" in out, out
+    with pytest.raises(CorruptCheckpointError, match="hf_export.json"):
+        with CheckpointManager(root, ManagerOptions(use_lease=False)) as manager:
+            manager.load_latest(_blank(), step=2)
+    state = _blank()
+    ckpt.load(state, root, 2, verify="none")
+    assert state["note"] == "seed 2"
+
+
 _CHILD = textwrap.dedent("""
     import json, resource, sys
     from ckpt.cli import main

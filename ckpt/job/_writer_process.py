@@ -16,6 +16,10 @@ States of one rank's writer, as its :class:`WriterProcess` (the training side) s
                        +----start------ DEAD: the save is reported failed and a new writer
                                         is started at once (else by the next save)
 
+After a commit the coordinator's writer may go STARTED --retain--> RETAINING --retained-->
+STARTED (retention's deletions); one that dies there is a ``retention_failed`` and a new
+writer is started at once, as above.
+
 Protocol: one socket pair per writer; every message is one JSON object (``send_bytes`` of a
 ``multiprocessing.connection.Connection``: a length, then the bytes). Nothing is pickled.
 

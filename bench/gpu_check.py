@@ -327,7 +327,15 @@ def _launch_ranks(script: str, run_dir: Path, world: int, *args: str,
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+        from trainer.ft.local import worker_pids
+
+        workers = list(worker_pids(proc.pid).values())  # in sessions of their own
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         log, _ = proc.communicate()
         log += f"\n(killed after {timeout:.0f} s)"
     ranks = [json.loads(f.read_text()) for f in sorted(run_dir.glob("rank*.json"))]

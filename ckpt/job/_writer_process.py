@@ -245,6 +245,7 @@ class WriterProcess:
         self._lock = threading.Lock()
         self._cost = SaveCost()  # of the save in flight (made again by each run)
         self._num_saves = 0  # saves handed off, alike on every rank (they start together)
+        self._held_failure: dict[str, Any] | None = None  # the save in flight's final failure
         self.num_starts = 0  # writer processes started (1 + restarts)
         self._start()
 
@@ -341,10 +342,14 @@ class WriterProcess:
             return self._failed(step, CheckpointError(
                 f"the writer process of rank {self.rank} {how} before the save of step {step} "
                 f"was handed off"), nbytes, stall, t0, attempts=0)
+        self._held_failure = None
         outcome = self._wait(step, nbytes, stall, t0)
         if self.rank != 0 and not outcome.committed and not outcome.already_committed \
                 and not self.abandon.is_set():
             outcome = self._as_the_coordinator_ended(step, outcome)
+        held, self._held_failure = self._held_failure, None
+        if held is not None and not outcome.committed:
+            self._forward(held)  # the save failed: its final failure is reported after all
         return outcome
 
     def _as_the_coordinator_ended(self, step: int, failed: PersistOutcome) -> PersistOutcome:
@@ -353,8 +358,8 @@ class WriterProcess:
         counts (read back, :meth:`_died`). Read back the same way: committed here too when
         the manifest that counts at ``step`` (as readers read it) is this run's (its
         lineage's run is this life-cycle's: this run commits a step once, through this
-        save's gate). Its writer had failed it first, so a final ``save_failed`` event
-        precedes the ``save_committed`` on this rank."""
+        save's gate). Its writer had failed it first: that final ``save_failed`` was held
+        back (:meth:`_serve`) and is dropped, so the save is reported committed only."""
         run = self.life.lineage.run if self.life.lineage is not None else None
         if run is None:
             return failed
@@ -422,10 +427,13 @@ class WriterProcess:
             if op == until:
                 return message
             if op == "event":
-                try:
-                    self.events.forward(message["kind"], message.get("step"), message["fields"])
-                except ValueError as exc:
-                    log.warning("writer process %s: %s (dropped)", self.pid, exc)
+                if attempts is not None and message["kind"] == "save_failed" \
+                        and message["fields"].get("final"):
+                    # Held until the save's outcome is settled: a rank whose writer failed
+                    # may still count the coordinator's commit (run's read back).
+                    self._held_failure = message
+                else:
+                    self._forward(message)
             elif op == "lease":
                 self._answer(conn, message)
             elif op == "committed_id":
@@ -435,6 +443,13 @@ class WriterProcess:
                 attempts.append(message["save_id"])
             else:
                 log.warning("writer process %s sent an unexpected message %r", self.pid, op)
+
+    def _forward(self, message: dict[str, Any]) -> None:
+        """Re-emit a writer's event on the manager's bus."""
+        try:
+            self.events.forward(message["kind"], message.get("step"), message["fields"])
+        except ValueError as exc:
+            log.warning("writer process %s: %s (dropped)", self.pid, exc)
 
     # -- retention after a commit -------------------------------------------------------------
     def carry_out(self, plan: RetentionPlan, newest_manifest: Manifest | None) -> None:
@@ -570,7 +585,9 @@ class WriterProcess:
 
     def _failed(self, step: int, exc: BaseException, nbytes: int, stall: float, t0: float, *,
                 attempts: int) -> PersistOutcome:
-        """Report the save of ``step`` failed, as the persister's final failure is."""
+        """Report the save of ``step`` failed, as the persister's final failure is (in place
+        of one its writer sent before it died)."""
+        self._held_failure = None
         seconds = time.monotonic() - t0
         self.events.emit("save_failed", step, error=f"{type(exc).__name__}: {exc}",
                          attempt=max(1, attempts), final=True, outcome="failed",

@@ -671,7 +671,9 @@ class _Writer:
         self.replies: dict[int, "queue.Queue[dict[str, Any]]"] = {}
         self.next_call = 0
         self.gid = f"new-{uuid.uuid4().hex}"  # the group it is in: none yet
-        self.counted: tuple[int, str] | None = None  # the save and gid it last counted under
+        # The saves and gids it counted under whose keys are not deleted yet (the last one,
+        # and any whose rendezvous timed out since).
+        self.counted: list[tuple[int, str]] = []
         self.store = None
 
     def send(self, message: dict[str, Any]) -> None:
@@ -750,6 +752,7 @@ class _Writer:
             store.wait([f"{key}/all"], bound)
         except RuntimeError as exc:  # DistStoreError: the others are not all there
             arrived = store.add(f"{key}/n", 0)
+            self.counted.append((seq, self.gid))  # its keys go at the next rendezvous
             # Out of the group: a writer arriving late and going on in it alone finds its
             # connections closed at its first collective, never a wait of its own.
             if dist.is_initialized():
@@ -760,15 +763,14 @@ class _Writer:
                 f"within {bound.total_seconds():g} s (the lease TTL); a writer died or its "
                 f"rank is behind: this save fails on every rank and the next one forms a new "
                 f"group") from exc
-        # Every writer is past the previous save's check: its keys go (a dead writer's
-        # count key stays, one per restart).
-        if self.counted is not None:
-            prev, gid = self.counted
+        # Every writer is past the previous saves' checks: their keys go, those of a
+        # rendezvous that timed out too (a dead writer's count key stays, one per restart).
+        for prev, gid in self.counted:
             store.delete_key(f"{rendezvous['prefix']}/{prev}/gid/{gid}")
             if self.config["rank"] == 0:
                 for name in ("n", "all"):
                     store.delete_key(f"{rendezvous['prefix']}/{prev}/{name}")
-        self.counted = (seq, self.gid)
+        self.counted = [(seq, self.gid)]
         if store.add(f"{key}/gid/{self.gid}", 0) == world and dist.is_initialized():
             return dist.group.WORLD
         if dist.is_initialized():

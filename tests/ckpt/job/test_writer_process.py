@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ckpt
 from ckpt.dcp._host_arena import _shared_directory
@@ -254,6 +255,12 @@ def _two_ranks(rank: int, world: int, root: str, hooks: str) -> dict:
         out["writer_failed3"] = any(e.step == 3 and e.fields["final"]
                                     for e in mgr.events.of_kind("save_failed"))
         out["committed_events3"] = sum(e.step == 3 for e in mgr.events.of_kind("save_committed"))
+        # The keys of save 1's timed-out rendezvous went at a later one.
+        prefix = mgr._persister._init["rendezvous"]["prefix"]
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False)
+        out["stale_keys"] = [k for k in (f"{prefix}/1/n", f"{prefix}/1/all")
+                             if store.check([k])]
     finally:
         mgr.close()
     thread = CheckpointManager(f"{root}/thread", retention=[])
@@ -293,6 +300,7 @@ def test_two_ranks_save_shards_bit_for_bit_through_killed_writers(tmp_path):
     # counts the commit: reported committed once, with no final failure before it.
     for rank, out in enumerate(results):
         assert not out["writer_failed3"] and out["committed_events3"] == 1, (rank, out)
+        assert out["stale_keys"] == [], (rank, out)
     assert "rendezvous of save 1: 1 of 2 writers arrived within 10 s (the lease TTL)" in \
         results[0]["rendezvous_error"], results[0]
     assert results[0]["rendezvous_seconds"] < _TTL + 20, results[0]

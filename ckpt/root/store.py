@@ -259,11 +259,11 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
     Order: newest step first; candidates of one step in the order given (a faster tier
     first). A candidate is usable when its manifest reads as committed and its files pass
     ``check`` (``"none"``, ``"size"``: every file there at full size, ``"full"``: and every
-    part and checksum: :func:`ckpt.root.verify.verify_checkpoint`); then, when ``load`` is given
-    (``check`` not ``"none"``), its attachments' checksums (no load reads them), and
-    ``load(candidate, manifest)`` runs; the candidate counts only if it succeeded. Damage
-    passes the candidate over (reading: a corrupt, missing or fenced manifest or file, a
-    damaged attachment; loading: a checksum or size mismatch on any rank; for a
+    part and checksum: :func:`ckpt.root.verify.verify_checkpoint`); then ``load(candidate,
+    manifest)`` runs, when given (:func:`ckpt.dcp.load`, which also checks the attachments no
+    load reads); the candidate counts only if it succeeded. Damage passes the candidate over
+    (reading: a corrupt, missing or fenced manifest or file; loading: a checksum or size
+    mismatch on any rank, a damaged attachment; for a
     ``tolerant`` candidate any error); anything else is raised. A candidate passed over is
     reported once: a warning ("checkpoint step 20 is not usable (<why>); falling back to an
     earlier one", or "... failed verification while loading (<why>) ..."),
@@ -292,10 +292,6 @@ def walk_newest(candidates: Iterable[Candidate], *, check: str = "size",
                                  candidate.describe())
             if check != "none":
                 candidate.store.verify_manifest(manifest, full=(check == "full"))
-                if load is not None and check != "full":
-                    # A resume takes a version only when all of it verifies: the load
-                    # checks what it reads, this the files no load reads (small).
-                    candidate.store.verify_attachments(manifest)
         except Exception as exc:  # noqa: BLE001 - _falls_back decides, the rest is raised
             if not _falls_back(exc, candidate, _NOT_USABLE):
                 raise

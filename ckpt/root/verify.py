@@ -15,9 +15,8 @@ checkpoint that every load and resume goes through: :func:`ckpt.root.store.walk_
    CRC32C, and the CRC32C of every item in it (each chunk of a tensor, the parts' included,
    and each object), as a load checks each item it reads.
 
-A load checks what it reads (the items' CRC32C, the parts it needs) as it reads it; a
-resume also checks, before it takes a version, the files no load reads
-(:func:`verify_attachments`: small). So a version that a load or a resume takes passes
+A load checks what it reads (the items' CRC32C, the parts it needs) as it reads it, and
+the files no load reads (:func:`verify_attachments`: small) before it applies anything. So a version that a load or a resume takes passes
 ``full``, and one that fails a load fails ``full``: ``ckpt verify`` never passes what every
 load refuses, and ``ckpt restore`` never re-commits what ``ckpt verify`` refuses. Memory:
 one block (``VERIFY_BLOCK_BYTES``) and the parts, never a size the manifest or a file

@@ -44,17 +44,18 @@ HISTORY_SECONDS = 60.0
 class Commits:
     """The commits of one manager under ``store`` (see the module docstring). ``claim``:
     the manager's claim on the root, whose failure history is written after each commit.
-    ``carry_out``: who carries out retention's plans, ``carry_out(plan, newest_manifest)``
-    (it emits ``retention_deleted``/``retention_failed`` and keeps ``store``'s life-cycle
-    knowing which steps are committed); None: this process, through ``store``."""
+    ``carry_out``: another who may carry out retention's plans, ``carry_out(plan,
+    newest_manifest)`` (it emits ``retention_deleted``/``retention_failed`` and keeps
+    ``store``'s life-cycle knowing which steps are committed), False when it cannot (then
+    this process does, through ``store``); None: always this process."""
 
     def __init__(self, events: EventBus, store: CheckpointStore, claim: RootClaim,
                  retention: Sequence[RetentionPolicy], *, coordinator: bool,
-                 carry_out: Callable[[RetentionPlan, Manifest | None], None] | None = None):
+                 carry_out: Callable[[RetentionPlan, Manifest | None], bool] | None = None):
         self.events, self.store, self.claim = events, store, claim
         self.retention = list(retention)
         self.coordinator = coordinator
-        self.carry_out = carry_out or self._carry_out_here
+        self.carry_out = carry_out
         self.newest_step: int | None = None  # known on every rank
         self.last_manifest: Manifest | None = None  # the coordinator's
 
@@ -114,8 +115,9 @@ class Commits:
             plan = plan_retention(self.store, self.retention, protect={step},
                                   newest_manifest=newest_manifest,
                                   committed=self.store.life.known_committed())
-            if plan is not None:
-                self.carry_out(plan, newest_manifest)
+            if plan is not None and (self.carry_out is None
+                                     or not self.carry_out(plan, newest_manifest)):
+                self._carry_out_here(plan, newest_manifest)
         except Exception as exc:  # noqa: BLE001 - retention must never crash a job
             log.warning("retention after step %d failed: %s", step, exc)
             self.events.emit("retention_failed", None, error=f"{type(exc).__name__}: {exc}")

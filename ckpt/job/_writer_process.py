@@ -452,23 +452,18 @@ class WriterProcess:
             log.warning("writer process %s: %s (dropped)", self.pid, exc)
 
     # -- retention after a commit -------------------------------------------------------------
-    def carry_out(self, plan: RetentionPlan, newest_manifest: Manifest | None) -> None:
+    def carry_out(self, plan: RetentionPlan, newest_manifest: Manifest | None) -> bool:
         """Persist thread of the coordinator, after the commit of the save in flight: have
         the writer process carry out retention's ``plan`` (the policies decided it here:
         ``ckpt.job._commits``). The writer verifies the newest checkpoint and deletes
         through its life-cycle under this process's lease (its lease calls answered here,
         as during a save), reporting ``retention_deleted``/``retention_failed`` as events;
-        this life-cycle then knows the steps gone. Without a live writer (it died after its
-        commit) the plan is carried out here; a writer that dies meanwhile is reported as a
-        ``retention_failed`` and restarted, and this life-cycle lists the root again at the
-        next retention (some steps may be gone)."""
+        this life-cycle then knows the steps gone. False without a live writer (it died
+        after its commit): the caller carries the plan out itself. A writer that dies
+        meanwhile is reported as a ``retention_failed`` and restarted, and this life-cycle
+        lists the root again at the next retention (some steps may be gone)."""
         if not self._alive():
-            carry_out_retention(
-                CheckpointStore(self.life.storage, lifecycle=self.life), plan,
-                newest_manifest=newest_manifest,
-                on_deleted=lambda s: self.events.emit("retention_deleted", s),
-                on_failed=lambda s, e: self.events.emit("retention_failed", s, error=str(e)))
-            return
+            return False
         try:
             _send(self._conn, self._lock, {"op": "retain", "newest_step": plan.newest_step,
                                            "steps": list(plan.steps)})
@@ -482,7 +477,7 @@ class WriterProcess:
                 f"CheckpointError: the writer process of rank {self.rank} (pid {pid}) {how} "
                 f"while deleting {list(plan.steps)}; a new writer is started"))
             self._restart()
-            return
+            return True
         for step in [*reply.get("deleted", []), *reply.get("gone", [])]:
             self.life.adopt_deletion(int(step))
         cpu = float(reply.get("cpu_seconds", 0.0))
@@ -490,6 +485,7 @@ class WriterProcess:
         self._cost.writer_process_cpu = (self._cost.writer_process_cpu or 0.0) + cpu
         if reply.get("error") is not None:
             raise _error_from(reply["error"])
+        return True
 
     def _answer(self, conn: Connection, message: dict[str, Any]) -> None:
         """A lease call of the writer, made on the one ``Lease`` (the coordinator's)."""

@@ -263,10 +263,10 @@ def plan_retention(store: CheckpointStore, policies: Sequence[RetentionPolicy], 
 
 
 def carry_out_retention(store: CheckpointStore, plan: RetentionPlan, *,
-              newest_manifest: Manifest | None = None,
-              on_deleted: Callable[[int], None] | None = None,
-              on_failed: Callable[[int, BaseException], None] | None = None,
-              on_gone: Callable[[int], None] | None = None) -> list[int]:
+                        newest_manifest: Manifest | None = None,
+                        on_deleted: Callable[[int], None] | None = None,
+                        on_failed: Callable[[int, BaseException], None] | None = None,
+                        on_gone: Callable[[int], None] | None = None) -> list[int]:
     """Delete the steps of ``plan`` through the store's life-cycle (the lease holder),
     after checking that its newest checkpoint verifies (its files' sizes; against
     ``newest_manifest`` without a read when it is that step's): nothing is deleted when it
